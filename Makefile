@@ -1,0 +1,45 @@
+# The two commands: `make demo` and `make test`. Both do the whole set-up first:
+# a virtual environment in .venv (the package installed editable), the pinned llama.cpp
+# fetched into vendor/ (download cached in ~/.cache/pyllama-kv), our patches applied, and
+# the patched and vanilla CPU builds. Every step is skipped when already done.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: all setup venv vendor patch build demo test clean distclean
+
+all: test
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,map]'
+	@touch $@
+
+venv: $(STAMP)
+
+vendor: $(STAMP)
+	$(BIN)/pyllama-kv vendor
+
+patch: vendor
+	$(BIN)/pyllama-kv patch
+
+build: patch
+	$(BIN)/pyllama-kv build
+	$(BIN)/pyllama-kv build --vanilla
+
+setup: build
+
+demo: setup
+	$(BIN)/pyllama-kv demo
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf build
+
+distclean: clean
+	rm -rf $(VENV) vendor/llama.cpp

@@ -1,0 +1,353 @@
+"""Build libllama from the vendored tree with CMake (`pyllama-kv build`), and report builds.
+
+Two variants of the same pinned revision:
+
+* ``patched`` (default): ``vendor/llama.cpp`` with our series applied (applied here if needed);
+* ``vanilla``: a copy of that tree with the series reversed, in ``build/src-vanilla/``, for
+  side-by-side comparisons.
+
+Each build lives in ``build/<variant>-<backend>/`` with ``manifest.json`` (revision, patch names and
+sha256, backend, CMake flags, time, library path) and ``build.log``. A build whose manifest does not
+match what would be built now (a patch changed, other flags) is stale and is rebuilt.
+
+``find_builds()`` only reads manifests: the Python API uses it to locate a library without running
+anything.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import _paths
+from . import patch as _patch
+from . import vendor as _vendor
+
+VARIANTS = ("patched", "vanilla")
+BACKENDS = ("cpu", "cuda", "metal")
+TOOLS = ("llama-batched-bench",)
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class BuildError(Exception):
+    """The build could not be configured or compiled; the message says why and what to do."""
+
+
+def default_backend() -> str:
+    return "metal" if platform.system() == "Darwin" else "cpu"
+
+
+def lib_name() -> str:
+    return {"Darwin": "libllama.dylib", "Windows": "llama.dll"}.get(platform.system(), "libllama.so")
+
+
+def build_dir(variant: str, backend: str, root: Path | None = None) -> Path:
+    return _paths.build_root(root) / f"{variant}-{backend}"
+
+
+# ---------------------------------------------------------------------------------------------
+# CMake flags per backend
+
+
+def _find_cuda() -> dict:
+    """Locate nvcc and cuBLAS; raise BuildError saying exactly what is missing."""
+    homes = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH", "CUDAToolkit_ROOT")]
+    nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc")
+    for h in homes + ["/usr/local/cuda"]:
+        if not nvcc and h and Path(h, "bin", "nvcc").is_file():
+            nvcc = str(Path(h, "bin", "nvcc"))
+    if not nvcc:
+        raise BuildError(
+            "--backend cuda needs the CUDA toolkit's compiler (nvcc), which was not found on PATH, in $CUDACXX, "
+            "$CUDA_HOME/bin or /usr/local/cuda/bin. Install the CUDA toolkit (12.x or 13.x) and put nvcc on PATH."
+        )
+    cuda_root = Path(nvcc).resolve().parent.parent
+    roots = [Path(h) for h in homes if h] + [cuda_root, Path("/usr/local/cuda"), Path("/usr")]
+    inc_dirs = []
+    lib_dirs = []
+    for r in roots:
+        inc_dirs += [r / "include", r / "targets" / f"{platform.machine()}-linux" / "include"]
+        lib_dirs += [r / "lib64", r / "lib", r / "targets" / f"{platform.machine()}-linux" / "lib",
+                     r / "lib" / f"{platform.machine()}-linux-gnu"]
+    header = next((d / "cublas_v2.h" for d in inc_dirs if (d / "cublas_v2.h").is_file()), None)
+    lib = next((p for d in lib_dirs if d.is_dir() for p in sorted(d.glob("libcublas.so*"))), None)
+    missing = [what for what, got in (("cublas_v2.h (headers)", header), ("libcublas.so (library)", lib)) if got is None]
+    if missing:
+        raise BuildError(
+            f"--backend cuda: found nvcc at {nvcc}, but cuBLAS is missing: {', '.join(missing)}. "
+            "llama.cpp's CUDA backend links cuBLAS. Install it with the toolkit (Debian/Ubuntu: "
+            "`apt install libcublas-dev-<major>-<minor>` from NVIDIA's repository, or the full `cuda-toolkit`), "
+            "or point CUDA_HOME / CUDAToolkit_ROOT at a toolkit that has it."
+        )
+    return {"nvcc": nvcc, "cublas_header": str(header), "cublas_lib": str(lib)}
+
+
+def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
+                extra: list[str] | None = None) -> list[str]:
+    flags = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=OFF",
+        f"-DLLAMA_BUILD_COMMON={'ON' if tools else 'OFF'}",
+        f"-DLLAMA_BUILD_TOOLS={'ON' if tools else 'OFF'}",
+    ]
+    if backend == "cpu":
+        flags += ["-DGGML_CUDA=OFF", "-DGGML_METAL=OFF"]
+    elif backend == "cuda":
+        flags += ["-DGGML_CUDA=ON", "-DGGML_METAL=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or 'native'}"]
+    elif backend == "metal":
+        flags += ["-DGGML_METAL=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL_EMBED_LIBRARY=ON"]
+    else:
+        raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    return flags + list(extra or [])
+
+
+# ---------------------------------------------------------------------------------------------
+# manifests
+
+
+def read_manifest(d: Path) -> dict | None:
+    try:
+        m = json.loads((d / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def find_builds(root: Path | None = None) -> list[dict]:
+    """Every build with a manifest and an existing library (reads files only)."""
+    out = []
+    broot = _paths.build_root(root)
+    if not broot.is_dir():
+        return out
+    for d in sorted(broot.iterdir()):
+        m = read_manifest(d) if d.is_dir() else None
+        if m and Path(m.get("lib", "")).is_file():
+            out.append(m)
+    return out
+
+
+def _wanted(variant: str, backend: str, flags: list[str], tools: bool, root: Path | None) -> dict:
+    pin = _vendor.Pin.load(_paths.pin_path(root))
+    patches = [] if variant == "vanilla" else [
+        {"name": p.name, "sha256": p.sha256} for p in _patch.series(_paths.patches_dir(root))
+    ]
+    return {
+        "revision": pin.revision,
+        "variant": variant,
+        "backend": backend,
+        "patches": patches,
+        "cmake_flags": flags,
+        "tools": list(TOOLS) if tools else [],
+    }
+
+
+def stale_reason(manifest: dict | None, wanted: dict) -> str | None:
+    """Why an existing build does not match what would be built now (None: it matches)."""
+    if manifest is None:
+        return "not built"
+    if not Path(manifest.get("lib", "")).is_file():
+        return "library missing"
+    for key in ("revision", "variant", "backend", "patches", "cmake_flags"):
+        if manifest.get(key) != wanted.get(key):
+            return f"{key} changed"
+    if not set(wanted.get("tools", [])) <= set(manifest.get("tools", [])):
+        return "tools not built"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# build
+
+
+def _prepare_source(variant: str, root: Path | None, log: Log) -> Path:
+    vdir = _paths.vendor_dir(root)
+    if not (vdir / "include" / "llama.h").is_file():
+        raise BuildError(f"{vdir} holds no llama.cpp tree: run `pyllama-kv vendor` first")
+    if variant == "patched":
+        applied = _patch.apply(vdir)
+        if applied:
+            log(f"applied {len(applied)} patch(es): {', '.join(applied)}")
+        return vdir
+    # vanilla: a fresh copy of the tree with the series reversed
+    src = _paths.build_root(root) / "src-vanilla" / "llama.cpp"
+    if src.exists():
+        shutil.rmtree(src)
+    src.parent.mkdir(parents=True, exist_ok=True)
+    log(f"copying the tree to {src} (without our patches) ...")
+    shutil.copytree(vdir, src, symlinks=True, ignore=shutil.ignore_patterns("models", "docs", ".git"))
+    reversed_ = _patch.reverse(src)
+    if reversed_:
+        log(f"reversed {len(reversed_)} patch(es) in the copy")
+    return src
+
+
+def _run_logged(cmd: list[str], log_file, label: str, log: Log, progress: bool) -> int:
+    log_file.write(f"$ {' '.join(cmd)}\n")
+    log_file.flush()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    last = -10
+    tty = sys.stderr.isatty()
+    for line in proc.stdout:
+        log_file.write(line)
+        m = re.match(r"^\[\s*(\d+)%\]", line)
+        if progress and m:
+            pct = int(m.group(1))
+            if tty:
+                sys.stderr.write(f"\r  [{label}] {pct:3d}% {line[m.end():].strip()[:70]:<70}")
+                sys.stderr.flush()
+            elif pct >= last + 10 or (pct == 100 and last != 100):
+                log(f"  [{label}] {pct:3d}%")
+                last = pct
+    rc = proc.wait()
+    if progress and tty:
+        sys.stderr.write("\n")
+    return rc
+
+
+def build(
+    variant: str = "patched",
+    backend: str | None = None,
+    tools: bool = False,
+    cuda_arch: str | None = None,
+    jobs: int | None = None,
+    force: bool = False,
+    extra_cmake: list[str] | None = None,
+    root: Path | None = None,
+    log: Log = _stderr,
+    progress: bool = True,
+) -> dict:
+    """Build (or reuse) one variant for one backend; return its manifest."""
+    if variant not in VARIANTS:
+        raise BuildError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+    backend = backend or default_backend()
+    if backend == "metal" and platform.system() != "Darwin":
+        raise BuildError("--backend metal needs macOS (Apple's Metal framework); use --backend cpu or cuda here")
+    if not shutil.which("cmake"):
+        raise BuildError("cmake was not found on PATH: install CMake 3.14 or newer (e.g. `pip install cmake`)")
+    cuda_info = _find_cuda() if backend == "cuda" else None
+    flags = cmake_flags(backend, tools=tools, cuda_arch=cuda_arch, extra=extra_cmake)
+    wanted = _wanted(variant, backend, flags, tools, root)
+    bdir = build_dir(variant, backend, root)
+    reason = "forced" if force else stale_reason(read_manifest(bdir), wanted)
+    if reason is None:
+        m = read_manifest(bdir)
+        assert m is not None
+        log(f"{variant}-{backend}: up to date ({m['lib']})")
+        return m
+
+    t0 = time.monotonic()
+    log(f"{variant}-{backend}: building ({reason})")
+    src = _prepare_source(variant, root, log)
+    cmake_dir = bdir / "cmake"
+    bdir.mkdir(parents=True, exist_ok=True)
+    (bdir / "manifest.json").unlink(missing_ok=True)
+    if cmake_dir.exists() and reason in ("forced", "cmake_flags changed", "backend changed"):
+        shutil.rmtree(cmake_dir)
+    log_path = bdir / "build.log"
+    jobs = jobs or os.cpu_count() or 2
+    targets = ["llama", *(TOOLS if tools else ())]
+    with open(log_path, "w") as lf:
+        cfg = ["cmake", "-S", str(src), "-B", str(cmake_dir), *flags]
+        log(f"  configure: {' '.join(flags)}")
+        rc = _run_logged(cfg, lf, f"{variant}-{backend}", log, progress=False)
+        if rc == 0:
+            bld = ["cmake", "--build", str(cmake_dir), "--config", "Release", "-j", str(jobs), "--target", *targets]
+            rc = _run_logged(bld, lf, f"{variant}-{backend}", log, progress=progress)
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise BuildError(f"{variant}-{backend}: the build failed (exit {rc}); last lines of {log_path}:\n{tail}")
+    lib = next((p for p in (cmake_dir / "bin" / lib_name(), cmake_dir / "src" / lib_name()) if p.is_file()), None)
+    if lib is None:
+        raise BuildError(f"{variant}-{backend}: the build finished but {lib_name()} is not in {cmake_dir}/bin")
+    manifest = dict(wanted)
+    manifest.update({
+        "lib": str(lib.resolve()),
+        "bin_dir": str((cmake_dir / "bin").resolve()),
+        "source_dir": str(src.resolve()),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build_seconds": round(time.monotonic() - t0, 1),
+        "log": str(log_path.resolve()),
+        "platform": f"{platform.system()} {platform.machine()}",
+    })
+    if cuda_info:
+        manifest["cuda"] = cuda_info
+    (bdir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    log(f"{variant}-{backend}: built {lib} in {manifest['build_seconds']}s")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+
+
+def status(root: Path | None = None) -> dict:
+    """Pinned revision, vendor tree state, patches applied and builds (for `pyllama-kv status`)."""
+    pin = _vendor.Pin.load(_paths.pin_path(root))
+    vdir = _paths.vendor_dir(root)
+    patches = _patch.series(_paths.patches_dir(root))
+    out: dict = {
+        "revision": pin.revision,
+        "pin": {"source": f"{pin.package}=={pin.version}", "filename": pin.filename, "sha256": pin.sha256,
+                "cached": _vendor.cached_archive(pin).is_file()},
+        "vendor": {"path": str(vdir), "present": (vdir / "include" / "llama.h").is_file()},
+        "patches": [],
+        "builds": [],
+    }
+    marker = _vendor.read_marker(vdir)
+    out["vendor"]["source"] = marker.get("source") if marker else None
+    out["vendor"]["revision"] = marker.get("revision") if marker else None
+    applied = [False] * len(patches)
+    if out["vendor"]["present"]:
+        try:
+            st = _patch.state(vdir, patches)
+            applied = st.applied
+            out["vendor"]["state"] = ("conflict" if st.conflict else
+                                      "patched" if st.complete else
+                                      "pristine" if st.n_applied == 0 else f"partly patched ({st.n_applied}/{len(patches)})")
+            if st.conflict:
+                out["vendor"]["conflict"] = {"patch": st.conflict, "detail": st.detail}
+        except _patch.PatchError as exc:
+            out["vendor"]["state"] = f"error: {exc}"
+    else:
+        out["vendor"]["state"] = "missing"
+    for p, a in zip(patches, applied):
+        out["patches"].append({"name": p.name, "subject": p.subject(), "sha256": p.sha256, "applied": a})
+    broot = _paths.build_root(root)
+    for variant in VARIANTS:
+        for backend in BACKENDS:
+            d = broot / f"{variant}-{backend}"
+            m = read_manifest(d)
+            if m is None:
+                continue
+            wanted_patches = [] if variant == "vanilla" else [{"name": p.name, "sha256": p.sha256} for p in patches]
+            stale = None
+            if not Path(m.get("lib", "")).is_file():
+                stale = "library missing"
+            elif m.get("revision") != pin.revision:
+                stale = "revision changed"
+            elif m.get("patches") != wanted_patches:
+                stale = "patches changed"
+            out["builds"].append({
+                "variant": variant, "backend": backend, "lib": m.get("lib"), "dir": str(d),
+                "built_at": m.get("built_at"), "tools": m.get("tools", []), "bin_dir": m.get("bin_dir"),
+                "stale": stale, "patches": [p["name"] for p in m.get("patches", [])],
+            })
+    return out

@@ -1,0 +1,27 @@
+"""The exceptions of pyllama_kv's API. Every failure of a call is one of these (or TypeError)."""
+from __future__ import annotations
+
+
+class LlamaError(Exception):
+    """Base class of everything the API raises about llama.cpp, a model or a context."""
+
+
+class LibraryError(LlamaError):
+    """libllama could not be found or loaded, or lacks a function the call needs."""
+
+
+class ModelLoadError(LlamaError):
+    """The model file is missing, not GGUF, truncated, or of an architecture llama.cpp cannot load."""
+
+
+class InvalidInputError(LlamaError, ValueError):
+    """Bad input caught before it reached C: token id out of range, empty batch, position or sequence
+    out of range, a closed sequence or one from another context."""
+
+
+class KVCacheFullError(LlamaError):
+    """The KV cache has no room for the batch, even after a full defrag. Nothing was changed."""
+
+
+class DecodeError(LlamaError):
+    """llama_decode failed for another reason (aborted, compute error). Nothing was changed."""
