@@ -5,7 +5,7 @@ a git repository). The series is treated as a stack: a tree holds the first *k* 
 k. Detection runs on a scratch copy of the files the series touches:
 
 * *k* is the first patch that ``git apply --check`` accepts (the earlier ones are applied);
-* the guess is proven by reverse-applying patches k-1..0 and forward-applying k..n-1 in order.
+* the guess is proven by forward-applying k..n-1 in order, then reverse-applying the whole series.
 
 Anything else (a patch that neither applies nor reverses, a hand-edited file) is a conflict, reported
 with the patch's name and git's words about the hunk. Every write to the real tree is first done on
@@ -137,13 +137,13 @@ def state(tree: Path | None = None, patches: list[Patch] | None = None) -> Serie
             if _git_apply(s.root, p, "--check").returncode == 0:
                 k = i
                 break
-        # prove it: the first k reverse (last first), then the rest apply in order
-        for i in range(k - 1, -1, -1):
-            proc = _git_apply(s.root, patches[i], "--reverse")
-            if proc.returncode != 0:
-                return SeriesState(patches, k, patches[i].name, _detail(proc))
+        # prove it: the rest apply in order, then the whole series reverses (last first)
         for i in range(k, len(patches)):
             proc = _git_apply(s.root, patches[i])
+            if proc.returncode != 0:
+                return SeriesState(patches, k, patches[i].name, _detail(proc))
+        for i in range(len(patches) - 1, -1, -1):
+            proc = _git_apply(s.root, patches[i], "--reverse")
             if proc.returncode != 0:
                 return SeriesState(patches, k, patches[i].name, _detail(proc))
     return SeriesState(patches, k, None)

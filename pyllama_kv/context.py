@@ -1,0 +1,499 @@
+"""A llama.cpp context: one KV cache shared by up to ``n_seq_max`` sequences.
+
+Contract (what every method guarantees):
+
+* **Validation first.** Token ids, sequence membership, positions and sizes are checked in Python
+  before any C call; bad input raises :class:`~pyllama_kv.errors.InvalidInputError` and changes
+  nothing.
+* **Atomic decode.** If :meth:`Context.decode` fails (cache full even after defrag, abort callback,
+  compute error), every sequence involved is exactly as before the call: its token list and its
+  cells (partial positions are removed).
+* **Thread safety.** One re-entrant lock per context serialises every call on the context and its
+  sequences, so a context may be shared between threads. Calls on different contexts run in
+  parallel.
+* **Vanilla builds.** The API runs on the unpatched library too (for comparisons): stats counters
+  are ``None``, ``remove`` re-evaluates instead of K-shifting, and ``defrag`` refuses when the
+  vanilla library would abort the process (see patches/0003).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from . import _ffi
+from .errors import DecodeError, InvalidInputError, KVCacheFullError, LlamaError
+
+ffi = _ffi.ffi
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A snapshot of the KV cache. Counters are cumulative over the context's life and are None on a
+    vanilla build (which lacks ``llama_kv_self_stats``)."""
+
+    n_cells: int
+    used_cells: int
+    free_cells: int
+    holes: int                 # free runs with a used cell after them (gaps a batch cannot span)
+    largest_free_block: int    # the biggest batch that fits without a defrag
+    fragmentation: float       # 1 - largest_free_block / free_cells (0: all free cells contiguous)
+    defrags: int | None = None
+    moves: int | None = None
+    cells_moved: int | None = None
+    graphs: int | None = None
+    slot_retries: int | None = None
+    slot_failures: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Batch:
+    """Reusable llama_batch arrays of capacity n_batch, filled through numpy views."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.token = ffi.new("llama_token[]", cap)
+        self.pos = ffi.new("llama_pos[]", cap)
+        self.n_seq_id = ffi.new("int32_t[]", cap)
+        self.sid = ffi.new("llama_seq_id[]", cap)
+        self.sidp = ffi.new("llama_seq_id *[]", cap)
+        self.out = ffi.new("int8_t[]", cap)
+        self.np_token = np.frombuffer(ffi.buffer(self.token), dtype=np.int32)
+        self.np_pos = np.frombuffer(ffi.buffer(self.pos), dtype=np.int32)
+        self.np_sid = np.frombuffer(ffi.buffer(self.sid), dtype=np.int32)
+        self.np_out = np.frombuffer(ffi.buffer(self.out), dtype=np.int8)
+        np.frombuffer(ffi.buffer(self.n_seq_id), dtype=np.int32)[:] = 1
+        base = int(ffi.cast("uintptr_t", self.sid))
+        np.frombuffer(ffi.buffer(self.sidp), dtype=np.uintp)[:] = base + 4 * np.arange(cap, dtype=np.uintp)
+        self.batch = ffi.new("llama_batch *")
+        self.batch.token = self.token
+        self.batch.embd = ffi.NULL
+        self.batch.pos = self.pos
+        self.batch.n_seq_id = self.n_seq_id
+        self.batch.seq_id = self.sidp
+        self.batch.logits = self.out
+
+
+class Context:
+    """A context over a :class:`~pyllama_kv.model.Model` with a KV cache of ``n_ctx`` cells.
+
+    >>> with model.context(n_ctx=2048, n_seq_max=8) as ctx:
+    ...     a = ctx.new_sequence()
+    ...     logits = a.extend(model.tokenize("The cache"))
+    ...     b = a.fork()                                  # shares a's cells, no recompute
+    ...     out = ctx.decode({a: [5], b: [7]})            # one llama_decode for both
+    ...     ctx.kv_stats()
+
+    ``n_threads`` defaults to llama.cpp's choice; ``defrag_thold`` (llama.cpp's automatic defrag
+    threshold, off by default) may be set. ``flash_attn`` is needed for a quantized V cache.
+    """
+
+    def __init__(self, model, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512, n_ubatch: int = 512,
+                 flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16",
+                 n_threads: int | None = None, defrag_thold: float | None = None):
+        from .model import Model
+
+        if not isinstance(model, Model):
+            raise InvalidInputError("model must be a pyllama_kv.Model")
+        model._check_open()
+        for name, v, lo in (("n_ctx", n_ctx, 1), ("n_seq_max", n_seq_max, 1), ("n_batch", n_batch, 1),
+                            ("n_ubatch", n_ubatch, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise InvalidInputError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if n_ctx > model.n_ctx_train:
+            raise InvalidInputError(f"n_ctx={n_ctx} is larger than the model supports (n_ctx_train={model.n_ctx_train})")
+        if n_seq_max > n_ctx:
+            raise InvalidInputError(f"n_seq_max={n_seq_max} is larger than n_ctx={n_ctx}")
+        if n_seq_max > 256:
+            raise InvalidInputError("n_seq_max must be <= 256")
+        if n_ubatch > n_batch:
+            raise InvalidInputError(f"n_ubatch={n_ubatch} must not exceed n_batch={n_batch}")
+        for name, t in (("type_k", type_k), ("type_v", type_v)):
+            if t not in _ffi.GGML_TYPES:
+                raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(_ffi.GGML_TYPES)}")
+        if type_v in _ffi.QUANTIZED_TYPES and not flash_attn:
+            raise InvalidInputError(f"a quantized V cache (type_v={type_v!r}) needs flash_attn=True")
+        if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
+            raise InvalidInputError("n_threads must be a positive integer")
+
+        self.model = model
+        self._libobj = model._lib
+        L = self._L = model._lib.lib
+        p = L.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = n_ubatch
+        p.n_seq_max = n_seq_max
+        p.flash_attn = bool(flash_attn)
+        p.type_k = _ffi.GGML_TYPES[type_k]
+        p.type_v = _ffi.GGML_TYPES[type_v]
+        p.no_perf = True
+        if n_threads is not None:
+            p.n_threads = n_threads
+            p.n_threads_batch = n_threads
+        if defrag_thold is not None:
+            p.defrag_thold = float(defrag_thold)
+        with self._libobj.lock:
+            self._libobj.clear_errors()
+            ptr = L.llama_init_from_model(model._ptr, p)
+            err = self._libobj.last_error()
+        if ptr == ffi.NULL:
+            raise LlamaError("llama.cpp could not create the context" + (f": {err}" if err else ""))
+        self._ptr = ptr
+        self._lock = threading.RLock()
+        self.n_ctx: int = int(L.llama_n_ctx(ptr))          # may be padded up (256 with flash attention)
+        self.n_batch: int = int(L.llama_n_batch(ptr))
+        self.n_ubatch: int = int(L.llama_n_ubatch(ptr))
+        self.n_seq_max: int = int(L.llama_n_seq_max(ptr))
+        self.flash_attn = bool(flash_attn)
+        self.type_k, self.type_v = type_k, type_v
+        self.can_shift: bool = bool(L.llama_kv_self_can_shift(ptr)) and model.rope_type != -1
+        self.patched: bool = self._libobj.patched
+        self._batch = _Batch(self.n_batch)
+        self._view = L.llama_kv_cache_view_init(ptr, self.n_seq_max)
+        self._view_p = ffi.new("struct llama_kv_cache_view *", self._view)
+        self._free_ids = list(range(self.n_seq_max))
+        self._seqs: dict[int, object] = {}
+        self._decode_serial = 0
+        self._last_out: dict[int, tuple[int, int]] = {}  # seq id -> (decode serial, batch index) of its logits
+        self._abort_fn: Callable[[], bool] | None = None
+        self._abort_cb = None
+        model._contexts.add(self)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def close(self) -> None:
+        """Free the context and its KV cache; its sequences become closed."""
+        with self._lock:
+            if self._ptr is None:
+                return
+            for s in list(self._seqs.values()):
+                s._closed = True
+            self._seqs.clear()
+            self._L.llama_kv_cache_view_free(self._view_p)
+            self._L.llama_free(self._ptr)
+            self._ptr = None
+            self.model._contexts.discard(self)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<pyllama_kv.Context closed>"
+        return (f"<pyllama_kv.Context n_ctx={self.n_ctx} sequences={len(self._seqs)}/{self.n_seq_max} "
+                f"{'patched' if self.patched else 'vanilla'}>")
+
+    def _check_open(self) -> None:
+        if self._ptr is None:
+            raise InvalidInputError("the context is closed")
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The context's lock; hold it to make several calls one atomic step."""
+        return self._lock
+
+    # -- sequences ------------------------------------------------------------------------------
+
+    def new_sequence(self):
+        """A new, empty sequence with a free id. LlamaError when all n_seq_max ids are in use."""
+        from .sequence import Sequence
+
+        with self._lock:
+            self._check_open()
+            if not self._free_ids:
+                raise LlamaError(f"all {self.n_seq_max} sequences are in use: close one first (n_seq_max={self.n_seq_max})")
+            sid = self._free_ids.pop(0)
+            self._L.llama_kv_self_seq_rm(self._ptr, sid, -1, -1)  # defensive: the id starts empty
+            s = Sequence(self, sid)
+            self._seqs[sid] = s
+            return s
+
+    @property
+    def sequences(self) -> list:
+        """The open sequences, by id."""
+        with self._lock:
+            return [self._seqs[k] for k in sorted(self._seqs)]
+
+    @property
+    def free_sequence_ids(self) -> int:
+        with self._lock:
+            return len(self._free_ids)
+
+    def _own(self, seq) -> None:
+        from .sequence import Sequence
+
+        if not isinstance(seq, Sequence):
+            raise InvalidInputError(f"expected a Sequence, got {type(seq).__name__}")
+        if seq._ctx is not self:
+            raise InvalidInputError("the sequence belongs to another context")
+        if seq._closed:
+            raise InvalidInputError(f"sequence {seq.id} is closed")
+
+    def _release(self, sid: int) -> None:
+        self._L.llama_kv_self_seq_rm(self._ptr, sid, -1, -1)
+        self._seqs.pop(sid, None)
+        self._free_ids.append(sid)
+        self._free_ids.sort()
+
+    def _tmp_id(self) -> int | None:
+        return self._free_ids[0] if self._free_ids else None
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    @property
+    def abort_callback(self) -> Callable[[], bool] | None:
+        """A function polled during decode; returning True aborts it (DecodeError, nothing changed)."""
+        return self._abort_fn
+
+    @abort_callback.setter
+    def abort_callback(self, fn: Callable[[], bool] | None) -> None:
+        with self._lock:
+            self._check_open()
+            self._abort_fn = fn
+            if fn is None:
+                self._L.llama_set_abort_callback(self._ptr, ffi.NULL, ffi.NULL)
+                self._abort_cb = None
+                return
+
+            def _cb(_data):
+                try:
+                    return bool(fn())
+                except Exception:
+                    return True
+
+            self._abort_cb = ffi.callback("bool(void *)", _cb)
+            self._L.llama_set_abort_callback(self._ptr, self._abort_cb, ffi.NULL)
+
+    def _raw_decode(self, plan: list[tuple[int, np.ndarray, int]], want_logits: bool = True) -> list[np.ndarray | None]:
+        """Decode ``plan`` = [(seq_id, tokens, first_pos)] (validated) in as few llama_decode calls as
+        n_batch allows, with one output (the last token) per entry. On failure every entry's new
+        positions are removed and the mapped exception is raised."""
+        L = self._L
+        b = self._batch
+        cap = b.cap
+        results: list[np.ndarray | None] = [None] * len(plan)
+        n_vocab = self.model.n_vocab
+        # flatten into chunks of at most n_batch tokens
+        chunks: list[list[tuple[int, int, int, int]]] = []  # (entry, lo, hi, pos0) per piece
+        cur: list[tuple[int, int, int, int]] = []
+        room = cap
+        for e, (sid, toks, pos0) in enumerate(plan):
+            lo = 0
+            while lo < len(toks):
+                take = min(room, len(toks) - lo)
+                cur.append((e, lo, lo + take, pos0))
+                lo += take
+                room -= take
+                if room == 0:
+                    chunks.append(cur)
+                    cur, room = [], cap
+        if cur:
+            chunks.append(cur)
+        try:
+            for chunk in chunks:
+                n = 0
+                outs = []
+                for e, lo, hi, pos0 in chunk:
+                    sid, toks, _ = plan[e]
+                    k = hi - lo
+                    b.np_token[n:n + k] = toks[lo:hi]
+                    b.np_pos[n:n + k] = np.arange(pos0 + lo, pos0 + hi, dtype=np.int32)
+                    b.np_sid[n:n + k] = sid
+                    b.np_out[n:n + k] = 0
+                    if hi == len(toks) and want_logits:
+                        b.np_out[n + k - 1] = 1
+                        outs.append((e, n + k - 1))
+                    n += k
+                if not outs:  # llama.cpp wants at least one output; keep the last token's
+                    b.np_out[n - 1] = 1
+                b.batch.n_tokens = n
+                rc = L.llama_decode(self._ptr, b.batch[0])
+                self._decode_serial += 1
+                if rc != 0:
+                    raise self._decode_error(rc)
+                if outs:
+                    ptr = L.llama_get_logits(self._ptr)
+                    rows = np.frombuffer(ffi.buffer(ptr, len(outs) * n_vocab * 4), dtype=np.float32)
+                    rows = rows.reshape(len(outs), n_vocab)
+                    for i, (e, bidx) in enumerate(outs):
+                        results[e] = rows[i].copy()
+                        self._last_out[plan[e][0]] = (self._decode_serial, bidx)
+        except BaseException:
+            # llama_decode restored its own partial cells; remove what earlier chunks added
+            for sid, toks, pos0 in plan:
+                L.llama_kv_self_seq_rm(self._ptr, sid, pos0, -1)
+            raise
+        return results
+
+    def _decode_error(self, rc: int) -> LlamaError:
+        err = self._libobj.last_error()
+        if rc == 1:
+            st = self.kv_stats()
+            return KVCacheFullError(
+                f"no room in the KV cache for the batch ({st.free_cells} of {st.n_cells} cells free, largest free "
+                f"block {st.largest_free_block}{'' if self.patched else '; the vanilla build does not defragment'})"
+            )
+        if rc == 2:
+            return DecodeError("decode aborted by the abort callback; nothing was changed")
+        if rc == -1:
+            return InvalidInputError(f"llama_decode rejected the batch: {err or 'invalid input'}")
+        return DecodeError(f"llama_decode failed with code {rc}" + (f": {err}" if err else ""))
+
+    def decode(self, batch: Mapping[object, Iterable[int]]) -> dict:
+        """Append tokens to several sequences at once: ``{seq: tokens}`` -> ``{seq: logits}``.
+
+        One ``llama_decode`` call for the whole batch (more only when it holds more than ``n_batch``
+        tokens). The logits are the next-token logits after each sequence's last new token, float32
+        arrays of shape (n_vocab,). Atomic: on failure nothing changes (see the module docstring).
+        """
+        with self._lock:
+            self._check_open()
+            if not isinstance(batch, Mapping) or not batch:
+                raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
+            plan = []
+            seqs = []
+            total = 0
+            for seq, toks in batch.items():
+                self._own(seq)
+                arr = self.model.check_tokens(toks)
+                if arr.size == 0:
+                    raise InvalidInputError(f"empty token list for sequence {seq.id}")
+                if len(seq._tokens) + arr.size > self.n_ctx:
+                    raise KVCacheFullError(
+                        f"sequence {seq.id} would hold {len(seq._tokens) + arr.size} positions, more than n_ctx={self.n_ctx}")
+                plan.append((seq.id, arr, len(seq._tokens)))
+                seqs.append(seq)
+                total += arr.size
+            used = int(self._L.llama_kv_self_used_cells(self._ptr))
+            if total > self.n_ctx - used:
+                raise KVCacheFullError(f"the batch needs {total} cells but only {self.n_ctx - used} of {self.n_ctx} are free")
+            results = self._raw_decode(plan)
+            out = {}
+            for seq, (sid, arr, _), logits in zip(seqs, plan, results):
+                seq._tokens.extend(int(t) for t in arr)
+                seq._logits = logits
+                out[seq] = logits
+            return out
+
+    # -- cache maintenance ----------------------------------------------------------------------
+
+    def defrag(self) -> KVStats:
+        """Pack all used cells to the front of the cache now; return the stats after it.
+
+        On a vanilla build this refuses (LlamaError) when the library would abort the process
+        (cells in use past n_ctx - n_ubatch and holes to fill: see patches/0003).
+        """
+        with self._lock:
+            self._check_open()
+            if not self.patched:
+                pos, seqs = self._read_view()
+                used = seqs[:, 0] >= 0
+                n_used = int(used.sum())
+                holes = n_used and not used[:n_used].all()
+                if holes and n_used + min(self.n_ctx, self.n_ubatch) > self.n_ctx:
+                    raise LlamaError(
+                        "the vanilla build would abort the process on this defrag (its worst-case graph runs past the "
+                        f"end of the cache: {n_used} used cells + n_ubatch {self.n_ubatch} > n_ctx {self.n_ctx}); "
+                        "use the patched build"
+                    )
+            self._L.llama_kv_self_defrag(self._ptr)
+            self._L.llama_kv_self_update(self._ptr)
+            return self.kv_stats()
+
+    def clear(self) -> None:
+        """Empty the cache; every open sequence becomes empty (its id stays reserved)."""
+        with self._lock:
+            self._check_open()
+            self._L.llama_kv_self_clear(self._ptr)
+            for s in self._seqs.values():
+                s._tokens.clear()
+                s._logits = None
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def _read_view(self) -> tuple[np.ndarray, np.ndarray]:
+        self._L.llama_kv_cache_view_update(self._ptr, self._view_p)
+        v = self._view_p
+        n = v.n_cells
+        pos = np.frombuffer(ffi.buffer(v.cells, n * 4), dtype=np.int32).copy()
+        seqs = np.frombuffer(ffi.buffer(v.cells_sequences, n * v.n_seq_max * 4), dtype=np.int32)
+        return pos, seqs.reshape(n, v.n_seq_max).copy()
+
+    def kv_view(self) -> tuple[np.ndarray, np.ndarray]:
+        """(pos, seqs): per cell its position (pending shifts included; -1 when free) and the ids of
+        the sequences holding it, shape (n_cells, n_seq_max), padded with -1."""
+        with self._lock:
+            self._check_open()
+            return self._read_view()
+
+    def kv_cells(self) -> np.ndarray:
+        """Per-cell occupancy, int32 (n_cells,): -1 free, -2 shared by several sequences, else the id
+        of the one sequence holding the cell."""
+        with self._lock:
+            self._check_open()
+            _, seqs = self._read_view()
+        occ = seqs[:, 0].copy()
+        shared = (seqs >= 0).sum(axis=1) > 1
+        occ[shared] = -2
+        return occ
+
+    def kv_stats(self) -> KVStats:
+        """Cells, holes, the largest free block, and (patched build) the defrag/retry counters."""
+        with self._lock:
+            self._check_open()
+            _, seqs = self._read_view()
+            counters = None
+            if self.patched:
+                counters = self._L.llama_kv_self_stats(self._ptr)
+        free = seqs[:, 0] < 0
+        n = int(free.size)
+        n_free = int(free.sum())
+        largest = 0
+        holes = 0
+        if n_free:
+            # runs of free cells
+            d = np.diff(np.concatenate(([0], free.astype(np.int8), [0])))
+            starts = np.flatnonzero(d == 1)
+            ends = np.flatnonzero(d == -1)
+            largest = int((ends - starts).max())
+            holes = int((ends < n).sum())  # runs followed by a used cell
+        extra = {}
+        if counters is not None:
+            extra = dict(defrags=int(counters.n_defrags), moves=int(counters.n_defrag_moves),
+                         cells_moved=int(counters.n_defrag_cells), graphs=int(counters.n_defrag_graphs),
+                         slot_retries=int(counters.n_slot_retries), slot_failures=int(counters.n_slot_failures))
+        frag = 0.0 if n_free == 0 else 1.0 - largest / n_free
+        return KVStats(n_cells=n, used_cells=n - n_free, free_cells=n_free, holes=holes,
+                       largest_free_block=largest, fragmentation=round(frag, 6), **extra)
+
+    def _shared_in(self, sid: int, lo: int, hi: int) -> bool:
+        """Whether any cell of sequence ``sid`` with position in [lo, hi) is held by another sequence too."""
+        pos, seqs = self._read_view()
+        mine = (seqs == sid).any(axis=1) & (pos >= lo) & (pos < hi)
+        if not mine.any():
+            return False
+        return bool(((seqs[mine] >= 0).sum(axis=1) > 1).any())
+
+    def _exclusive_cells(self, sid: int, lo: int) -> int:
+        pos, seqs = self._read_view()
+        mine = (seqs == sid).any(axis=1) & (pos >= lo)
+        return int((mine & ((seqs >= 0).sum(axis=1) == 1)).sum())
+

@@ -1,0 +1,160 @@
+"""A prompt-prefix cache over one context: many requests, shared prefixes evaluated once."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidInputError, KVCacheFullError, LlamaError
+
+
+@dataclass
+class PrefixCacheStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0      # tokens served from cached cells (forked, not evaluated)
+    evaluated_tokens: int = 0   # tokens decoded by acquire()
+    evictions: int = 0
+
+    @property
+    def reuse_ratio(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class PrefixCache:
+    """Serve prompts from cached sequences that share their prefix.
+
+    ``acquire(tokens)`` returns a new sequence holding ``tokens``: it forks the cached sequence with
+    the longest common prefix (sharing its cells, no recompute) and evaluates only the rest (always at
+    least the last token, so the returned sequence has next-token logits). The prompt is remembered as
+    an idle cached sequence for later requests. ``release(seq)`` hands a finished sequence back to
+    be cached too (or closed). Idle cached sequences are evicted least-recently-used first, when there
+    are more than ``max_sequences`` of them, or when a sequence id or cells are needed.
+
+    Every acquired sequence has ``prefix_reused`` (the tokens it did not evaluate); ``stats`` sums
+    them up. Thread-safe through the context's lock.
+    """
+
+    def __init__(self, ctx, max_sequences: int = 4):
+        if not isinstance(max_sequences, int) or max_sequences < 0:
+            raise InvalidInputError("max_sequences must be an integer >= 0")
+        self.ctx = ctx
+        self.max_sequences = max_sequences
+        self._idle: "OrderedDict[int, object]" = OrderedDict()  # seq id -> Sequence, LRU first
+        self.stats = PrefixCacheStats()
+        self.last_reused = 0
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    @property
+    def cached(self) -> list:
+        """The idle cached sequences, least recently used first."""
+        return list(self._idle.values())
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _best(self, toks: np.ndarray):
+        best, best_n = None, 0
+        for s in self._idle.values():
+            st = s._tokens
+            m = min(len(st), toks.size)
+            if m <= best_n:
+                continue
+            a = np.asarray(st[:m], dtype=np.int32)
+            diff = np.flatnonzero(a != toks[:m])
+            n = int(diff[0]) if diff.size else m
+            if n > best_n:
+                best, best_n = s, n
+        return best, best_n
+
+    def _evict_one(self, keep=None) -> bool:
+        for sid, s in self._idle.items():
+            if s is keep:
+                continue
+            del self._idle[sid]
+            s.close()
+            self.stats.evictions += 1
+            return True
+        return False
+
+    def _trim(self) -> None:
+        while len(self._idle) > self.max_sequences and self._evict_one():
+            pass
+
+    def _remember(self, s) -> None:
+        """Cache ``s`` (idle), dropping cached sequences it makes redundant (prefixes of it)."""
+        if self.max_sequences == 0:
+            s.close()
+            return
+        toks = s._tokens
+        for sid, o in list(self._idle.items()):
+            ot = o._tokens
+            if len(ot) <= len(toks) and toks[:len(ot)] == ot:
+                del self._idle[sid]
+                o.close()
+        self._idle[s.id] = s
+        self._idle.move_to_end(s.id)
+        self._trim()
+
+    # -- API ------------------------------------------------------------------------------------
+
+    def acquire(self, tokens, remember: bool = True):
+        """A new sequence holding ``tokens`` (see the class docstring); the caller owns it."""
+        ctx = self.ctx
+        with ctx.lock:
+            toks = ctx.model.check_tokens(tokens)
+            if toks.size == 0:
+                raise InvalidInputError("acquire needs at least one token")
+            best, n = self._best(toks)
+            n = min(n, toks.size - 1)
+            if best is not None:
+                self._idle.move_to_end(best.id)
+            seq = None
+            while seq is None:
+                try:
+                    seq = best.fork(n) if (best is not None and n > 0) else ctx.new_sequence()
+                except LlamaError:
+                    if not self._evict_one(keep=best):
+                        raise
+            try:
+                while True:
+                    try:
+                        seq.extend(toks[n:])
+                        break
+                    except KVCacheFullError:
+                        if not self._evict_one(keep=best):
+                            raise
+            except BaseException:
+                seq.close()
+                raise
+            seq.prefix_reused = n
+            self.last_reused = n
+            st = self.stats
+            st.requests += 1
+            st.prompt_tokens += int(toks.size)
+            st.reused_tokens += n
+            st.evaluated_tokens += int(toks.size) - n
+            if remember and self.max_sequences > 0:
+                try:
+                    self._remember(seq.fork())
+                except LlamaError:
+                    pass  # no free id: the prompt simply is not cached
+            return seq
+
+    def release(self, seq, keep: bool = True) -> None:
+        """Give a finished sequence back: cached for later prefixes (``keep``) or closed."""
+        with self.ctx.lock:
+            self.ctx._own(seq)
+            if keep and len(seq) > 0:
+                self._remember(seq)
+            else:
+                seq.close()
+
+    def clear(self) -> None:
+        """Close every idle cached sequence."""
+        with self.ctx.lock:
+            for s in list(self._idle.values()):
+                s.close()
+            self._idle.clear()

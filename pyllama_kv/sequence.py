@@ -1,0 +1,252 @@
+"""One sequence in a context's KV cache: its tokens, prefix copies, removal and shifting.
+
+The invariant: a sequence of length n holds exactly positions 0..n-1 in the cache, position i
+holding ``tokens[i]``. Every method keeps it, and every failing method leaves it untouched.
+
+Cells shared after :meth:`Sequence.fork` are never changed for the other holder: llama.cpp shifts
+the position of a shared cell for *every* sequence in it, so when a removal would shift shared
+cells, this sequence drops its claim on the tail and re-evaluates it into cells of its own
+(copy-on-write). Cost: the tokens after the removed range are decoded again; the sibling pays
+nothing. Removals whose tail is private use llama.cpp's K-shift (no decode at all).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _ffi
+from .errors import InvalidInputError, KVCacheFullError, LlamaError
+
+ffi = _ffi.ffi
+
+
+def _index(name: str, v, lo: int, hi: int) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+        raise InvalidInputError(f"{name} must be an integer, got {type(v).__name__}")
+    v = int(v)
+    if not lo <= v <= hi:
+        raise InvalidInputError(f"{name}={v} is out of range [{lo}, {hi}]")
+    return v
+
+
+class Sequence:
+    """A sequence id in a :class:`~pyllama_kv.context.Context`. Made by ``ctx.new_sequence()`` or
+    :meth:`fork`; use as a context manager or :meth:`close` it to free its id and cells."""
+
+    def __init__(self, ctx, seq_id: int):
+        self._ctx = ctx
+        self.id = seq_id
+        self._tokens: list[int] = []
+        self._logits: np.ndarray | None = None
+        self._closed = False
+        self.prefix_reused = 0  # set by PrefixCache.acquire: tokens served from cached cells
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def context(self):
+        return self._ctx
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids the cache holds for this sequence; position i is index i (a copy)."""
+        return list(self._tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"<pyllama_kv.Sequence id={self.id} len={len(self._tokens)}{' closed' if self._closed else ''}>"
+
+    def __enter__(self) -> "Sequence":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        self._ctx._check_open()
+        if self._closed:
+            raise InvalidInputError(f"sequence {self.id} is closed")
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def extend(self, tokens) -> np.ndarray:
+        """Decode ``tokens`` after the current ones; return the next-token logits (float32, n_vocab)."""
+        return self._ctx.decode({self: tokens})[self]
+
+    def logits(self, recompute: bool = False) -> np.ndarray:
+        """Next-token logits for the current tokens.
+
+        Returned from the last decode when still valid; otherwise (after remove, truncate, a shift, or
+        with ``recompute=True``) the last token is evaluated again over the cached prefix, which is also
+        a direct check of what the cache holds.
+        """
+        with self._ctx.lock:
+            self._check()
+            if not self._tokens:
+                raise InvalidInputError(f"sequence {self.id} is empty: it has no next-token logits")
+            if self._logits is None or recompute:
+                self._rebuild_tail(len(self._tokens) - 1, np.asarray(self._tokens[-1:], dtype=np.int32))
+            assert self._logits is not None
+            return self._logits.copy()
+
+    # -- prefix copies --------------------------------------------------------------------------
+
+    def fork(self, n: int | None = None) -> "Sequence":
+        """A new sequence sharing this one's first ``n`` positions (default: all). No recompute:
+        the cells are shared, not copied. LlamaError when no sequence id is free."""
+        ctx = self._ctx
+        with ctx.lock:
+            self._check()
+            n = len(self._tokens) if n is None else _index("n", n, 0, len(self._tokens))
+            child = ctx.new_sequence()
+            if n > 0:
+                ctx._L.llama_kv_self_seq_cp(ctx._ptr, self.id, child.id, 0, n)
+            child._tokens = self._tokens[:n]
+            if n == len(self._tokens) and self._logits is not None:
+                child._logits = self._logits.copy()
+            return child
+
+    # -- removal and shifting -------------------------------------------------------------------
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` positions, drop the rest."""
+        ctx = self._ctx
+        with ctx.lock:
+            self._check()
+            n = _index("n", n, 0, len(self._tokens))
+            if n == len(self._tokens):
+                return
+            ctx._L.llama_kv_self_seq_rm(ctx._ptr, self.id, n, -1)
+            del self._tokens[n:]
+            self._logits = None
+
+    def remove(self, start: int, end: int, recompute: bool = False) -> None:
+        """Drop positions [start, end) and shift the later ones down by ``end - start``.
+
+        The shift is llama.cpp's K-shift (the cached keys are re-rotated, nothing is decoded), as in
+        llama.cpp's context shift: the kept tokens keep the K/V they were computed with, so in a model
+        of more than one layer the result approximates, by design, a fresh evaluation of the new token
+        list. ``recompute=True`` re-evaluates the tail instead (exact, costs ``len - end`` tokens); so
+        does a removal whose tail shares cells with a fork (copy-on-write), and every removal on a
+        vanilla build or a model that cannot shift.
+        """
+        ctx = self._ctx
+        with ctx.lock:
+            self._check()
+            n = len(self._tokens)
+            start = _index("start", start, 0, n)
+            end = _index("end", end, start, n)
+            if start == end:
+                return
+            if end == n:
+                self.truncate(start)
+                return
+            tail = np.asarray(self._tokens[end:], dtype=np.int32)
+            shift_ok = (not recompute and ctx.can_shift and ctx.patched
+                        and not ctx._shared_in(self.id, end, n))
+            if not shift_ok:
+                self._rebuild_tail(start, tail, keep_logits=False)
+                return
+            L = ctx._L
+            L.llama_kv_self_seq_rm(ctx._ptr, self.id, start, end)
+            L.llama_kv_self_seq_add(ctx._ptr, self.id, end, -1, -(end - start))
+            del self._tokens[start:end]
+            self._logits = None
+
+    def shift_out(self, n_keep: int, n_discard: int) -> None:
+        """Context shift for generation loops: keep the first ``n_keep`` positions, drop the next
+        ``n_discard``, shift the rest down. Refused (LlamaError) when the model cannot shift."""
+        ctx = self._ctx
+        with ctx.lock:
+            self._check()
+            if not ctx.can_shift:
+                raise LlamaError("this model/context cannot shift its KV cache (no RoPE, or a cache type without K-shift)")
+            n = len(self._tokens)
+            n_keep = _index("n_keep", n_keep, 0, n)
+            n_discard = _index("n_discard", n_discard, 0, n - n_keep)
+            self.remove(n_keep, n_keep + n_discard)
+
+    def _rebuild_tail(self, start: int, tail: np.ndarray, keep_logits: bool = True) -> None:
+        """Make positions [start:] hold ``tail``, evaluated afresh into cells of this sequence only.
+
+        Atomic: built under a spare sequence id that shares our prefix and swapped in only when the
+        decode succeeded; without a spare id, in place after checking that the cells are there.
+        """
+        ctx = self._ctx
+        L = ctx._L
+        sid = self.id
+        if tail.size == 0:
+            self.truncate(start)
+            return
+        used = int(L.llama_kv_self_used_cells(ctx._ptr))
+        free = ctx.n_ctx - used
+        tmp = ctx._tmp_id()
+        if tmp is not None and free >= tail.size:
+            ctx._free_ids.remove(tmp)
+            try:
+                L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
+                if start > 0:
+                    L.llama_kv_self_seq_cp(ctx._ptr, sid, tmp, 0, start)
+                try:
+                    (logits,) = ctx._raw_decode([(tmp, tail, start)])
+                except BaseException:
+                    L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
+                    raise
+                # swap: our cells become the temporary sequence's
+                L.llama_kv_self_seq_rm(ctx._ptr, sid, -1, -1)
+                L.llama_kv_self_seq_cp(ctx._ptr, tmp, sid, -1, -1)
+                L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
+                ctx._last_out[sid] = ctx._last_out.pop(tmp, (0, 0))
+            finally:
+                ctx._free_ids.append(tmp)
+                ctx._free_ids.sort()
+        else:
+            if free + ctx._exclusive_cells(sid, start) < tail.size:
+                raise KVCacheFullError(
+                    f"re-evaluating {tail.size} tokens of sequence {sid} needs {tail.size} free cells; {free} are free")
+            old = np.asarray(self._tokens[start:], dtype=np.int32)
+            L.llama_kv_self_seq_rm(ctx._ptr, sid, start, -1)
+            try:
+                (logits,) = ctx._raw_decode([(sid, tail, start)])
+            except LlamaError:
+                self._restore_tail(start, old)
+                raise
+        del self._tokens[start:]
+        self._tokens.extend(int(t) for t in tail)
+        self._logits = logits
+
+    def _restore_tail(self, start: int, old: np.ndarray) -> None:
+        ctx = self._ctx
+        fn = ctx.abort_callback
+        if fn is not None:
+            ctx._L.llama_set_abort_callback(ctx._ptr, ffi.NULL, ffi.NULL)
+        try:
+            if old.size:
+                ctx._raw_decode([(self.id, old, start)])
+        except LlamaError as exc:
+            del self._tokens[start:]
+            self._logits = None
+            raise LlamaError(f"sequence {self.id} could not be restored after a failed re-evaluation and was "
+                             f"truncated to {start} tokens: {exc}") from exc
+        finally:
+            if fn is not None:
+                ctx.abort_callback = fn
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free this sequence's id and its cells (cells shared with forks stay for them)."""
+        ctx = self._ctx
+        with ctx.lock:
+            if self._closed or ctx.closed:
+                self._closed = True
+                return
+            ctx._release(self.id)
+            self._closed = True
+            self._tokens = []
+            self._logits = None

@@ -1,0 +1,82 @@
+"""Shared fixtures: the builds (found through the harness's status, never hard-coded) and tiny models."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pyllama_kv import build as _build  # noqa: E402
+from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
+
+# an abort in a subprocess should not run gdb for a backtrace
+os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+
+
+def _builds() -> dict:
+    st = _build.status()
+    return {(b["variant"], b["backend"]): b for b in st["builds"] if not b["stale"]}
+
+
+@pytest.fixture(scope="session")
+def builds() -> dict:
+    return _builds()
+
+
+def _lib(variant: str) -> str:
+    b = _builds().get((variant, "cpu"))
+    if b is None:
+        pytest.fail(f"no up-to-date {variant}-cpu build: run `make setup` (pyllama-kv build{' --vanilla' if variant == 'vanilla' else ''})")
+    return b["lib"]
+
+
+@pytest.fixture(scope="session")
+def patched_lib() -> str:
+    return _lib("patched")
+
+
+@pytest.fixture(scope="session")
+def vanilla_lib() -> str:
+    return _lib("vanilla")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models) -> Path:
+    """2 layers, n_embd 64: the default tiny model."""
+    return make_tiny_model(models / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def one_layer_model(models) -> Path:
+    """1 layer: the cached K/V of a token depend only on the token and its position, so a K-shift is
+    exactly a fresh evaluation (the oracle for remove/shift_out)."""
+    return make_tiny_model(models / "tiny-1l.gguf", n_layer=1, seed=1)
+
+
+def run_py(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env or {})
+    e["GGML_NO_BACKTRACE"] = "1"
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+
+
+ENTRY_POINT = Path(sys.executable).parent / "pyllama-kv"
+
+
+def run_cli(args: list[str], timeout: int = 300, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:
+    """Run the real `pyllama-kv` entry point (the venv's script) in a subprocess."""
+    e = dict(os.environ)
+    e.update(env or {})
+    e["GGML_NO_BACKTRACE"] = "1"
+    cmd = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "pyllama_kv.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT, input=input)

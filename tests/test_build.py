@@ -1,0 +1,120 @@
+"""Both builds exist, are found through `status`, and differ exactly by the patch series."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, run_py
+from pyllama_kv import build as B
+from pyllama_kv import patch as P
+
+
+def test_status_json_lists_both_builds():
+    r = run_cli(["status", "--json"])
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["revision"] == "8733e0cf6eefc7c7752297cc22d0836706f4222c"
+    assert st["vendor"]["state"] == "patched"
+    assert [p["applied"] for p in st["patches"]] == [True] * len(P.series())
+    assert {p["name"] for p in st["patches"]} == {p.name for p in P.series()}
+    by = {(b["variant"], b["backend"]): b for b in st["builds"]}
+    for key in (("patched", "cpu"), ("vanilla", "cpu")):
+        b = by[key]
+        assert Path(b["lib"]).is_absolute() and Path(b["lib"]).is_file()
+        assert b["stale"] is None
+    assert by[("patched", "cpu")]["patches"] == [p.name for p in P.series()]
+    assert by[("vanilla", "cpu")]["patches"] == []
+
+
+def test_status_text_and_help():
+    r = run_cli(["status"])
+    assert r.returncode == 0 and "patched" in r.stdout and "libllama" in r.stdout
+    for cmd in ("vendor", "patch", "build", "status"):
+        r = run_cli([cmd, "--help"])
+        assert r.returncode == 0 and "usage: pyllama-kv " + cmd in r.stdout
+
+
+def _exports(lib: str) -> set[str]:
+    out = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("nm is not available")
+    return {ln.split()[-1] for ln in out.stdout.splitlines() if ln.strip()}
+
+
+def test_patched_exports_stats_vanilla_does_not(patched_lib, vanilla_lib):
+    assert "llama_kv_self_stats" in _exports(patched_lib)
+    assert "llama_kv_self_stats" not in _exports(vanilla_lib)
+    assert "llama_decode" in _exports(vanilla_lib)
+
+
+def test_binding_reports_the_stats_api_as_unavailable_on_vanilla(patched_lib, vanilla_lib):
+    code = ("import json, pyllama_kv._ffi as f; "
+            "print(json.dumps([f.load(p).has('llama_kv_self_stats') for p in ('patched', 'vanilla')]))")
+    r = run_py(["-c", code])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [True, False]
+
+
+def test_manifest_records_what_was_built(builds):
+    for (variant, backend), b in builds.items():
+        m = B.read_manifest(Path(b["dir"]))
+        assert m["variant"] == variant and m["backend"] == backend
+        assert m["revision"].startswith("8733e0c")
+        assert "-DBUILD_SHARED_LIBS=ON" in m["cmake_flags"] and "-DLLAMA_CURL=OFF" in m["cmake_flags"]
+        assert Path(m["log"]).is_file()
+        if variant == "patched":
+            assert [p["sha256"] for p in m["patches"]] == [p.sha256 for p in P.series()]
+
+
+def test_a_changed_patch_makes_the_build_stale(builds, tmp_path):
+    b = builds[("patched", "cpu")]
+    m = B.read_manifest(Path(b["dir"]))
+    wanted = {k: m[k] for k in ("revision", "variant", "backend", "patches", "cmake_flags", "tools")}
+    assert B.stale_reason(m, wanted) is None
+    changed = json.loads(json.dumps(wanted))
+    changed["patches"][0]["sha256"] = "0" * 64
+    assert B.stale_reason(m, changed) == "patches changed"
+    flags = dict(wanted, cmake_flags=wanted["cmake_flags"] + ["-DGGML_AVX512=OFF"])
+    assert B.stale_reason(m, flags) == "cmake_flags changed"
+    assert B.stale_reason(None, wanted) == "not built"
+
+
+def test_build_is_reused_when_up_to_date():
+    r = run_cli(["build", "--json"])
+    assert r.returncode == 0, r.stderr
+    assert "up to date" in r.stderr
+    assert json.loads(r.stdout)["variant"] == "patched"
+
+
+def test_cuda_without_cublas_says_what_is_missing(monkeypatch, tmp_path):
+    """This machine kind has nvcc but no cuBLAS: the error must name cuBLAS and how to get it."""
+    fake = tmp_path / "cuda"
+    (fake / "bin").mkdir(parents=True)
+    nvcc = fake / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho nvcc\n")
+    nvcc.chmod(0o755)
+    for v in ("CUDA_HOME", "CUDA_PATH", "CUDAToolkit_ROOT"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("CUDACXX", str(nvcc))
+    monkeypatch.setattr(B, "_find_cuda", B._find_cuda)  # the real check
+    real_is_file = Path.is_file
+
+    def no_system_cublas(p):
+        return False if "cublas" in p.name else real_is_file(p)
+
+    monkeypatch.setattr(Path, "is_file", no_system_cublas)
+    monkeypatch.setattr(Path, "glob", lambda self, pat: iter(()) if "cublas" in pat else Path.__dict__["glob"](self, pat))
+    with pytest.raises(B.BuildError, match="cuBLAS"):
+        B._find_cuda()
+
+
+def test_metal_is_refused_off_macos():
+    import platform
+
+    if platform.system() == "Darwin":
+        pytest.skip("on macOS metal is the default backend")
+    r = run_cli(["build", "--backend", "metal"])
+    assert r.returncode == 1 and "macOS" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,121 @@
+"""Our cffi declarations (pyllama_kv/_ffi.py) checked against the real vendored llama.h by the C compiler.
+
+The generated C file includes llama.h and then
+  * redeclares every function we declare: any difference in return or parameter types is a
+    "conflicting types" error;
+  * asserts, for every struct we declare, its size, each field's offset (as cffi computes them from
+    our declaration) and each field's exact type (const included);
+  * asserts the typedefs and the enum values we use.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pycparser
+import pytest
+from pycparser import c_ast, c_generator
+
+from pyllama_kv import _ffi, _paths
+
+PRELUDE = ("typedef int int32_t; typedef unsigned int uint32_t; typedef long int64_t; typedef unsigned long uint64_t;"
+           "typedef signed char int8_t; typedef unsigned long size_t; typedef unsigned long uintptr_t; typedef _Bool bool;\n")
+STD = {"int32_t", "uint32_t", "int64_t", "uint64_t", "int8_t", "size_t", "uintptr_t", "bool"}
+
+
+def _type_text(node) -> str:
+    gen = c_generator.CGenerator()
+    return gen._generate_type(node, emit_declname=False)
+
+
+def generate_checks(types_cdef: str, funcs_cdef: str) -> str:
+    ffi = _ffi.ffi
+    ast = pycparser.CParser().parse(PRELUDE + types_cdef)
+    lines = ["#include <stddef.h>", "#include <stdbool.h>", '#include "llama.h"', "", "/* functions */", funcs_cdef, ""]
+    n = 0
+
+    def check(cond: str, what: str) -> None:
+        nonlocal n
+        n += 1
+        lines.append(f'_Static_assert({cond}, "{what}");')
+
+    for ext in ast.ext:
+        if isinstance(ext, c_ast.Typedef):
+            if ext.name in STD:
+                continue
+            t = ext.type.type
+            if isinstance(t, c_ast.Struct) and t.decls is not None:
+                check(f"__builtin_types_compatible_p({ext.name}, struct {t.name})", f"typedef {ext.name}")
+                struct = t
+            else:
+                check(f"__builtin_types_compatible_p({ext.name}, {_type_text(ext.type)})", f"typedef {ext.name}")
+                continue
+        elif isinstance(ext, c_ast.Decl) and isinstance(ext.type, c_ast.Struct) and ext.type.decls is not None:
+            struct = ext.type
+        elif isinstance(ext, c_ast.Decl) and isinstance(ext.type, c_ast.Enum) and ext.type.values is not None:
+            values = ffi.typeof(f"enum {ext.type.name}").relements
+            for e in ext.type.values.enumerators:
+                check(f"{e.name} == {values[e.name]}", f"enum value {e.name}")
+            continue
+        else:
+            continue
+        tag = f"struct {struct.name}"
+        check(f"sizeof({tag}) == {ffi.sizeof(tag)}", f"sizeof {tag}")
+        for d in struct.decls:
+            check(f"offsetof({tag}, {d.name}) == {ffi.offsetof(tag, d.name)}", f"offset of {tag}.{d.name}")
+            check(f"__builtin_types_compatible_p(__typeof__((({tag} *)0)->{d.name}), {_type_text(d.type)})",
+                  f"type of {tag}.{d.name}")
+    lines.append(f"/* {n} static checks */")
+    return "\n".join(lines) + "\n"
+
+
+def _compile(tmp_path, source: str) -> subprocess.CompletedProcess:
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.fail("no C compiler found (cc/gcc/clang); one is needed to build libllama anyway")
+    vdir = _paths.vendor_dir()
+    src = tmp_path / "check_decls.c"
+    src.write_text(source)
+    return subprocess.run([cc, "-std=c11", "-fsyntax-only", "-Werror", f"-I{vdir / 'include'}",
+                           f"-I{vdir / 'ggml' / 'include'}", str(src)], capture_output=True, text=True)
+
+
+def test_declarations_match_the_vendored_header(tmp_path):
+    src = generate_checks(_ffi.TYPES_CDEF, _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF)
+    assert src.count("_Static_assert") > 100
+    r = _compile(tmp_path, src)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mutate", [
+    # a function return type drifts
+    lambda t, f: (t, f.replace("uint32_t llama_n_ctx      (", "int32_t llama_n_ctx      (")),
+    # a parameter type drifts
+    lambda t, f: (t, f.replace("llama_pos p0, llama_pos p1);", "int64_t p0, llama_pos p1);", 1)),
+    # a struct field is missing (layout shifts)
+    lambda t, f: (t.replace("    int32_t main_gpu;\n", ""), f),
+    # a field's constness drifts
+    lambda t, f: (t.replace("const float * tensor_split;", "float * tensor_split;"), f),
+    # an enum value drifts
+    lambda t, f: (t.replace("GGML_TYPE_Q8_0   = 8,", "GGML_TYPE_Q8_0   = 9,"), f),
+])
+def test_the_check_catches_drift(tmp_path, mutate):
+    """Each kind of drift a hand-kept binding suffers must fail the compile."""
+    t, f = mutate(_ffi.TYPES_CDEF, _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF)
+    assert (t, f) != (_ffi.TYPES_CDEF, _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF), "mutation did not apply"
+    import cffi
+
+    if t != _ffi.TYPES_CDEF:
+        # sizes/offsets come from our (drifted) declaration, as they would in a drifted binding
+        drifted = cffi.FFI()
+        drifted.cdef(t)
+        old = _ffi.ffi
+        _ffi.ffi = drifted
+        try:
+            src = generate_checks(t, f)
+        finally:
+            _ffi.ffi = old
+    else:
+        src = generate_checks(t, f)
+    r = _compile(tmp_path, src)
+    assert r.returncode != 0, "a drifted declaration compiled cleanly"

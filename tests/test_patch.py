@@ -1,0 +1,138 @@
+"""The patch series: applies to a fresh tree, is idempotent, reverses byte-for-byte, fails loudly."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pyllama_kv import _paths
+from pyllama_kv import patch as P
+from pyllama_kv import vendor as V
+
+PIN = V.Pin.load()
+
+
+def _digest(tree: Path) -> dict:
+    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(tree.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def fresh_tree(tmp_path) -> Path:
+    """A pristine copy of the parts of the pinned tree the fingerprint covers (proven pristine)."""
+    vdir = _paths.vendor_dir()
+    t = tmp_path / "llama.cpp"
+    for part in PIN.fingerprint_paths:
+        src = vdir / part
+        if src.is_dir():
+            shutil.copytree(src, t / part)
+        else:
+            (t / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, t / part)
+    P.reverse(t)
+    assert V.fingerprint(t, PIN.fingerprint_paths) == PIN.fingerprint_sha256, "copy is not the pinned pristine tree"
+    return t
+
+
+def test_series_has_one_concern_each_with_a_header():
+    series = P.series()
+    assert [p.name[:4] for p in series] == ["0001", "0002", "0003", "0004", "0005"]
+    for p in series:
+        text = p.path.read_text()
+        head = text.split("\ndiff --git", 1)[0]
+        assert p.subject() and p.subject() != p.name
+        for word in ("What:", "Why:", "How to see it:"):
+            assert word in head, f"{p.name} header lacks {word!r}"
+
+
+def test_series_applies_to_a_fresh_tree(fresh_tree):
+    st = P.state(fresh_tree)
+    assert st.n_applied == 0 and st.conflict is None
+    applied = P.apply(fresh_tree)
+    assert applied == [p.name for p in P.series()]
+    st = P.state(fresh_tree)
+    assert st.complete
+    assert "llama_kv_self_stats" in (fresh_tree / "include" / "llama.h").read_text()
+
+
+def test_reapplying_is_a_no_op(fresh_tree):
+    P.apply(fresh_tree)
+    before = _digest(fresh_tree)
+    assert P.apply(fresh_tree) == []
+    assert _digest(fresh_tree) == before
+
+
+def test_reverse_restores_the_tree_byte_for_byte(fresh_tree):
+    pristine = _digest(fresh_tree)
+    P.apply(fresh_tree)
+    assert _digest(fresh_tree) != pristine
+    reversed_ = P.reverse(fresh_tree)
+    assert reversed_ == [p.name for p in reversed(P.series())]
+    assert _digest(fresh_tree) == pristine
+    assert P.reverse(fresh_tree) == []
+
+
+def test_partial_series_is_detected_and_completed(fresh_tree):
+    series = P.series()
+    P.apply(fresh_tree, series[:3])
+    st = P.state(fresh_tree, series)
+    assert st.n_applied == 3 and st.conflict is None
+    assert st.applied == [True, True, True, False, False]
+    assert P.apply(fresh_tree, series) == [p.name for p in series[3:]]
+    assert P.state(fresh_tree, series).complete
+
+
+def test_conflicting_patch_fails_with_its_name_and_changes_nothing(fresh_tree, tmp_path):
+    series = P.series()
+    # a patch of ours that no longer applies: a hunk against text that is not in the tree
+    bad = tmp_path / "patches" / "0006-conflicting.patch"
+    bad.parent.mkdir()
+    for p in series:
+        shutil.copy2(p.path, bad.parent / p.name)
+    bad.write_text(
+        "Subject: [PATCH] conflicting\n\nWhat: x\n---\n"
+        "diff --git a/src/llama-context.cpp b/src/llama-context.cpp\n"
+        "--- a/src/llama-context.cpp\n+++ b/src/llama-context.cpp\n"
+        "@@ -1,3 +1,3 @@\n-this line is not in the file\n+replacement\n context that does not exist\n"
+        " more context\n"
+    )
+    full = P.series(bad.parent)
+    before = _digest(fresh_tree)
+    with pytest.raises(P.PatchError) as ei:
+        P.apply(fresh_tree, full)
+    assert "0006-conflicting.patch" in str(ei.value)
+    assert "src/llama-context.cpp" in str(ei.value)  # git names the file and hunk
+    assert _digest(fresh_tree) == before, "a failed apply must leave the tree exactly as it was"
+    with pytest.raises(P.PatchError):
+        P.check(fresh_tree, full)
+
+
+def test_hand_edited_tree_is_a_conflict(fresh_tree):
+    P.apply(fresh_tree)
+    f = fresh_tree / "src" / "llama-context.cpp"
+    f.write_text(f.read_text().replace("ctx->decode(batch)", "ctx->decode(batch) /* edited */"))
+    before = _digest(fresh_tree)
+    st = P.state(fresh_tree)
+    assert st.conflict is not None
+    with pytest.raises(P.PatchError, match="does not match the series"):
+        P.reverse(fresh_tree)
+    assert _digest(fresh_tree) == before
+
+
+def test_cli_patch_status_json(fresh_tree):
+    import json
+
+    from conftest import run_cli
+
+    r = run_cli(["patch", "--status", "--json", "--tree", str(fresh_tree)])
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [p["applied"] for p in doc["patches"]] == [False] * 5
+    r = run_cli(["patch", "--check", "--tree", str(fresh_tree)])
+    assert r.returncode == 0 and "5 would apply" in r.stdout
+    r = run_cli(["patch", "--tree", str(fresh_tree)])
+    assert r.returncode == 0
+    r = run_cli(["patch", "--status", "--json", "--tree", str(fresh_tree)])
+    assert [p["applied"] for p in json.loads(r.stdout)["patches"]] == [True] * 5

@@ -1,0 +1,206 @@
+"""The vendor step: verified, defensive unpacking that never damages an existing tree."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from pyllama_kv import vendor as V
+
+SUB = "pkg-1.0/vendor/llama.cpp"
+
+
+def _tar(path: Path, members: list[tuple], gz: bool = True) -> Path:
+    """members: (name, bytes) for files, (name, None, linkname) for symlinks, (name, "hard", target)."""
+    with tarfile.open(path, "w:gz" if gz else "w") as tf:
+        for m in members:
+            name = m[0]
+            if len(m) == 2:
+                data = m[1]
+                ti = tarfile.TarInfo(name)
+                ti.size = len(data)
+                tf.addfile(ti, io.BytesIO(data))
+            elif m[1] is None:
+                ti = tarfile.TarInfo(name)
+                ti.type = tarfile.SYMTYPE
+                ti.linkname = m[2]
+                tf.addfile(ti)
+            else:
+                ti = tarfile.TarInfo(name)
+                ti.type = tarfile.LNKTYPE
+                ti.linkname = m[2]
+                tf.addfile(ti)
+    return path
+
+
+def _good_members(extra: list[tuple] = ()) -> list[tuple]:
+    return [
+        (f"{SUB}/include/llama.h", b"// llama.h\n"),
+        (f"{SUB}/src/llama.cpp", b"// src\n"),
+        (f"{SUB}/CMakeLists.txt", b"project(x)\n"),
+        (f"{SUB}/.git", b"gitdir: ../../.git/modules/vendor/llama.cpp\n"),
+        ("pkg-1.0/other/file.txt", b"not taken\n"),
+        *extra,
+    ]
+
+
+def _fp_of(members) -> str:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        for name, data in [m for m in members if len(m) == 2 and m[0].startswith(SUB + "/")]:
+            rel = name[len(SUB) + 1:]
+            if rel == ".git":
+                continue
+            p = Path(d) / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        return V.fingerprint(Path(d), ["CMakeLists.txt", "include", "src"])
+
+
+@pytest.fixture
+def dest(tmp_path) -> Path:
+    """An existing vendor tree that every failure must leave untouched."""
+    d = tmp_path / "vendor" / "llama.cpp"
+    (d / "include").mkdir(parents=True)
+    (d / "include" / "llama.h").write_text("// the existing tree\n")
+    return d
+
+
+def _snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _install(archive: Path, dest: Path, sha: str | None, fp: str | None):
+    marker = {"revision": "test"}
+    fingerprint = (("CMakeLists.txt", "include", "src"), fp) if fp else None
+    return V.install_tree(archive, SUB, dest, fingerprint, marker, expected_sha256=sha)
+
+
+def test_good_archive_installs_only_the_subdir_and_drops_git_file(tmp_path, dest):
+    members = _good_members()
+    a = _tar(tmp_path / "a.tar.gz", members)
+    n = _install(a, dest, V.sha256_file(a), _fp_of(members))
+    assert n == 3
+    assert (dest / "include" / "llama.h").read_bytes() == b"// llama.h\n"
+    assert not (dest / ".git").exists() and not (dest / "other").exists()
+    assert json.loads((dest / V.MARKER).read_text())["revision"] == "test"
+    assert not list(dest.parent.glob(".llama.cpp.*")), "temporary dirs left behind"
+
+
+def test_wrong_hash_is_refused_and_tree_untouched(tmp_path, dest):
+    a = _tar(tmp_path / "a.tar.gz", _good_members())
+    before = _snapshot(dest)
+    with pytest.raises(V.VendorError, match="sha256 mismatch"):
+        _install(a, dest, "0" * 64, None)
+    assert _snapshot(dest) == before
+
+
+def test_truncated_archive_is_refused_and_tree_untouched(tmp_path, dest):
+    big = [(f"{SUB}/src/big{i}.bin", bytes(range(256)) * 400) for i in range(8)]
+    a = _tar(tmp_path / "a.tar", _good_members(big), gz=False)
+    t = tmp_path / "t.tar"
+    t.write_bytes(a.read_bytes()[: a.stat().st_size // 2])
+    before = _snapshot(dest)
+    with pytest.raises(V.VendorError, match="truncated|corrupt|not a readable"):
+        _install(t, dest, None, None)
+    assert _snapshot(dest) == before
+    # gzip truncated too
+    g = _tar(tmp_path / "g.tar.gz", _good_members(big))
+    tg = tmp_path / "tg.tar.gz"
+    tg.write_bytes(g.read_bytes()[: g.stat().st_size // 2])
+    with pytest.raises(V.VendorError, match="truncated|corrupt|not a readable"):
+        _install(tg, dest, None, None)
+    assert _snapshot(dest) == before
+
+
+@pytest.mark.parametrize("evil", [
+    (f"{SUB}/../../../escape.txt", b"x"),
+    (f"{SUB}/src/../../../../escape.txt", b"x"),
+    (f"{SUB}/link", None, "/etc/passwd"),
+    (f"{SUB}/src/link", None, "../../../../outside"),
+    (f"{SUB}/hard", "hard", "/etc/passwd"),
+])
+def test_paths_or_links_escaping_the_target_are_refused(tmp_path, dest, evil):
+    a = _tar(tmp_path / "evil.tar.gz", _good_members([evil]))
+    before = _snapshot(dest)
+    with pytest.raises(V.VendorError, match="unsafe"):
+        _install(a, dest, None, None)
+    assert _snapshot(dest) == before
+    assert not (tmp_path / "escape.txt").exists() and not (tmp_path.parent / "escape.txt").exists()
+
+
+def test_a_tree_that_is_not_the_pinned_revision_is_refused(tmp_path, dest):
+    a = _tar(tmp_path / "a.tar.gz", _good_members())
+    before = _snapshot(dest)
+    with pytest.raises(V.VendorError, match="not the pinned revision"):
+        _install(a, dest, None, "f" * 64)
+    assert _snapshot(dest) == before
+
+
+def test_missing_subdir_is_refused(tmp_path, dest):
+    a = _tar(tmp_path / "a.tar.gz", [("elsewhere/include/llama.h", b"x")])
+    with pytest.raises(V.VendorError):
+        _install(a, dest, None, None)
+
+
+def test_not_an_archive(tmp_path, dest):
+    p = tmp_path / "x.tar.gz"
+    p.write_bytes(b"this is not a tarball")
+    with pytest.raises(V.VendorError, match="not a readable"):
+        _install(p, dest, None, None)
+
+
+def test_source_tarball_prefix_detection(tmp_path):
+    a = _tar(tmp_path / "src.tar.gz", [("llama.cpp-8733e0c/include/llama.h", b"x"), ("llama.cpp-8733e0c/src/a.cpp", b"y"),
+                                        ("llama.cpp-8733e0c/examples/llama.swiftui/include/llama.h", b"z")])
+    assert V._find_tree_prefix(a) == "llama.cpp-8733e0c"
+
+
+def test_pin_file_is_consistent():
+    pin = V.Pin.load()
+    assert len(pin.revision) == 40 and pin.revision.startswith("8733e0c")
+    assert pin.sha256 == "a3a985f558385e2f5de5b663f4e9b0817506d6af98122450142cd98e79216370"
+    assert pin.subdir.endswith("vendor/llama.cpp")
+
+
+def test_vendored_tree_is_the_pinned_revision_and_cached():
+    """The real vendor dir came from the pinned, cached archive; the pristine fingerprint matches
+    once our patches are taken out (checked on a copy in test_patch.py)."""
+    from pyllama_kv import _paths
+
+    pin = V.Pin.load()
+    marker = V.read_marker(_paths.vendor_dir())
+    assert marker and marker["revision"] == pin.revision
+    cached = V.cached_archive(pin)
+    assert cached.is_file() and V.sha256_file(cached) == pin.sha256
+
+
+def test_vendor_again_is_a_no_op_without_network():
+    """A second `vendor` uses what is there: it must not download (no pip is run)."""
+    from conftest import run_cli
+
+    r = run_cli(["vendor", "--json"], env={"PIP_INDEX_URL": "http://127.0.0.1:9/nowhere", "PIP_NO_INDEX": "1"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["changed"] is False
+
+
+def test_real_archive_from_cache_unpacks_to_the_pinned_tree(tmp_path, monkeypatch):
+    """The whole pipeline on the real pinned sdist, offline: cache hit (pip never runs), sha256,
+    safe extraction, fingerprint of the pristine tree."""
+    pin = V.Pin.load()
+
+    def no_pip(*a, **k):
+        raise AssertionError("fetch() ran a subprocess although the archive is cached")
+
+    monkeypatch.setattr(V.subprocess, "run", no_pip)
+    archive = V.fetch(pin, log=lambda m: None)
+    dest = tmp_path / "llama.cpp"
+    n = V.install_tree(archive, pin.subdir, dest, (pin.fingerprint_paths, pin.fingerprint_sha256),
+                       {"revision": pin.revision}, expected_sha256=pin.sha256)
+    assert n > 1000
+    assert (dest / "include" / "llama.h").is_file() and not (dest / ".git").exists()
