@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -345,7 +346,12 @@ class Library:
             log.log(lvl, "%s", msg)
 
     def last_error(self) -> str:
-        return self.recent_errors[-1] if self.recent_errors else ""
+        """The most specific recent error line of llama.cpp (the first of the last failure), without
+        the C function name prefix."""
+        if not self.recent_errors:
+            return ""
+        msg = self.recent_errors[0]
+        return re.sub(r"^[a-z_][a-z0-9_]*: ", "", msg)
 
     def clear_errors(self) -> None:
         self.recent_errors.clear()

@@ -40,7 +40,9 @@ def tiny_vocab(byte_tokens: bool = True) -> tuple[list[str], list[float], list[i
             scores.append(0.0)
     seen = set(tokens)
     pieces = ["\u2581"] + [chr(c) for c in range(33, 127)] + ["\u2581" + chr(c) for c in range(97, 123)]
-    pieces += [("\u2581" + w) for w in _WORDS] + list(_WORDS)
+    # every prefix of every word, so that SPM's pairwise merges can build the whole word
+    for w in _WORDS:
+        pieces += [w[:i] for i in range(2, len(w) + 1)] + ["\u2581" + w[:i] for i in range(2, len(w) + 1)]
     for piece in pieces:
         if piece in seen:
             continue

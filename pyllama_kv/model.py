@@ -147,15 +147,16 @@ class Model:
 
     def check_tokens(self, tokens: Iterable[int], what: str = "token") -> np.ndarray:
         """``tokens`` as an int32 array, or InvalidInputError if any id is out of range."""
+        if isinstance(tokens, (str, bytes)):
+            raise InvalidInputError(f"{what} ids must be integers, got {type(tokens).__name__} (tokenize text first)")
         try:
-            arr = np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens)
+            arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(list(tokens))
         except (TypeError, ValueError) as exc:
             raise InvalidInputError(f"{what} ids must be integers: {exc}") from None
         if arr.ndim != 1:
             raise InvalidInputError(f"{what} ids must be a flat sequence of integers")
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            if arr.dtype == object or not np.all(np.equal(np.mod(arr, 1), 0)):
-                raise InvalidInputError(f"{what} ids must be integers, got {arr.dtype}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidInputError(f"{what} ids must be integers, got {arr.dtype} values")
         if arr.size:
             bad = (arr < 0) | (arr >= self.n_vocab)
             if bad.any():

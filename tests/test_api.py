@@ -1,0 +1,494 @@
+"""The public API: models, contexts, sequences, errors, atomicity, sharing, threads, prefix cache."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+import pyllama_kv as pk
+from conftest import run_py
+from pyllama_kv.gguf_tools import make_tiny_model
+
+F32_ATOL = 1e-4  # f32 cache, no flash attention: observed differences are ~5e-6 (summation order)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    m = pk.Model(tiny_model)
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def ctx(model):
+    with model.context(n_ctx=256, n_seq_max=6, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    """A reference context: each call evaluates a token list from position 0 in a cleared cache."""
+    c = model.context(n_ctx=256, n_seq_max=1, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32")
+
+    def logits(tokens):
+        c.clear()
+        s = c.sequences[0] if c.sequences else c.new_sequence()
+        return s.extend(tokens)
+
+    yield logits
+    c.close()
+
+
+def snapshot(ctx):
+    return ({s.id: s.tokens for s in ctx.sequences}, ctx.kv_view()[0].tolist(), ctx.kv_view()[1].tolist())
+
+
+def toks(n, seed=0, lo=3, hi=600):
+    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
+
+
+# -- library and model ---------------------------------------------------------------------------
+
+
+def test_library_info(patched_lib):
+    info = pk.library_info()
+    assert info["path"] == patched_lib
+    assert info["variant"] == "patched" and info["backend"] == "cpu"
+    assert info["revision"].startswith("8733e0c")
+    assert len(info["patches"]) == 5 and info["has_stats"]
+
+
+def test_env_override_selects_the_vanilla_library(vanilla_lib):
+    code = "import json, pyllama_kv as pk; i = pk.library_info(); print(json.dumps([i['path'], i['variant'], i['has_stats']]))"
+    r = run_py(["-c", code], env={"PYLLAMA_KV_LIB": vanilla_lib})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [vanilla_lib, "vanilla", False]
+
+
+def test_missing_library_is_a_clear_error(tmp_path, tiny_model):
+    with pytest.raises(pk.LibraryError, match="does not exist"):
+        pk.Model(tiny_model, lib=tmp_path / "nope.so")
+
+
+def test_model_properties_and_tokens(model):
+    assert model.n_vocab > 256 + 3 and model.n_layer == 2 and model.n_ctx_train == 4096
+    assert model.n_embd == 64 and model.n_head == 4 and model.n_head_kv == 2
+    t = model.tokenize("the cache of a model")
+    assert t[0] == model.bos
+    assert model.detokenize(t).strip() == "the cache of a model"
+    assert model.tokenize("x", add_bos=False)[0] != model.bos
+    # any text tokenizes thanks to the byte tokens
+    assert model.detokenize(model.tokenize("héllo ☃", add_bos=False)).strip() == "héllo ☃"
+    assert len(t) == 6, "whole words of the tiny vocabulary are single tokens"
+    assert model.token_to_piece(t[1]) == b" the"
+    assert model.is_eog(model.eos)
+    with pytest.raises(pk.InvalidInputError):
+        model.detokenize([model.n_vocab])
+    with pytest.raises(pk.InvalidInputError):
+        model.token_to_piece(-1)
+
+
+def test_model_load_errors(tmp_path, tiny_model):
+    with pytest.raises(pk.ModelLoadError, match="no such file"):
+        pk.Model(tmp_path / "missing.gguf")
+    p = tmp_path / "text.gguf"
+    p.write_text("not a model at all")
+    with pytest.raises(pk.ModelLoadError, match="not a GGUF file"):
+        pk.Model(p)
+    data = tiny_model.read_bytes()
+    for cut in (100, len(data) // 2, len(data) - 10):
+        t = tmp_path / f"trunc{cut}.gguf"
+        t.write_bytes(data[:cut])
+        with pytest.raises(pk.ModelLoadError, match="truncated|corrupt|could not load"):
+            pk.Model(t)
+    import gguf
+
+    u = tmp_path / "unknown.gguf"
+    w = gguf.GGUFWriter(str(u), "nosucharch")
+    w.add_block_count(1)
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(pk.ModelLoadError, match="nosucharch"):
+        pk.Model(u)
+
+
+def test_context_parameter_errors(model):
+    with pytest.raises(pk.InvalidInputError, match="n_ctx_train"):
+        model.context(n_ctx=model.n_ctx_train * 2)
+    with pytest.raises(pk.InvalidInputError, match="n_ubatch"):
+        model.context(n_ctx=256, n_batch=32, n_ubatch=64)
+    with pytest.raises(pk.InvalidInputError, match="flash_attn"):
+        model.context(n_ctx=256, type_v="q8_0")
+    with pytest.raises(pk.InvalidInputError, match="KV cache type"):
+        model.context(n_ctx=256, type_k="f8")
+    with pytest.raises(pk.InvalidInputError):
+        model.context(n_ctx=0)
+
+
+# -- sequences ------------------------------------------------------------------------------------
+
+
+def test_extend_matches_a_fresh_evaluation(ctx, ref):
+    a = ctx.new_sequence()
+    la = a.extend(toks(20))
+    assert la.dtype == np.float32 and la.shape == (ctx.model.n_vocab,)
+    assert a.tokens == toks(20) and len(a) == 20
+    np.testing.assert_allclose(la, ref(toks(20)), atol=F32_ATOL)
+    la2 = a.extend(toks(5, seed=1))
+    np.testing.assert_allclose(la2, ref(toks(20) + toks(5, seed=1)), atol=F32_ATOL)
+
+
+def test_the_model_is_sensitive_to_context(ref):
+    """The oracle can only catch a corrupted cell if the logits depend on the context."""
+    a, b = toks(20), toks(20)
+    b[2] = (b[2] + 1) % 600 + 3
+    assert np.abs(ref(a) - ref(b)).max() > 0.05
+
+
+def test_batched_decode_of_many_sequences(ctx, ref):
+    seqs = [ctx.new_sequence() for _ in range(4)]
+    out = ctx.decode({s: toks(5 + i, seed=i) for i, s in enumerate(seqs)})
+    assert set(out) == set(seqs)
+    for i, s in enumerate(seqs):
+        np.testing.assert_allclose(out[s], ref(toks(5 + i, seed=i)), atol=F32_ATOL)
+    # more than n_batch (64) tokens in one call: split internally, same result
+    out = ctx.decode({seqs[0]: toks(50, seed=9), seqs[1]: toks(40, seed=8)})
+    np.testing.assert_allclose(out[seqs[0]], ref(toks(5, seed=0) + toks(50, seed=9)), atol=F32_ATOL)
+
+
+def test_fork_shares_cells_without_recompute(ctx, ref):
+    a = ctx.new_sequence()
+    a.extend(toks(30))
+    used = ctx.kv_stats().used_cells
+    b = a.fork(12)
+    assert ctx.kv_stats().used_cells == used, "a fork must not use new cells"
+    assert b.tokens == toks(30)[:12]
+    assert (ctx.kv_cells() == -2).sum() == 12  # shared cells
+    lb = b.extend(toks(4, seed=5))
+    np.testing.assert_allclose(lb, ref(toks(30)[:12] + toks(4, seed=5)), atol=F32_ATOL)
+    c = a.fork()
+    np.testing.assert_allclose(c.logits(), a.logits(), atol=0)
+
+
+def test_siblings_are_unaffected_by_remove_truncate_and_shift(ctx, ref, one_layer_model):
+    a = ctx.new_sequence()
+    a.extend(toks(30))
+    b = a.fork(20)
+    b.extend(toks(5, seed=3))
+    want_b = ref(b.tokens)
+    a.remove(3, 10)            # shifts a's tail, which shares cells [10, 20) with b: copy-on-write
+    np.testing.assert_allclose(b.logits(recompute=True), want_b, atol=F32_ATOL)
+    a.truncate(2)
+    np.testing.assert_allclose(b.logits(recompute=True), want_b, atol=F32_ATOL)
+    a.close()
+    np.testing.assert_allclose(b.logits(recompute=True), want_b, atol=F32_ATOL)
+    c = b.fork()
+    c.shift_out(4, 6)
+    np.testing.assert_allclose(b.logits(recompute=True), want_b, atol=F32_ATOL)
+    assert c.tokens == b.tokens[:4] + b.tokens[10:]
+
+
+def test_remove_recompute_is_exact_in_any_model(ctx, ref):
+    a = ctx.new_sequence()
+    a.extend(toks(30))
+    a.remove(5, 9, recompute=True)
+    assert a.tokens == toks(30)[:5] + toks(30)[9:]
+    np.testing.assert_allclose(a.logits(recompute=True), ref(a.tokens), atol=F32_ATOL)
+
+
+def test_kshift_remove_is_exact_in_a_one_layer_model(one_layer_model):
+    with pk.Model(one_layer_model) as m:
+        kw = dict(n_ctx=256, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32")
+        with m.context(n_seq_max=2, **kw) as c, m.context(n_seq_max=1, **kw) as r:
+            a = c.new_sequence()
+            a.extend(toks(40))
+            used = c.kv_stats().used_cells
+            a.remove(5, 15)       # K-shift: no decode, cells freed
+            assert c.kv_stats().used_cells == used - 10
+            a.shift_out(2, 3)
+            s = r.new_sequence()
+            np.testing.assert_allclose(a.logits(recompute=True), s.extend(a.tokens), atol=F32_ATOL)
+
+
+def test_shift_out_refused_when_the_model_cannot_shift(ctx):
+    a = ctx.new_sequence()
+    a.extend(toks(10))
+    ctx.can_shift = False
+    with pytest.raises(pk.LlamaError, match="cannot shift"):
+        a.shift_out(2, 3)
+    assert a.tokens == toks(10)
+
+
+def test_sequence_ids_run_out_and_come_back(ctx):
+    seqs = [ctx.new_sequence() for _ in range(ctx.n_seq_max)]
+    with pytest.raises(pk.LlamaError, match="in use"):
+        ctx.new_sequence()
+    seqs[3].close()
+    s = ctx.new_sequence()
+    assert s.id == 3 and len(s) == 0
+
+
+# -- bad input: a clear exception, the process alive, nothing changed ----------------------------
+
+
+def test_bad_inputs_raise_and_change_nothing(model, ctx):
+    a = ctx.new_sequence()
+    a.extend(toks(10))
+    b = a.fork(4)
+    other = model.context(n_ctx=64, n_seq_max=1)
+    foreign = other.new_sequence()
+    closed = ctx.new_sequence()
+    closed.close()
+    before = snapshot(ctx)
+    bad = [
+        (lambda: a.extend([model.n_vocab]), pk.InvalidInputError),
+        (lambda: a.extend([-1]), pk.InvalidInputError),
+        (lambda: a.extend([]), pk.InvalidInputError),
+        (lambda: a.extend(["x"]), pk.InvalidInputError),
+        (lambda: a.extend([1.5]), pk.InvalidInputError),
+        (lambda: ctx.decode({}), pk.InvalidInputError),
+        (lambda: ctx.decode({a: [5], b: [model.n_vocab + 7]}), pk.InvalidInputError),
+        (lambda: ctx.decode({foreign: [5]}), pk.InvalidInputError),
+        (lambda: ctx.decode({closed: [5]}), pk.InvalidInputError),
+        (lambda: closed.extend([5]), pk.InvalidInputError),
+        (lambda: a.fork(11), pk.InvalidInputError),
+        (lambda: a.fork(-1), pk.InvalidInputError),
+        (lambda: a.remove(5, 3), pk.InvalidInputError),
+        (lambda: a.remove(0, 11), pk.InvalidInputError),
+        (lambda: a.truncate(20), pk.InvalidInputError),
+        (lambda: a.shift_out(8, 5), pk.InvalidInputError),
+        (lambda: a.remove("1", 2), pk.InvalidInputError),
+        (lambda: a.extend(toks(300)), pk.KVCacheFullError),
+        (lambda: ctx.new_sequence().logits(), pk.InvalidInputError),
+    ]
+    for fn, exc in bad:
+        with pytest.raises(exc):
+            fn()
+        # new_sequence() in the last case takes an id; everything else must be untouched
+        now = snapshot(ctx)
+        assert {k: v for k, v in now[0].items() if v} == {k: v for k, v in before[0].items() if v}
+        assert now[1:] == before[1:]
+    other.close()
+    assert a.tokens == toks(10)
+
+
+def test_vanilla_out_of_range_token_never_reaches_c(tiny_model):
+    """On vanilla, such a token kills the process in C (tests/test_reproducers.py). The wrapper must
+    refuse it in Python: the subprocess survives and reports the exception."""
+    code = f"""
+import pyllama_kv as pk
+m = pk.Model({str(tiny_model)!r}, lib="vanilla")
+assert not m.library["has_stats"]
+c = m.context(n_ctx=64, n_seq_max=1)
+s = c.new_sequence()
+s.extend([5, 6])
+try:
+    s.extend([m.n_vocab])
+except pk.InvalidInputError as e:
+    print("refused:", e)
+print("alive", s.tokens)
+"""
+    r = run_py(["-c", code])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused:" in r.stdout and "alive [5, 6]" in r.stdout
+
+
+# -- atomicity ------------------------------------------------------------------------------------
+
+
+def test_aborted_decode_leaves_every_sequence_as_before(ctx):
+    a, b = ctx.new_sequence(), ctx.new_sequence()
+    a.extend(toks(10))
+    b.extend(toks(6, seed=2))
+    before = snapshot(ctx)
+    ctx.abort_callback = lambda: True
+    with pytest.raises(pk.DecodeError, match="abort"):
+        ctx.decode({a: toks(3, seed=4), b: toks(4, seed=5)})
+    ctx.abort_callback = None
+    assert snapshot(ctx) == before
+    a.extend([7])  # still usable
+
+
+def test_failure_in_a_later_chunk_rolls_back_the_earlier_ones(ctx):
+    a = ctx.new_sequence()
+    a.extend(toks(4))
+    calls = []
+
+    def count():
+        calls.append(1)
+        return False
+
+    ctx.abort_callback = count
+    b = ctx.new_sequence()
+    b.extend(toks(60, seed=1))       # one chunk of 60 tokens
+    per_chunk = len(calls)
+    b.close()
+    assert per_chunk > 0
+    calls.clear()
+    ctx.abort_callback = lambda: (calls.append(1) or len(calls) > per_chunk)
+    before = snapshot(ctx)
+    with pytest.raises(pk.DecodeError):
+        a.extend(toks(120, seed=3))  # two chunks of n_batch=64: the second is aborted
+    ctx.abort_callback = None
+    assert len(calls) > per_chunk
+    assert snapshot(ctx) == before
+    assert ctx.kv_stats().used_cells == 4
+
+
+def test_cache_full_leaves_state_and_names_the_numbers(model):
+    with model.context(n_ctx=64, n_seq_max=2, n_batch=64, n_ubatch=64) as c:
+        a = c.new_sequence()
+        a.extend(toks(50))
+        b = c.new_sequence()
+        before = snapshot(c)
+        with pytest.raises(pk.KVCacheFullError, match="14 of 64"):
+            b.extend(toks(20))
+        assert snapshot(c) == before
+
+
+# -- fragmentation through the API ----------------------------------------------------------------
+
+
+def _fragment(c):
+    seqs = [c.new_sequence() for _ in range(32)]
+    c.decode({s: toks(8, seed=i) for i, s in enumerate(seqs)})
+    for s in seqs[::2]:
+        s.close()
+    return seqs[1::2]
+
+
+def test_fragmentation_vanilla_raises_patched_retries(tiny_model, vanilla_lib):
+    kw = dict(n_ctx=256, n_seq_max=40, n_batch=256, n_ubatch=256)
+    results = {}
+    for lib in ("vanilla", "patched"):
+        with pk.Model(tiny_model, lib=lib) as m, m.context(**kw) as c:
+            live = _fragment(c)
+            st = c.kv_stats()
+            assert st.free_cells == 128 and st.largest_free_block == 8 and st.holes == 16
+            before = snapshot(c)
+            s = c.new_sequence()
+            try:
+                s.extend(toks(16, seed=99))
+                results[lib] = ("ok", c.kv_stats())
+            except pk.KVCacheFullError as e:
+                assert "128 of 256 cells free" in str(e)
+                assert snapshot(c)[1:] == before[1:] and len(s) == 0
+                results[lib] = ("full", c.kv_stats())
+            for x in live:  # the others survived either way
+                assert len(x) == 8
+    assert results["vanilla"][0] == "full" and results["vanilla"][1].slot_retries is None
+    status, st = results["patched"]
+    assert status == "ok" and st.slot_retries == 1 and st.slot_failures == 0 and st.defrags == 1
+    assert st.holes == 0 and st.used_cells == 144
+
+
+def test_explicit_defrag_packs_and_counts(ctx):
+    seqs = [ctx.new_sequence() for _ in range(6)]
+    ctx.decode({s: toks(10, seed=i) for i, s in enumerate(seqs)})
+    seqs[0].close()
+    seqs[2].close()
+    seqs[4].truncate(3)
+    assert ctx.kv_stats().holes > 0
+    st = ctx.defrag()
+    assert st.holes == 0 and st.defrags == 1 and st.moves > 0 and st.graphs == 1
+    assert st.largest_free_block == st.free_cells
+
+
+def test_vanilla_defrag_is_refused_when_it_would_abort(tiny_model, vanilla_lib):
+    with pk.Model(tiny_model, lib="vanilla") as m, m.context(n_ctx=256, n_seq_max=2, n_batch=256, n_ubatch=128) as c:
+        a, b = c.new_sequence(), c.new_sequence()
+        a.extend(toks(40))
+        b.extend(toks(60))
+        a.close()                      # 40 free cells before b's 60: safe to pack (60 + 128 <= 256)
+        st = c.defrag()
+        assert st.holes == 0 and st.defrags is None
+        a = c.new_sequence()
+        a.extend(toks(40))
+        b.extend(toks(100))            # b ends at cell 200 > 256 - 128
+        a.close()
+        before = snapshot(c)
+        with pytest.raises(pk.LlamaError, match="would abort"):
+            c.defrag()
+        assert snapshot(c) == before
+
+
+# -- kv maps --------------------------------------------------------------------------------------
+
+
+def test_kv_cells_and_view(ctx):
+    a, b = ctx.new_sequence(), ctx.new_sequence()
+    a.extend(toks(5))
+    b.extend(toks(3))
+    c = a.fork(2)
+    occ = ctx.kv_cells()
+    assert occ.shape == (ctx.n_ctx,) and occ.dtype == np.int32
+    assert (occ == -2).sum() == 2 and (occ == a.id).sum() == 3 and (occ == b.id).sum() == 3
+    assert (occ == -1).sum() == ctx.n_ctx - 8
+    pos, seqs = ctx.kv_view()
+    assert seqs.shape == (ctx.n_ctx, ctx.n_seq_max)
+    assert sorted(pos[(seqs == c.id).any(axis=1)].tolist()) == [0, 1]
+
+
+# -- threads --------------------------------------------------------------------------------------
+
+
+def test_one_context_from_several_threads(model, ref):
+    with model.context(n_ctx=512, n_seq_max=8, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32") as c:
+        seqs = [c.new_sequence() for _ in range(4)]
+        errors = []
+
+        def work(i):
+            try:
+                for k in range(6):
+                    seqs[i].extend(toks(3, seed=100 * i + k))
+                    if k == 3:
+                        f = seqs[i].fork(2)
+                        f.close()
+            except Exception as e:  # pragma: no cover
+                errors.append(e)
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors
+        for i, s in enumerate(seqs):
+            want = sum((toks(3, seed=100 * i + k) for k in range(6)), [])
+            assert s.tokens == want
+            np.testing.assert_allclose(s.logits(recompute=True), ref(want), atol=F32_ATOL)
+
+
+# -- prefix cache ---------------------------------------------------------------------------------
+
+
+def test_prefix_cache_reuses_the_longest_prefix(model, ref):
+    with model.context(n_ctx=512, n_seq_max=8, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32") as c:
+        pc = pk.PrefixCache(c, max_sequences=3)
+        prefix = toks(40)
+        r1 = pc.acquire(prefix + toks(5, seed=1))
+        assert r1.prefix_reused == 0
+        r2 = pc.acquire(prefix + toks(6, seed=2))
+        assert r2.prefix_reused == 40 and pc.last_reused == 40
+        np.testing.assert_allclose(r2.logits(), ref(prefix + toks(6, seed=2)), atol=F32_ATOL)
+        r3 = pc.acquire(prefix[:20])
+        assert r3.prefix_reused == 19  # the last token is always evaluated
+        np.testing.assert_allclose(r3.logits(), ref(prefix[:20]), atol=F32_ATOL)
+        assert pc.stats.requests == 3 and pc.stats.reused_tokens == 59
+        assert pc.stats.evaluated_tokens == 45 + 6 + 1
+        for r in (r1, r2, r3):
+            pc.release(r)
+        assert len(pc) <= 3
+        # LRU eviction frees ids when they run out
+        held = [pc.acquire(toks(10, seed=50 + i)) for i in range(6)]
+        assert pc.stats.evictions > 0
+        for h in held:
+            h.close()
+        pc.clear()
+        assert len(pc) == 0
