@@ -13,6 +13,8 @@ PYTEST_ARGS ?=
 
 all: test
 
+LCP    := $(VENV)/.llama-cpp-python
+
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,map]'
@@ -23,6 +25,13 @@ venv: $(STAMP)
 vendor: $(STAMP)
 	$(BIN)/pyllama-kv vendor
 
+# llama-cpp-python 0.3.9 from the same cached sdist, compiling nothing (-DLLAMA_BUILD=OFF):
+# it runs on our patched library through LLAMA_CPP_LIB_PATH (tests/test_llama_cpp_python.py)
+$(LCP): | vendor
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(BIN)/python -m pip install --quiet --disable-pip-version-check \
+		"$$($(BIN)/python -c 'from pyllama_kv import vendor as v; print(v.cached_archive(v.Pin.load()))')"
+	@touch $@
+
 patch: vendor
 	$(BIN)/pyllama-kv patch
 
@@ -30,7 +39,7 @@ build: patch
 	$(BIN)/pyllama-kv build
 	$(BIN)/pyllama-kv build --vanilla
 
-setup: build
+setup: build $(LCP)
 
 demo: setup
 	$(BIN)/pyllama-kv demo
