@@ -46,6 +46,7 @@ class KVStats:
     graphs: int | None = None
     slot_retries: int | None = None
     slot_failures: int | None = None
+    defrag_seconds: float | None = None   # time spent in defrags (patched build)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -479,7 +480,8 @@ class Context:
         if counters is not None:
             extra = dict(defrags=int(counters.n_defrags), moves=int(counters.n_defrag_moves),
                          cells_moved=int(counters.n_defrag_cells), graphs=int(counters.n_defrag_graphs),
-                         slot_retries=int(counters.n_slot_retries), slot_failures=int(counters.n_slot_failures))
+                         slot_retries=int(counters.n_slot_retries), slot_failures=int(counters.n_slot_failures),
+                         defrag_seconds=int(counters.t_defrag_us) / 1e6)
         frag = 0.0 if n_free == 0 else 1.0 - largest / n_free
         return KVStats(n_cells=n, used_cells=n - n_free, free_cells=n_free, holes=holes,
                        largest_free_block=largest, fragmentation=round(frag, 6), **extra)

@@ -178,15 +178,58 @@ def _require_consistent(st: SeriesState) -> None:
         )
 
 
+RECORD = ".pyllama-kv-applied"
+
+
+def _recorded(tree: Path) -> list[Patch]:
+    """The patches this tool applied to ``tree`` last time, as they were then."""
+    d = Path(tree) / RECORD
+    return [Patch(p) for p in sorted(d.glob("[0-9]*.patch"))] if d.is_dir() else []
+
+
+def _record(tree: Path, applied: list[Patch]) -> None:
+    d = Path(tree) / RECORD
+    if d.exists():
+        shutil.rmtree(d)
+    if applied:
+        d.mkdir()
+        for p in applied:
+            shutil.copy2(p.path, d / p.name)
+
+
+def _undo_changed_series(tree: Path, st: SeriesState) -> bool:
+    """If the tree holds an older version of the series (a patch was edited since), reverse it with
+    the recorded copies. Returns True if it did."""
+    if not st.conflict:
+        return False
+    old = _recorded(tree)
+    if not old:
+        return False
+    ost = state(tree, old)
+    if ost.conflict or not ost.complete:
+        return False
+    _apply_all(tree, list(reversed(old)), reverse=True)
+    _record(tree, [])
+    return True
+
+
 def apply(tree: Path | None = None, patches: list[Patch] | None = None) -> list[str]:
-    """Apply the patches the tree does not hold yet; return their names (empty: nothing to do)."""
+    """Apply the patches the tree does not hold yet; return their names (empty: nothing to do).
+
+    When the tree holds an older version of the series (recorded at the last apply), that version is
+    reversed first, so editing a patch and re-running is enough.
+    """
     tree = Path(tree) if tree else _paths.vendor_dir()
     patches = series() if patches is None else patches
     st = state(tree, patches)
+    if _undo_changed_series(tree, st):
+        st = state(tree, patches)
     _require_consistent(st)
     todo = patches[st.n_applied:]
     if todo:
         _apply_all(tree, todo, reverse=False)
+    if todo or not (Path(tree) / RECORD).is_dir():
+        _record(tree, patches[: st.n_applied + len(todo)])
     return [p.name for p in todo]
 
 
@@ -204,8 +247,12 @@ def reverse(tree: Path | None = None, patches: list[Patch] | None = None) -> lis
     tree = Path(tree) if tree else _paths.vendor_dir()
     patches = series() if patches is None else patches
     st = state(tree, patches)
+    old = [p.name for p in reversed(_recorded(tree))]
+    if _undo_changed_series(tree, st):
+        return old
     _require_consistent(st)
     todo = list(reversed(patches[: st.n_applied]))
     if todo:
         _apply_all(tree, todo, reverse=True)
+    _record(tree, [])
     return [p.name for p in todo]

@@ -136,3 +136,24 @@ def test_cli_patch_status_json(fresh_tree):
     assert r.returncode == 0
     r = run_cli(["patch", "--status", "--json", "--tree", str(fresh_tree)])
     assert [p["applied"] for p in json.loads(r.stdout)["patches"]] == [True] * 5
+
+
+def test_an_edited_patch_replaces_the_old_version_on_apply(fresh_tree, tmp_path):
+    """Edit a patch, run `patch` again: the old version (recorded at apply time) is reversed first."""
+    P.apply(fresh_tree)
+    d = tmp_path / "edited"
+    d.mkdir()
+    for p in P.series():
+        shutil.copy2(p.path, d / p.name)
+    p4 = next(d.glob("0004-*.patch"))
+    text = p4.read_text()
+    assert "// cells in the cache" in text
+    p4.write_text(text.replace("// cells in the cache", "// cells in the KV cache"))
+    edited = P.series(d)
+    assert P.state(fresh_tree, edited).conflict is not None
+    applied = P.apply(fresh_tree, edited)
+    assert applied == [p.name for p in edited]
+    assert "// cells in the KV cache" in (fresh_tree / "include" / "llama.h").read_text()
+    assert P.state(fresh_tree, edited).complete
+    P.reverse(fresh_tree, edited)
+    assert V.fingerprint(fresh_tree, PIN.fingerprint_paths) == PIN.fingerprint_sha256
