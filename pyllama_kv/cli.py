@@ -119,6 +119,401 @@ def cmd_status(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# model commands
+
+
+def _setup_logging(debug: bool) -> None:
+    if debug:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s", stream=sys.stderr)
+
+
+def _open_model(path: str, lib: str | None):
+    from . import Model
+
+    return Model(path, lib=lib)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def _positive(name: str, v: int | None, minimum: int = 1) -> None:
+    if v is not None and v < minimum:
+        raise CLIError(f"{name} must be at least {minimum}, got {v}")
+
+
+def cmd_inspect(args) -> int:
+    from .gguf_tools import inspect_gguf
+
+    _positive("--seqs", args.seqs)
+    _positive("--ctx", args.ctx)
+    info = inspect_gguf(args.model, n_ctx=args.ctx, n_seqs=args.seqs, type_k=args.type_k, type_v=args.type_v)
+    if args.json:
+        _print_json(info)
+        return 0
+    t = info["tensors"]
+    print(f"file          {info['path']} ({_human_bytes(info['file_bytes'])}, GGUF v{info['gguf_version']})")
+    print(f"architecture  {info['architecture']}" + (f"  ({info['name']})" if info.get("name") else ""))
+    print(f"layers        {info['n_layer']}   n_embd {info['n_embd']}   heads {info['n_head']} (kv {info['n_head_kv']})"
+          f"   n_ff {info['n_ff']}   n_ctx_train {info['n_ctx_train']}")
+    types = ", ".join(f"{k} x{v}" for k, v in sorted(t["types"].items()))
+    print(f"tensors       {t['count']} ({types}), {t['params']:,} parameters, {_human_bytes(t['bytes'])}")
+    v = info["vocab"]
+    print(f"vocabulary    {v['model']}, {v['size']} tokens (bos {v['bos']}, eos {v['eos']})")
+    kv = info.get("kv_cache")
+    if kv:
+        print(f"KV cache      {_human_bytes(kv['bytes_per_token'])} per token "
+              f"(K {kv['type_k']}: {_human_bytes(kv['bytes_per_token_k'])}, V {kv['type_v']}: {_human_bytes(kv['bytes_per_token_v'])})")
+        print(f"              {_human_bytes(kv['bytes_total'])} for n_ctx {kv['n_ctx']} cells, shared by {kv['n_seqs']} "
+              f"sequence(s): {kv['cells_per_seq']} cells each on average")
+    return 0
+
+
+def cmd_tiny_model(args) -> int:
+    from .gguf_tools import inspect_gguf, make_tiny_model
+
+    for name in ("layers", "embd", "heads", "kv_heads", "ff", "ctx_train"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    if args.embd % args.heads or args.heads % args.kv_heads:
+        raise CLIError("--embd must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    path = make_tiny_model(args.out, n_layer=args.layers, n_embd=args.embd, n_head=args.heads, n_head_kv=args.kv_heads,
+                           n_ff=args.ff, n_ctx_train=args.ctx_train, seed=args.seed, byte_tokens=args.vocab_bytes,
+                           dtype="f16" if args.f16 else "f32")
+    info = inspect_gguf(path)
+    if args.json:
+        _print_json(info)
+    else:
+        print(f"wrote {path}: {info['n_layer']} layers, n_embd {info['n_embd']}, {info['vocab']['size']} tokens, "
+              f"{_human_bytes(info['file_bytes'])}")
+    return 0
+
+
+class _Streamer:
+    """Prints generated text as it comes: raw for one sequence, line-prefixed by sequence for several."""
+
+    def __init__(self, n: int, out=None, width: int = 72):
+        import codecs
+
+        self.n = n
+        self.out = out or sys.stdout
+        self.width = width
+        self.dec = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(n)]
+        self.buf = [""] * n
+        self.text = [""] * n
+
+    def add(self, i: int, piece: bytes) -> None:
+        s = self.dec[i].decode(piece)
+        self.text[i] += s
+        if self.n == 1:
+            self.out.write(s)
+            self.out.flush()
+            return
+        self.buf[i] += s
+        while "\n" in self.buf[i] or len(self.buf[i]) >= self.width:
+            if "\n" in self.buf[i][: self.width + 1]:
+                line, self.buf[i] = self.buf[i].split("\n", 1)
+            else:
+                line, self.buf[i] = self.buf[i][: self.width], self.buf[i][self.width:]
+            self.out.write(f"[{i}] {line}\n")
+            self.out.flush()
+
+    def finish(self) -> None:
+        for i in range(self.n):
+            tail = self.dec[i].decode(b"", final=True)
+            self.text[i] += tail
+            if self.n == 1:
+                self.out.write(tail + "\n")
+            else:
+                self.buf[i] += tail
+                if self.buf[i]:
+                    self.out.write(f"[{i}] {self.buf[i]}\n")
+                self.buf[i] = ""
+        self.out.flush()
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None and args.file is not None:
+        raise CLIError("give the prompt with -p or -f, not both")
+    if args.prompt is not None:
+        return args.prompt
+    if args.file is not None:
+        if args.file == "-":
+            return sys.stdin.read()
+        try:
+            return Path(args.file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise CLIError(f"cannot read the prompt file: {exc}") from None
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise CLIError("no prompt: use -p TEXT, -f FILE, or pipe the prompt on stdin")
+
+
+def cmd_run(args) -> int:
+    import random
+    import time
+
+    from . import Sampler
+
+    _setup_logging(args.debug)
+    _positive("--parallel", args.parallel)
+    _positive("-n", args.n_predict, 0)
+    _positive("--ctx", args.ctx)
+    prompt = _read_prompt(args)
+    seed = args.seed if args.seed is not None and args.seed >= 0 else random.randrange(2**31)
+    model = _open_model(args.model, args.lib)
+    if args.ctx and args.ctx > model.n_ctx_train:
+        raise CLIError(f"--ctx {args.ctx} is larger than the model supports (n_ctx_train {model.n_ctx_train})")
+    n_ctx = args.ctx or min(2048, model.n_ctx_train)
+    toks = model.tokenize(prompt)
+    if len(toks) >= n_ctx:
+        raise CLIError(f"the prompt has {len(toks)} tokens, which does not fit in --ctx {n_ctx}")
+    ctx = model.context(n_ctx=n_ctx, n_seq_max=args.parallel, n_batch=max(512, args.parallel),
+                        n_ubatch=512, n_threads=args.threads)
+    N = args.parallel
+    stream = _Streamer(N, out=sys.stderr if args.json else sys.stdout) if not args.json else None
+    texts = [b""] * N
+    counts = [0] * N
+    stop = ["length"] * N
+    interrupted = False
+    t_prompt0 = time.perf_counter()
+    root = ctx.new_sequence()
+    root.extend(toks)
+    t_prompt = time.perf_counter() - t_prompt0
+    seqs = [root] + [root.fork() for _ in range(N - 1)]
+    samplers = [Sampler(ctx, temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=seed + i) for i in range(N)]
+    nxt = [samplers[i].sample(root) for i in range(N)]
+    live = list(range(N)) if args.n_predict > 0 else []
+    t_gen0 = time.perf_counter()
+    n_decode_tokens = 0
+    try:
+        while live:
+            batch = {}
+            for i in list(live):
+                t = nxt[i]
+                if model.is_eog(t):
+                    stop[i] = "eos"
+                    live.remove(i)
+                    continue
+                piece = model.token_to_piece(t)
+                texts[i] += piece
+                counts[i] += 1
+                if stream:
+                    stream.add(i, piece)
+                if counts[i] >= args.n_predict:
+                    live.remove(i)
+                    continue
+                batch[seqs[i]] = [t]
+            if not batch:
+                break
+            try:
+                ctx.decode(batch)
+            except Exception as exc:  # cache full: stop with what we have
+                from .errors import KVCacheFullError
+
+                if not isinstance(exc, KVCacheFullError):
+                    raise
+                for i in live:
+                    stop[i] = "cache full"
+                break
+            n_decode_tokens += len(batch)
+            for i in live:
+                nxt[i] = samplers[i].sample(seqs[i])
+    except KeyboardInterrupt:
+        interrupted = True
+        for i in live:
+            stop[i] = "interrupted"
+    t_gen = time.perf_counter() - t_gen0
+    if stream:
+        stream.finish()
+    st = ctx.kv_stats()
+    gen_total = sum(counts)
+    summary = {
+        "model": str(args.model),
+        "library": model.library.get("variant"),
+        "seed": seed,
+        "parallel": N,
+        "prompt_tokens": len(toks),
+        "prompt_seconds": round(t_prompt, 4),
+        "prompt_tokens_per_s": round(len(toks) / t_prompt, 1) if t_prompt > 0 else None,
+        "generated_tokens": gen_total,
+        "generation_seconds": round(t_gen, 4),
+        "generation_tokens_per_s": round(gen_total / t_gen, 1) if t_gen > 0 else None,
+        "reused_tokens": len(toks) * (N - 1),
+        "interrupted": interrupted,
+        "kv": st.as_dict(),
+    }
+    if args.json:
+        summary["outputs"] = [{"seq": i, "text": texts[i].decode("utf-8", "replace"), "tokens": counts[i], "stop": stop[i]}
+                              for i in range(N)]
+        _print_json(summary)
+    else:
+        _log("")
+        _log(f"prompt      {len(toks)} tokens in {t_prompt * 1000:.1f} ms ({summary['prompt_tokens_per_s']} tok/s), "
+             f"evaluated once and shared by {N} sequence(s): {summary['reused_tokens']} tokens reused")
+        _log(f"generation  {gen_total} tokens in {t_gen * 1000:.1f} ms ({summary['generation_tokens_per_s']} tok/s), "
+             f"{N} sequence(s) per decode; stop: {', '.join(sorted(set(stop)))}")
+        _log(f"KV cache    {st.used_cells}/{st.n_cells} cells used, largest free block {st.largest_free_block}, "
+             f"defrags {st.defrags if st.defrags is not None else 'n/a (vanilla)'}, seed {seed}"
+             + ("  [interrupted]" if interrupted else ""))
+    ctx.close()
+    model.close()
+    return 130 if interrupted else 0
+
+
+def _stress_table(results: list[tuple[str, dict]]) -> str:
+    rows = [
+        ("decode calls", lambda d: d["decode_calls"]),
+        ("tokens (prompt + gen)", lambda d: f"{d['prompt_tokens']} + {d['gen_tokens']}"),
+        ("tokens/s", lambda d: d["tokens_per_s"]),
+        ("requests completed", lambda d: d["requests"]["completed"]),
+        ("slot failures", lambda d: d["slot_failures"]),
+        ("  free cells at failure", lambda d: f"{d['free_at_failures']:.0%}" if d["free_at_failures"] is not None else "-"),
+        ("requests failed", lambda d: d["failed_requests"]),
+        ("preempted (cache full)", lambda d: d["preempted"]),
+        ("prefix tokens reused", lambda d: d["reused_tokens"]),
+        ("slot retries", lambda d: _na(d["kv"].get("slot_retries"))),
+        ("defrags", lambda d: _na(d["kv"].get("defrags"))),
+        ("  block moves", lambda d: _na(d["kv"].get("moves"))),
+        ("  graphs", lambda d: _na(d["kv"].get("graphs"))),
+        ("  time in defrag", lambda d: f"{d['kv']['defrag_seconds'] * 1000:.1f} ms ({d['kv'].get('defrag_share', 0):.1%})"
+         if d["kv"].get("defrag_seconds") is not None else "n/a"),
+        ("peak fragmentation", lambda d: f"{d['peak_fragmentation']:.0%}"),
+    ]
+    names = [n for n, _ in results]
+    cells = [[str(fn(d)) for _, d in results] for _, fn in rows]
+    w0 = max(len(r[0]) for r in rows) + 2
+    ws = [max(len(n), *(len(c[j]) for c in cells)) + 3 for j, n in enumerate(names)]
+    lines = [" " * w0 + "".join(n.rjust(w) for n, w in zip(names, ws))]
+    for (label, _), row in zip(rows, cells):
+        lines.append(label.ljust(w0) + "".join(c.rjust(w) for c, w in zip(row, ws)))
+    return "\n".join(lines)
+
+
+def _na(v):
+    return "n/a" if v is None else v
+
+
+class _Progress:
+    def __init__(self, label: str, enabled: bool = True):
+        self.label = label
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.last = -1
+
+    def __call__(self, step: int, total: int, res) -> None:
+        if not self.enabled:
+            return
+        frac = step / max(total, 1)
+        tps = res.tokens / res.seconds if res.seconds > 0 else 0.0
+        if self.tty:
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r  {self.label:<8} [{bar:<30}] {step}/{total} steps  {tps:,.0f} tok/s  "
+                             f"slot failures {res.slot_failures}   ")
+            if step == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        else:
+            tenth = int(frac * 10)
+            if tenth != self.last:
+                self.last = tenth
+                _log(f"  {self.label:<8} {step}/{total} steps, {tps:,.0f} tok/s, slot failures {res.slot_failures}")
+
+
+def _stress_once(model_path: str, lib: str, cfg, label: str, progress: bool, map_path: str | None = None) -> dict:
+    from .workload import draw_map, run_stress
+
+    if map_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CLIError("--map needs matplotlib: pip install 'pyllama-kv[map]' (or pip install matplotlib)") from None
+        cfg.record_map = True
+    model = _open_model(model_path, lib)
+    try:
+        if cfg.n_ctx > model.n_ctx_train:
+            raise CLIError(f"--ctx {cfg.n_ctx} is larger than the model supports (n_ctx_train {model.n_ctx_train})")
+        res, occ = run_stress(model, cfg, progress=_Progress(label, progress))
+    finally:
+        model.close()
+    d = res.as_dict()
+    if map_path and occ is not None:
+        draw_map(occ, map_path, title=f"KV cache occupancy, {label} ({res.steps} steps, seed {cfg.seed}); white: free")
+        d["map"] = str(map_path)
+    return d
+
+
+def _stress_config(args):
+    from .workload import StressConfig
+
+    _positive("--seqs", args.seqs)
+    _positive("--ctx", args.ctx)
+    _positive("--steps", args.steps)
+    return StressConfig(n_seqs=args.seqs, n_ctx=args.ctx, steps=args.steps, seed=args.seed,
+                        sequential=args.sequential, n_threads=args.threads)
+
+
+def cmd_stress(args) -> int:
+    _setup_logging(args.debug)
+    cfg = _stress_config(args)
+    label = args.lib if args.lib in ("patched", "vanilla") else Path(args.lib).name
+    d = _stress_once(args.model, args.lib, cfg, label, progress=not args.json, map_path=args.map)
+    if args.json:
+        _print_json(d)
+    else:
+        print(_stress_table([(label, d)]))
+        if args.map:
+            print(f"map: {args.map}")
+    return 130 if d.get("interrupted") else 0
+
+
+def cmd_demo(args) -> int:
+    import dataclasses
+
+    from . import _paths
+    from .gguf_tools import make_tiny_model
+
+    _setup_logging(args.debug)
+    mdir = _paths.cache_dir() / "models"
+    mpath = mdir / "tiny-demo-2l-64.gguf"
+    if not mpath.is_file():
+        _log(f"making the built-in tiny model at {mpath} ...")
+        make_tiny_model(mpath, n_layer=2, n_embd=64, seed=0)
+    steps = 120 if args.quick else 300
+    cfg = _stress_config(argparse.Namespace(seqs=8, ctx=2048, steps=steps, seed=args.seed, sequential=False,
+                                            threads=args.threads))
+    print(f"pyllama-kv demo: a server-like workload ({cfg.n_seqs} requests at once, {cfg.n_ctx} KV cells, "
+          f"{cfg.steps} steps, seed {cfg.seed}) on the vanilla and the patched llama.cpp {''}\n")
+    results = []
+    for lib in ("vanilla", "patched"):
+        d = _stress_once(str(mpath), lib, dataclasses.replace(cfg), lib, progress=not args.json)
+        results.append((lib, d))
+    van, pat = results[0][1], results[1][1]
+    if args.json:
+        _print_json({"model": str(mpath), "stress": {k: v for k, v in results}})
+        return 0
+    print()
+    print(_stress_table(results))
+    print()
+    if van["slot_failures"]:
+        print(f"vanilla: {van['slot_failures']} batches refused (\"failed to find KV cache slot\") with on average "
+              f"{van['free_at_failures']:.0%} of the cache free; {van['failed_requests']} requests failed.")
+    print(f"patched: {pat['slot_failures']} refused; {pat['kv'].get('slot_retries')} slot searches recovered by a full "
+          f"defrag ({pat['kv'].get('moves')} block moves, {pat['kv'].get('defrag_share', 0):.1%} of the run); "
+          f"{pat['tokens']} tokens processed vs {van['tokens']}.")
+    print("\nNow 4 continuations of one prompt: evaluated once, forked 3 times, decoded together:\n")
+    run_args = build_parser().parse_args(["run", str(mpath), "-p", "The KV cache of the model", "-n", "24",
+                                          "--parallel", "4", "--seed", str(args.seed)])
+    run_args.debug = args.debug
+    return cmd_run(run_args)
+
+
+# ---------------------------------------------------------------------------------------------
 # parser
 
 
@@ -130,6 +525,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks and llama.cpp's log")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and llama.cpp's log")
+    _add = sub.add_parser
+
+    def add_parser(name, **kw):
+        return _add(name, parents=[common], **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     s = sub.add_parser("vendor", help="fetch the pinned llama.cpp into vendor/llama.cpp (cached download)",
                        description="Fetch the pinned llama.cpp source (the llama-cpp-python sdist from PyPI, "
@@ -169,12 +573,90 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print as JSON")
     s.set_defaults(func=cmd_status)
 
+    s = sub.add_parser("run", help="generate N continuations of a prompt at once (prefix copy + batched decode)",
+                       description="Evaluate the prompt once, fork it into N sequences (prefix copies: no recompute), "
+                                   "then decode all sequences together, one batch per step. Streams the text "
+                                   "(prefixed by sequence for N>1) and ends with a summary.")
+    s.add_argument("model", help="GGUF model file")
+    s.add_argument("-p", "--prompt", help="the prompt text")
+    s.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin); stdin is read when piped")
+    s.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate per sequence (default 64)")
+    s.add_argument("--parallel", type=int, default=1, metavar="N", help="continuations generated at once (default 1)")
+    s.add_argument("--ctx", type=int, help="KV cache cells (default: min(2048, the model's n_ctx_train))")
+    s.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 is greedy (default 0.8)")
+    s.add_argument("--top-k", type=int, default=40, help="top-k sampling, 0 disables (default 40)")
+    s.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95)")
+    s.add_argument("--seed", type=int, default=-1, help="sampling seed; sequence i uses seed+i (default: random)")
+    s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
+    s.add_argument("-t", "--threads", type=int, help="CPU threads (default: llama.cpp's choice)")
+    s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
+    s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("inspect", help="architecture, sizes, tensors, vocabulary and KV cache cost of a GGUF file",
+                       description="Read a GGUF file's header with the gguf package (weights are not loaded) and "
+                                   "report its architecture, sizes, tensors, vocabulary, and the KV cache bytes per "
+                                   "token and in total for a context.")
+    s.add_argument("model", help="GGUF model file")
+    s.add_argument("--ctx", type=int, help="context cells for the KV total (default: n_ctx_train)")
+    s.add_argument("--seqs", type=int, default=1, help="sequences sharing the cache (default 1)")
+    s.add_argument("--type-k", default="f16", help="K cache type (default f16)")
+    s.add_argument("--type-v", default="f16", help="V cache type (default f16)")
+    s.add_argument("--json", action="store_true", help="print as JSON")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("tiny-model", help="write the random-weight tiny llama model the tests use",
+                       description="Write a random-weight llama GGUF with an SPM vocabulary (with the 256 byte "
+                                   "tokens, any text tokenizes). For tests, demos and benchmarks; it says nothing.")
+    s.add_argument("out", help="output .gguf path")
+    s.add_argument("--layers", type=int, default=2, help="n_layer (default 2)")
+    s.add_argument("--embd", type=int, default=64, help="n_embd (default 64)")
+    s.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    s.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
+    s.add_argument("--ff", type=int, default=128, help="feed-forward size (default 128)")
+    s.add_argument("--ctx-train", type=int, default=4096, help="n_ctx_train (default 4096)")
+    s.add_argument("--vocab-bytes", action=argparse.BooleanOptionalAction, default=True,
+                   help="include the 256 <0xNN> byte tokens (default: yes; without them llama.cpp aborts on "
+                        "text it cannot tokenize)")
+    s.add_argument("--f16", action="store_true", help="store weights as f16 (default f32)")
+    s.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    s.add_argument("--json", action="store_true", help="print the written model's summary as JSON")
+    s.set_defaults(func=cmd_tiny_model)
+
+    s = sub.add_parser("stress", help="a seeded server-like workload that fragments the cache; failures, defrags, speed",
+                       description="Requests arrive with prompts of random length (some sharing a prefix, served by "
+                                   "fork), generate a random number of tokens and leave, so the cache fragments. "
+                                   "Reports decode calls, tokens/s, slot failures (batches refused although enough "
+                                   "cells were free), defrags, moves, graphs, retries and peak fragmentation.")
+    s.add_argument("model", help="GGUF model file")
+    s.add_argument("--lib", default="patched", metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
+    s.add_argument("--seqs", type=int, default=8, help="requests served at once (default 8)")
+    s.add_argument("--ctx", type=int, default=2048, help="KV cache cells (default 2048)")
+    s.add_argument("--steps", type=int, default=300, help="decode steps (default 300)")
+    s.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    s.add_argument("--sequential", action="store_true", help="serve the same requests one after another (no fragmentation)")
+    s.add_argument("--map", metavar="FILE.png", help="draw the cache occupancy over time (needs matplotlib)")
+    s.add_argument("-t", "--threads", type=int, help="CPU threads (default: llama.cpp's choice)")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_stress)
+
+    s = sub.add_parser("demo", help="the main job on the built-in tiny model: vanilla vs patched under stress, then run",
+                       description="Make the tiny model in ~/.cache/pyllama-kv/models, run `stress` on the vanilla "
+                                   "and the patched build side by side, print the comparison, then a short "
+                                   "`run --parallel 4`.")
+    s.add_argument("--seed", type=int, default=0, help="workload and sampling seed (default 0)")
+    s.add_argument("--quick", action="store_true", help="a shorter workload")
+    s.add_argument("-t", "--threads", type=int, help="CPU threads (default: llama.cpp's choice)")
+    s.add_argument("--json", action="store_true", help="print the stress results as JSON")
+    s.set_defaults(func=cmd_demo)
+
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not hasattr(args, "debug"):
+        args.debug = False
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
