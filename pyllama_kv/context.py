@@ -17,6 +17,7 @@ Contract (what every method guarantees):
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Mapping
@@ -50,6 +51,15 @@ class KVStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _default_threads() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, n)
 
 
 class _Batch:
@@ -89,7 +99,7 @@ class Context:
     ...     out = ctx.decode({a: [5], b: [7]})            # one llama_decode for both
     ...     ctx.kv_stats()
 
-    ``n_threads`` defaults to llama.cpp's choice; ``defrag_thold`` (llama.cpp's automatic defrag
+    ``n_threads`` defaults to the cores this process may use (llama.cpp's own default is 4); ``defrag_thold`` (llama.cpp's automatic defrag
     threshold, off by default) may be set. ``flash_attn`` is needed for a quantized V cache.
     """
 
@@ -133,9 +143,12 @@ class Context:
         p.type_k = _ffi.GGML_TYPES[type_k]
         p.type_v = _ffi.GGML_TYPES[type_v]
         p.no_perf = True
-        if n_threads is not None:
-            p.n_threads = n_threads
-            p.n_threads_batch = n_threads
+        # llama.cpp's default is a fixed 4 threads; more threads than cores makes ggml's spinning
+        # barriers crawl (a defrag graph of many small copies ran ~30x slower on 2 cores)
+        n_threads = n_threads or _default_threads()
+        p.n_threads = n_threads
+        p.n_threads_batch = n_threads
+        self.n_threads = n_threads
         if defrag_thold is not None:
             p.defrag_thold = float(defrag_thold)
         with self._libobj.lock:

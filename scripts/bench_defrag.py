@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Benchmark 2: the cost of one full defrag against the memory it moves. Prints JSON.
+
+For caches of 2k, 8k and 32k cells and a 32-layer model, fragment the cache with single-cell holes
+(every other cell freed: half free), then time one full ``ctx.defrag()`` and read the moves and
+graphs from ``kv_stats()``. In the same run, time a numpy copy of the same number of bytes (the
+bytes the moved cells hold in K and V, all layers). Reported: bytes moved, ms, GB/s, the ratio to
+the numpy copy, and the vanilla build beside it (which stops after one graph's worth of moves and
+leaves holes).
+
+  python scripts/bench_defrag.py [--quick] [--json] [--cells 2048,8192,32768] [--layers 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pyllama_kv as pk  # noqa: E402
+from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
+
+TYPE_BYTES = {"f16": 2, "f32": 4}
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
+def numpy_copy_seconds(n_bytes: int, repeats: int = 3) -> float:
+    src = np.ones(n_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def one(model: pk.Model, n_cells: int, type_kv: str, n_threads: int | None) -> dict:
+    # the worst-case reserve after a defrag must stay inside the cache on the vanilla build (patch 0003):
+    # used cells end at n/2 after packing, so keep n_ubatch <= n/4
+    n_ubatch = min(512, n_cells // 4)
+    with model.context(n_ctx=n_cells, n_seq_max=2, n_batch=n_ubatch, n_ubatch=n_ubatch, type_k=type_kv,
+                       type_v=type_kv, n_threads=n_threads) as ctx:
+        a = ctx.new_sequence()
+        rng = np.random.default_rng(0)
+        a.extend(rng.integers(3, 300, n_cells).tolist())
+        for p in range(0, n_cells, 2):  # single-cell holes: half the cache free
+            ctx._L.llama_kv_self_seq_rm(ctx._ptr, a.id, p, p + 1)
+        before = ctx.kv_stats()
+        used_before = ctx.kv_cells() != -1
+        t = time.perf_counter()
+        ctx._L.llama_kv_self_defrag(ctx._ptr)
+        ctx._L.llama_kv_self_update(ctx._ptr)
+        secs = time.perf_counter() - t
+        after = ctx.kv_stats()
+        used_after = ctx.kv_cells() != -1
+    n_embd_kv = model.n_embd // model.n_head * model.n_head_kv
+    per_cell = model.n_layer * 2 * n_embd_kv * TYPE_BYTES[type_kv]
+    moved = int((used_after & ~used_before).sum())  # cells that landed in a former hole
+    n_bytes = moved * per_cell
+    np_s = numpy_copy_seconds(n_bytes) if n_bytes else float("nan")
+    return {
+        "library": "patched" if model.library["has_stats"] else "vanilla",
+        "n_cells": n_cells,
+        "used_cells": before.used_cells,
+        "holes_before": before.holes,
+        "holes_after": after.holes,
+        "cells_moved": moved,
+        "bytes_moved": n_bytes,
+        "ms": round(secs * 1000, 3),
+        "gb_per_s": round(n_bytes / secs / 1e9, 3),
+        "moves": after.moves,
+        "graphs": after.graphs,
+        "numpy_copy_ms": round(np_s * 1000, 3),
+        "numpy_gb_per_s": round(n_bytes / np_s / 1e9, 3) if n_bytes else None,
+        "ratio_to_numpy": round(secs / np_s, 2) if n_bytes else None,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default="2048,8192,32768", help="cache sizes (default 2048,8192,32768)")
+    ap.add_argument("--layers", type=int, default=32, help="model layers (default 32)")
+    ap.add_argument("--embd", type=int, default=256, help="model n_embd (default 256; KV heads are half the heads)")
+    ap.add_argument("--type", default="f16", choices=sorted(TYPE_BYTES), help="KV cache type (default f16)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads")
+    ap.add_argument("--quick", action="store_true", help="small sizes, for the test suite")
+    ap.add_argument("--json", action="store_true", help="compact JSON")
+    args = ap.parse_args(argv)
+    cells = [int(x) for x in args.cells.split(",")]
+    layers, embd = args.layers, args.embd
+    if args.quick:
+        cells, layers, embd = [512, 1024], 8, 64
+    out = {"benchmark": "defrag", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+           "model": {"n_layer": layers, "n_embd": embd}, "type_kv": args.type, "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        mp = make_tiny_model(Path(tmp) / "m.gguf", n_layer=layers, n_embd=embd, n_head=8, n_head_kv=4,
+                             n_ff=2 * embd, n_ctx_train=max(cells), dtype="f16")
+        for n in cells:
+            for lib in ("patched", "vanilla"):
+                with pk.Model(mp, lib=lib) as m:
+                    row = one(m, n, args.type, args.threads)
+                out["rows"].append(row)
+                print(f"  {lib:8} {n:6} cells: {row['ms']:9.1f} ms, {row['gb_per_s']:.3f} GB/s "
+                      f"(numpy {row['numpy_gb_per_s']} GB/s), holes left {row['holes_after']}", file=sys.stderr)
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
