@@ -36,7 +36,7 @@ patch: vendor
 	$(BIN)/pyllama-kv patch
 
 build: patch
-	$(BIN)/pyllama-kv build
+	$(BIN)/pyllama-kv build --tools
 	$(BIN)/pyllama-kv build --vanilla
 
 setup: build $(LCP)

@@ -18,11 +18,11 @@ from .errors import (DecodeError, InvalidInputError, KVCacheFullError, LibraryEr
 from .model import Model
 from .prefix import PrefixCache
 from .sampling import Sampler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Context", "DecodeError", "InvalidInputError", "KVCacheFullError", "KVStats", "LibraryError", "LlamaError",
-    "Model", "ModelLoadError", "PrefixCache", "Sampler", "Sequence", "library_info", "__version__",
+    "Model", "ModelLoadError", "PrefixCache", "Sampler", "Sequence", "SequenceState", "library_info", "__version__",
 ]

@@ -247,6 +247,10 @@ void llama_kv_self_defrag(struct llama_context * ctx);
 bool llama_kv_self_can_shift(const struct llama_context * ctx);
 void llama_kv_self_update(struct llama_context * ctx);
 
+size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
+
 int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
 int32_t llama_n_threads(struct llama_context * ctx);

@@ -104,8 +104,10 @@ def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_SERVER=OFF",
-        f"-DLLAMA_BUILD_COMMON={'ON' if tools else 'OFF'}",
-        f"-DLLAMA_BUILD_TOOLS={'ON' if tools else 'OFF'}",
+        # tools are configured always and built only on request (--tools), so that asking for them
+        # adds a target instead of changing the configuration of an existing build
+        "-DLLAMA_BUILD_COMMON=ON",
+        "-DLLAMA_BUILD_TOOLS=ON",
     ]
     if backend == "cpu":
         flags += ["-DGGML_CUDA=OFF", "-DGGML_METAL=OFF"]
@@ -258,6 +260,7 @@ def build(
     src = _prepare_source(variant, root, log)
     cmake_dir = bdir / "cmake"
     bdir.mkdir(parents=True, exist_ok=True)
+    previous = read_manifest(bdir) or {}
     (bdir / "manifest.json").unlink(missing_ok=True)
     if cmake_dir.exists() and reason in ("forced", "cmake_flags changed", "backend changed"):
         shutil.rmtree(cmake_dir)
@@ -275,9 +278,14 @@ def build(
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise BuildError(f"{variant}-{backend}: the build failed (exit {rc}); last lines of {log_path}:\n{tail}")
     lib = next((p for p in (cmake_dir / "bin" / lib_name(), cmake_dir / "src" / lib_name()) if p.is_file()), None)
+    for t in TOOLS if tools else ():
+        if not (cmake_dir / "bin" / t).is_file():
+            raise BuildError(f"{variant}-{backend}: the build finished but {t} is not in {cmake_dir}/bin")
     if lib is None:
         raise BuildError(f"{variant}-{backend}: the build finished but {lib_name()} is not in {cmake_dir}/bin")
     manifest = dict(wanted)
+    if reason == "tools not built":  # same sources and flags: earlier tools are still current
+        manifest["tools"] = sorted(set(previous.get("tools", [])) | set(manifest["tools"]))
     manifest.update({
         "lib": str(lib.resolve()),
         "bin_dir": str((cmake_dir / "bin").resolve()),

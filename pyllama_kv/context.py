@@ -270,6 +270,34 @@ class Context:
     def _tmp_id(self) -> int | None:
         return self._free_ids[0] if self._free_ids else None
 
+    def import_sequence(self, state):
+        """A new sequence holding the cells and tokens of ``state`` (from Sequence.export_state).
+
+        The cells are written, not computed. They must fit in one contiguous run of free cells
+        (llama.cpp's restore has no defrag retry): KVCacheFullError otherwise; nothing is changed.
+        """
+        from .sequence import SequenceState
+
+        with self._lock:
+            self._check_open()
+            if not isinstance(state, SequenceState):
+                raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
+            toks = self.model.check_tokens(state.tokens)
+            if toks.size > self.n_ctx:
+                raise KVCacheFullError(f"the state holds {toks.size} cells, more than n_ctx={self.n_ctx}")
+            s = self.new_sequence()
+            if toks.size:
+                buf = ffi.from_buffer("uint8_t[]", state.data)
+                got = self._L.llama_state_seq_set_data(self._ptr, buf, len(state.data), s.id)
+                if got == 0:
+                    s.close()
+                    st = self.kv_stats()
+                    raise KVCacheFullError(
+                        f"could not restore {toks.size} cells: largest free block {st.largest_free_block} of "
+                        f"{st.free_cells} free (or the state is from another model)")
+                s._tokens = [int(t) for t in toks]
+            return s
+
     # -- decoding -------------------------------------------------------------------------------
 
     @property

@@ -11,12 +11,23 @@ nothing. Removals whose tail is private use llama.cpp's K-shift (no decode at al
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from . import _ffi
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
 
 ffi = _ffi.ffi
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """The saved cells and tokens of a sequence (see Sequence.export_state)."""
+
+    tokens: list
+    data: bytes
+    model: str = ""
 
 
 def _index(name: str, v, lo: int, hi: int) -> int:
@@ -236,6 +247,23 @@ class Sequence:
         finally:
             if fn is not None:
                 ctx.abort_callback = fn
+
+    # -- saving and restoring -------------------------------------------------------------------
+
+    def export_state(self) -> "SequenceState":
+        """A copy of this sequence's cells (K/V data and positions) and tokens, to restore later into
+        this context or another context of the same model with :meth:`Context.import_sequence`."""
+        ctx = self._ctx
+        with ctx.lock:
+            self._check()
+            ctx._L.llama_kv_self_update(ctx._ptr)  # apply pending K-shifts: the state copies the K data
+            n = ctx._L.llama_state_seq_get_size(ctx._ptr, self.id)
+            buf = ffi.new("uint8_t[]", n)
+            got = ctx._L.llama_state_seq_get_data(ctx._ptr, buf, n, self.id)
+            if got == 0 and len(self._tokens):
+                raise LlamaError(f"could not read the state of sequence {self.id}")
+            return SequenceState(tokens=list(self._tokens), data=bytes(ffi.buffer(buf, got)),
+                                 model=str(ctx.model.path))
 
     # -- lifecycle ------------------------------------------------------------------------------
 

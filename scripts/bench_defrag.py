@@ -58,13 +58,17 @@ def one(model: pk.Model, n_cells: int, type_kv: str, n_threads: int | None) -> d
     # the worst-case reserve after a defrag must stay inside the cache on the vanilla build (patch 0003):
     # used cells end at n/2 after packing, so keep n_ubatch <= n/4
     n_ubatch = min(512, n_cells // 4)
-    with model.context(n_ctx=n_cells, n_seq_max=2, n_batch=n_ubatch, n_ubatch=n_ubatch, type_k=type_kv,
-                       type_v=type_kv, n_threads=n_threads) as ctx:
+    chunk = min(n_cells, 1024)
+    with model.context(n_ctx=n_cells, n_seq_max=n_cells // chunk, n_batch=n_ubatch, n_ubatch=n_ubatch,
+                       type_k=type_kv, type_v=type_kv, n_threads=n_threads) as ctx:
+        # fill the cache: compute `chunk` cells once, then write copies of them (no compute)
         a = ctx.new_sequence()
-        rng = np.random.default_rng(0)
-        a.extend(rng.integers(3, 300, n_cells).tolist())
-        for p in range(0, n_cells, 2):  # single-cell holes: half the cache free
-            ctx._L.llama_kv_self_seq_rm(ctx._ptr, a.id, p, p + 1)
+        a.extend(np.random.default_rng(0).integers(3, 300, chunk).tolist())
+        state = a.export_state()
+        seqs = [a] + [ctx.import_sequence(state) for _ in range(n_cells // chunk - 1)]
+        for s in seqs:  # single-cell holes: half the cache free
+            for p in range(0, chunk, 2):
+                ctx._L.llama_kv_self_seq_rm(ctx._ptr, s.id, p, p + 1)
         before = ctx.kv_stats()
         used_before = ctx.kv_cells() != -1
         t = time.perf_counter()

@@ -492,3 +492,23 @@ def test_prefix_cache_reuses_the_longest_prefix(model, ref):
             h.close()
         pc.clear()
         assert len(pc) == 0
+
+
+def test_export_and_import_a_sequence(model, ctx, ref):
+    a = ctx.new_sequence()
+    a.extend(toks(25))
+    a.remove(3, 6)  # a pending K-shift must be applied before the cells are copied
+    state = a.export_state()
+    assert state.tokens == a.tokens and len(state.data) > 0
+    with model.context(n_ctx=256, n_seq_max=2, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32") as other:
+        b = other.import_sequence(state)
+        assert b.tokens == a.tokens
+        np.testing.assert_allclose(b.logits(), a.logits(), atol=F32_ATOL)
+        used = other.kv_stats().used_cells
+        with pytest.raises(pk.InvalidInputError):
+            other.import_sequence(b"junk")
+        with model.context(n_ctx=16, n_seq_max=1) as small:
+            with pytest.raises(pk.KVCacheFullError):
+                small.import_sequence(state)
+            assert small.kv_stats().used_cells == 0 and small.free_sequence_ids == 1
+        assert other.kv_stats().used_cells == used

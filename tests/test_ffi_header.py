@@ -19,8 +19,8 @@ from pycparser import c_ast, c_generator
 from pyllama_kv import _ffi, _paths
 
 PRELUDE = ("typedef int int32_t; typedef unsigned int uint32_t; typedef long int64_t; typedef unsigned long uint64_t;"
-           "typedef signed char int8_t; typedef unsigned long size_t; typedef unsigned long uintptr_t; typedef _Bool bool;\n")
-STD = {"int32_t", "uint32_t", "int64_t", "uint64_t", "int8_t", "size_t", "uintptr_t", "bool"}
+           "typedef signed char int8_t; typedef unsigned char uint8_t; typedef unsigned long size_t; typedef unsigned long uintptr_t; typedef _Bool bool;\n")
+STD = {"int32_t", "uint32_t", "int64_t", "uint64_t", "int8_t", "uint8_t", "size_t", "uintptr_t", "bool"}
 
 
 def _type_text(node) -> str:

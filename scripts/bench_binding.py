@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Benchmark 1: the Python binding against llama.cpp's own C++ llama-batched-bench. Prints JSON.
+
+Both run in this one invocation, on the same model (a random 8-layer, n_embd 512 llama written with
+the gguf package, so decoding dominates), the same patched library build, context, batch sizes and
+threads: prompt 128 and generation 128 tokens for 1, 2, 4, 8 parallel sequences. The Python side
+uses ``ctx.decode`` exactly as batched-bench uses llama_decode: one batch with every sequence's
+prompt, then one batch per generation step with one token per sequence. Reported per row: prompt
+and generation tokens/s of both and the ratio python/C++ (1.0 = as fast).
+
+Needs `pyllama-kv build --tools` (make setup does it).
+
+  python scripts/bench_binding.py [--quick] [--json] [--npl 1,2,4,8] [--pp 128] [--tg 128]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pyllama_kv as pk  # noqa: E402
+from pyllama_kv import build as _build  # noqa: E402
+from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
+
+from bench_defrag import machine  # noqa: E402
+
+
+def batched_bench_path() -> Path:
+    for b in _build.find_builds():
+        if b.get("variant") == "patched" and "llama-batched-bench" in b.get("tools", []):
+            p = Path(b["bin_dir"]) / "llama-batched-bench"
+            if p.is_file():
+                return p
+    raise SystemExit("llama-batched-bench is not built: run `pyllama-kv build --tools` (make setup does it)")
+
+
+def run_cpp(exe: Path, model: Path, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
+            threads: int) -> dict[int, dict]:
+    cmd = [str(exe), "-m", str(model), "-c", str(n_ctx), "-b", str(n_batch), "-ub", str(n_ubatch),
+           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, npl)), "-t", str(threads), "-tb", str(threads),
+           "--output-format", "jsonl", "-ngl", "0"]
+    env = dict(os.environ, LLAMA_ARG_THREADS=str(threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"llama-batched-bench failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    rows = {}
+    for line in (r.stdout + "\n" + r.stderr).splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_pp"' in line:
+            d = json.loads(line)
+            rows[d["pl"]] = d
+    return rows
+
+
+def run_py(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
+           threads: int) -> dict[int, dict]:
+    rows = {}
+    with model.context(n_ctx=n_ctx, n_seq_max=max(npl), n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads) as ctx:
+        warm = ctx.new_sequence()
+        warm.extend(list(range(16)))  # the same warm-up as batched-bench
+        warm.close()
+        for pl in npl:
+            if pl * (pp + tg) > n_ctx:
+                continue
+            ctx.clear()
+            for s in ctx.sequences:
+                s.close()
+            seqs = [ctx.new_sequence() for _ in range(pl)]
+            t0 = time.perf_counter()
+            ctx.decode({s: [0] * pp for s in seqs})
+            t1 = time.perf_counter()
+            step = [0]
+            for _ in range(tg):
+                ctx.decode({s: step for s in seqs})
+            t2 = time.perf_counter()
+            rows[pl] = {"pl": pl, "t_pp": t1 - t0, "speed_pp": pl * pp / (t1 - t0),
+                        "t_tg": t2 - t1, "speed_tg": pl * tg / (t2 - t1)}
+            for s in seqs:
+                s.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--npl", default="1,2,4,8", help="parallel sequences (default 1,2,4,8)")
+    ap.add_argument("--pp", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    ap.add_argument("--tg", type=int, default=128, help="generated tokens per sequence (default 128)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--embd", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--repeat", type=int, default=2, help="alternate C++ and Python runs this many times; best of each")
+    ap.add_argument("--quick", action="store_true", help="a small model and sizes, for the test suite")
+    ap.add_argument("--json", action="store_true", help="compact JSON")
+    args = ap.parse_args(argv)
+    npl = [int(x) for x in args.npl.split(",")]
+    pp, tg, layers, embd, repeat = args.pp, args.tg, args.layers, args.embd, args.repeat
+    if args.quick:
+        npl, pp, tg, layers, embd, repeat = [1, 2], 16, 8, 2, 64, 1
+    n_ctx = max(npl) * (pp + tg)
+    n_ctx = (n_ctx + 255) // 256 * 256
+    n_batch, n_ubatch = 2048, 512
+    exe = batched_bench_path()
+    out = {"benchmark": "binding", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+           "model": {"n_layer": layers, "n_embd": embd, "dtype": "f16"},
+           "settings": {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "pp": pp, "tg": tg, "npl": npl,
+                        "threads": args.threads, "flash_attn": False, "repeat": repeat},
+           "library": str(exe.parent / "libllama.so"), "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        mp = make_tiny_model(Path(tmp) / "bench.gguf", n_layer=layers, n_embd=embd, n_head=8, n_head_kv=8,
+                             n_ff=4 * embd, dtype="f16", n_ctx_train=max(4096, n_ctx))
+        best_cpp: dict[int, dict] = {}
+        best_py: dict[int, dict] = {}
+        with pk.Model(mp) as model:
+            for _ in range(repeat):  # interleaved, so that both see the same machine state
+                for pl, d in run_cpp(exe, mp, n_ctx, n_batch, n_ubatch, pp, tg, npl, args.threads).items():
+                    b = best_cpp.setdefault(pl, d)
+                    b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
+                    b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
+                for pl, d in run_py(model, n_ctx, n_batch, n_ubatch, pp, tg, npl, args.threads).items():
+                    b = best_py.setdefault(pl, d)
+                    b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
+                    b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
+    for pl in npl:
+        c, p = best_cpp.get(pl), best_py.get(pl)
+        if not c or not p:
+            continue
+        row = {"parallel": pl, "cpp_pp_tps": round(c["speed_pp"], 1), "py_pp_tps": round(p["speed_pp"], 1),
+               "pp_ratio": round(p["speed_pp"] / c["speed_pp"], 3),
+               "cpp_tg_tps": round(c["speed_tg"], 1), "py_tg_tps": round(p["speed_tg"], 1),
+               "tg_ratio": round(p["speed_tg"] / c["speed_tg"], 3)}
+        out["rows"].append(row)
+        print(f"  npl {pl}: pp C++ {row['cpp_pp_tps']:8.1f} py {row['py_pp_tps']:8.1f} ({row['pp_ratio']:.3f})   "
+              f"tg C++ {row['cpp_tg_tps']:8.1f} py {row['py_tg_tps']:8.1f} ({row['tg_ratio']:.3f})", file=sys.stderr)
+    out["min_ratio"] = min((min(r["pp_ratio"], r["tg_ratio"]) for r in out["rows"]), default=None)
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

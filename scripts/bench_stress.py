@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Benchmark 3: the server-like workload (`pyllama-kv stress`) at 4, 8 and 16 sequences. Prints JSON.
+
+For each concurrency, with the same seeds, in one run: the patched build, the vanilla build, and
+the patched build serving the same requests one after another (--sequential: no fragmentation).
+Reported: tokens/s, slot failures, defrags, the time spent in defrag as a share of the run, and the
+ratios patched/vanilla and patched/sequential tokens/s.
+
+  python scripts/bench_stress.py [--quick] [--json] [--seqs 4,8,16] [--seeds 0,1] [--steps 300]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pyllama_kv as pk  # noqa: E402
+from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
+from pyllama_kv.workload import StressConfig, run_stress  # noqa: E402
+
+from bench_defrag import machine  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", default="4,8,16")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--embd", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="one small configuration, for the test suite")
+    ap.add_argument("--json", action="store_true", help="compact JSON")
+    args = ap.parse_args(argv)
+    seqs = [int(x) for x in args.seqs.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    steps, n_ctx = args.steps, args.ctx
+    if args.quick:
+        seqs, seeds, steps = [8], [0], 120
+    out = {"benchmark": "stress", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+           "model": {"n_layer": args.layers, "n_embd": args.embd}, "n_ctx": n_ctx, "steps": steps, "seeds": seeds,
+           "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        mp = make_tiny_model(Path(tmp) / "m.gguf", n_layer=args.layers, n_embd=args.embd)
+        models = {lib: pk.Model(mp, lib=lib) for lib in ("patched", "vanilla")}
+        try:
+            for n in seqs:
+                agg = {}
+                for mode, lib, sequential in (("patched", "patched", False), ("vanilla", "vanilla", False),
+                                              ("sequential", "patched", True)):
+                    tot = {"tokens": 0, "seconds": 0.0, "slot_failures": 0, "failed_requests": 0, "preempted": 0,
+                           "defrags": 0, "defrag_seconds": 0.0, "completed": 0, "peak_fragmentation": 0.0}
+                    for seed in seeds:
+                        cfg = StressConfig(n_seqs=n, n_ctx=n_ctx, steps=steps, seed=seed, sequential=sequential)
+                        r, _ = run_stress(models[lib], cfg)
+                        d = r.as_dict()
+                        tot["tokens"] += d["tokens"]
+                        tot["seconds"] += d["seconds"]
+                        tot["slot_failures"] += d["slot_failures"]
+                        tot["failed_requests"] += d["failed_requests"]
+                        tot["preempted"] += d["preempted"]
+                        tot["completed"] += d["requests"]["completed"]
+                        tot["defrags"] += d["kv"].get("defrags") or 0
+                        tot["defrag_seconds"] += d["kv"].get("defrag_seconds") or 0.0
+                        tot["peak_fragmentation"] = max(tot["peak_fragmentation"], d["peak_fragmentation"])
+                    tot["tokens_per_s"] = round(tot["tokens"] / tot["seconds"], 1)
+                    tot["defrag_share"] = round(tot["defrag_seconds"] / tot["seconds"], 4) if lib == "patched" else None
+                    tot["seconds"] = round(tot["seconds"], 3)
+                    tot["defrag_seconds"] = round(tot["defrag_seconds"], 4)
+                    agg[mode] = tot
+                row = {"n_seqs": n, **agg,
+                       "patched_vs_vanilla_tps": round(agg["patched"]["tokens_per_s"] / agg["vanilla"]["tokens_per_s"], 3),
+                       "patched_vs_sequential_tps": round(agg["patched"]["tokens_per_s"] / agg["sequential"]["tokens_per_s"], 3)}
+                out["rows"].append(row)
+                print(f"  {n:2} seqs: patched {agg['patched']['tokens_per_s']:8.1f} tok/s ({agg['patched']['slot_failures']} "
+                      f"failures, defrag {agg['patched']['defrag_share']:.1%}), vanilla {agg['vanilla']['tokens_per_s']:8.1f} "
+                      f"({agg['vanilla']['slot_failures']} failures), sequential {agg['sequential']['tokens_per_s']:8.1f}",
+                      file=sys.stderr)
+        finally:
+            for m in models.values():
+                m.close()
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
