@@ -58,7 +58,9 @@ def test_library_info(patched_lib):
     assert info["path"] == patched_lib
     assert info["variant"] == "patched" and info["backend"] == "cpu"
     assert info["revision"].startswith("8733e0c")
-    assert len(info["patches"]) == 5 and info["has_stats"]
+    from pyllama_kv import patch as P
+
+    assert info["patches"] == [p.name for p in P.series()] and info["has_stats"]
 
 
 def test_env_override_selects_the_vanilla_library(vanilla_lib):
@@ -388,7 +390,12 @@ def test_fragmentation_vanilla_raises_patched_retries(tiny_model, vanilla_lib):
     assert st.holes == 0 and st.used_cells == 144
 
 
-def test_explicit_defrag_packs_and_counts(ctx):
+@pytest.mark.parametrize("graph", [False, True], ids=["memcpy", "graph"])
+def test_explicit_defrag_packs_and_counts(ctx, ref, graph, monkeypatch):
+    """Both execution paths of the patched defrag: memcpy for a host cache (0006), ggml graphs
+    otherwise (forced here with LLAMA_KV_DEFRAG_GRAPH=1)."""
+    if graph:
+        monkeypatch.setenv("LLAMA_KV_DEFRAG_GRAPH", "1")
     seqs = [ctx.new_sequence() for _ in range(6)]
     ctx.decode({s: toks(10, seed=i) for i, s in enumerate(seqs)})
     seqs[0].close()
@@ -396,8 +403,10 @@ def test_explicit_defrag_packs_and_counts(ctx):
     seqs[4].truncate(3)
     assert ctx.kv_stats().holes > 0
     st = ctx.defrag()
-    assert st.holes == 0 and st.defrags == 1 and st.moves > 0 and st.graphs == 1
-    assert st.largest_free_block == st.free_cells
+    assert st.holes == 0 and st.defrags == 1 and st.moves > 0 and st.graphs == (1 if graph else 0)
+    assert st.largest_free_block == st.free_cells and st.defrag_seconds > 0
+    for s in (seqs[1], seqs[3], seqs[4], seqs[5]):
+        np.testing.assert_allclose(s.logits(recompute=True), ref(s.tokens), atol=F32_ATOL)
 
 
 def test_vanilla_defrag_is_refused_when_it_would_abort(tiny_model, vanilla_lib):

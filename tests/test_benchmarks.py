@@ -38,7 +38,7 @@ def test_bench_defrag():
         assert r["used_cells"] == r["n_cells"] // 2 and r["holes_before"] > 0
         assert r["ms"] > 0 and r["bytes_moved"] > 0 and r["numpy_copy_ms"] > 0 and r["ratio_to_numpy"] > 0
         if r["library"] == "patched":
-            assert r["holes_after"] == 0 and r["moves"] > 0 and r["graphs"] >= 1
+            assert r["holes_after"] == 0 and r["moves"] > 0 and r["graphs"] == 0  # memcpy on host (0006)
             assert r["cells_moved"] == r["n_cells"] // 4  # half of the used cells sit above n_used
         else:
             assert r["moves"] is None

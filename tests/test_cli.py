@@ -103,7 +103,7 @@ def test_stress_fails_on_vanilla_not_on_patched(stress_pair):
     assert v["slot_failures"] > 0 and v["free_at_failures"] > 0
     assert p["slot_failures"] == 0 and p["failed_requests"] == 0
     assert p["kv"]["slot_retries"] > 0 and p["kv"]["defrags"] >= p["kv"]["slot_retries"]
-    assert p["kv"]["moves"] > 0 and p["kv"]["graphs"] > 0 and 0 <= p["kv"]["defrag_share"] < 1
+    assert p["kv"]["moves"] > 0 and p["kv"]["graphs"] == 0 and 0 <= p["kv"]["defrag_share"] < 1  # memcpy on host
     assert v["kv"]["defrags"] is None
     for d in (v, p):
         assert d["steps"] == 200 and d["decode_calls"] >= 200 and d["tokens"] > 0 and d["tokens_per_s"] > 0

@@ -87,7 +87,8 @@ class KVMachine(RuleBasedStateMachine):
 
     def teardown(self):
         st_ = self.ctx.kv_stats()
-        agg = RUN_STATS.setdefault(self.name, {"slot_retries": 0, "defrags": 0, "moves": 0, "full": 0})
+        agg = RUN_STATS.setdefault(self.name, {"slot_retries": 0, "defrags": 0, "moves": 0, "graphs": 0, "full": 0})
+        agg["graphs"] += st_.graphs or 0
         agg["slot_retries"] += st_.slot_retries or 0
         agg["defrags"] += st_.defrags or 0
         agg["moves"] += st_.moves or 0
@@ -245,6 +246,7 @@ class KVMachine(RuleBasedStateMachine):
 CONFIGS = [
     # name, n_layer, flash_attn, kv_type, shifts
     ("2l-f32", 2, False, "f32", False),
+    ("2l-f32-graphdefrag", 2, False, "f32", False),  # defrag through ggml graphs instead of memcpy
     ("2l-f32-fa", 2, True, "f32", False),
     ("2l-f16", 2, False, "f16", False),
     ("1l-f32-shift", 1, False, "f32", True),
@@ -267,7 +269,9 @@ def oracle_root(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_semantics_oracle(cfg, oracle_root):
+def test_semantics_oracle(cfg, oracle_root, monkeypatch):
+    if "graphdefrag" in cfg[0]:
+        monkeypatch.setenv("LLAMA_KV_DEFRAG_GRAPH", "1")
     machine = make_machine(*cfg, oracle_root)
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()
@@ -281,4 +285,7 @@ def test_oracle_exercised_fragmentation_retries_and_defrags():
     total = {k: sum(v[k] for v in RUN_STATS.values()) for k in ("slot_retries", "defrags", "moves")}
     assert total["slot_retries"] > 0, RUN_STATS
     assert total["defrags"] > total["slot_retries"] - 1 and total["moves"] > 0, RUN_STATS
+    # both defrag paths ran: graphs only where forced, memcpy elsewhere
+    assert RUN_STATS["2l-f32-graphdefrag"]["graphs"] > 0, RUN_STATS
+    assert all(v["graphs"] == 0 for k, v in RUN_STATS.items() if "graphdefrag" not in k), RUN_STATS
 

@@ -14,8 +14,8 @@ from conftest import run_py
 SCRIPT = "scripts/reproduce_kv_failures.py"
 
 
-def _run(lib: str, case: str):
-    r = run_py([SCRIPT, "--lib", lib, "--case", case, "--json"], timeout=600)
+def _run(lib: str, case: str, env: dict | None = None):
+    r = run_py([SCRIPT, "--lib", lib, "--case", case, "--json"], timeout=600, env=env)
     doc = json.loads(r.stdout) if r.returncode == 0 else None
     return r, (doc["cases"][case] if doc else None)
 
@@ -45,7 +45,9 @@ def test_slot_patched_retries_after_defrag(slot):
 
 @pytest.fixture(scope="module")
 def holes():
-    return {lib: _run(lib, "defrag-holes") for lib in ("vanilla", "patched")}
+    out = {lib: _run(lib, "defrag-holes") for lib in ("vanilla", "patched")}
+    out["patched-graph"] = _run("patched", "defrag-holes", env={"LLAMA_KV_DEFRAG_GRAPH": "1"})
+    return out
 
 
 def test_defrag_vanilla_leaves_holes_beyond_one_graph(holes):
@@ -57,7 +59,8 @@ def test_defrag_vanilla_leaves_holes_beyond_one_graph(holes):
 
 
 def test_defrag_patched_packs_completely_in_several_graphs(holes):
-    r, c = holes["patched"]
+    """The graph path (device caches; forced here): as many graphs as the node limit requires."""
+    r, c = holes["patched-graph"]
     assert r.returncode == 0, r.stderr[-2000:]
     assert c["after"]["packed"] and c["after"]["holes_below_last_used"] == 0
     assert c["after"]["used_cells"] == c["before"]["used_cells"]
@@ -65,6 +68,16 @@ def test_defrag_patched_packs_completely_in_several_graphs(holes):
     assert s["n_defrags"] == 1
     assert s["n_defrag_moves"] > c["max_moves_per_graph"]
     assert s["n_defrag_graphs"] == -(-s["n_defrag_moves"] // c["max_moves_per_graph"])  # ceil
+
+
+def test_defrag_patched_packs_completely_with_memcpy_on_host(holes):
+    """The host path (patch 0006): the same plan, copied with memcpy, no graphs."""
+    r, c = holes["patched"]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert c["after"] == holes["patched-graph"][1]["after"]
+    s = c["stats"]
+    assert s["n_defrags"] == 1 and s["n_defrag_graphs"] == 0
+    assert s["n_defrag_moves"] == holes["patched-graph"][1]["stats"]["n_defrag_moves"]
 
 
 def test_defrag_abort_vanilla_kills_the_process():
