@@ -33,6 +33,18 @@ def _print_json(obj) -> None:
 def cmd_vendor(args) -> int:
     from . import vendor
 
+    if args.fingerprint:
+        pin = vendor.Pin.load()
+        tree = Path(args.fingerprint)
+        if not (tree / "include" / "llama.h").is_file():
+            raise CLIError(f"{tree} is not a llama.cpp tree (no include/llama.h)")
+        fp = vendor.fingerprint(tree, pin.fingerprint_paths)
+        if args.json:
+            _print_json({"tree": str(tree), "paths": list(pin.fingerprint_paths), "sha256": fp,
+                         "matches_pin": fp == pin.fingerprint_sha256})
+        else:
+            print(fp)
+        return 0
     res = vendor.vendor(source=Path(args.source) if args.source else None, force=args.force, log=_log)
     if args.json:
         _print_json({"path": str(res.path), "revision": res.revision, "source": res.source,
@@ -540,6 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "sha256-checked, cached in ~/.cache/pyllama-kv) into vendor/llama.cpp.")
     s.add_argument("--source", metavar="PATH", help="use an existing llama.cpp checkout or tarball at the pinned revision")
     s.add_argument("--force", action="store_true", help="replace vendor/llama.cpp even if it already holds the pin")
+    s.add_argument("--fingerprint", metavar="DIR", help="print the fingerprint of an unpatched llama.cpp tree (for a new pin)")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_vendor)
 

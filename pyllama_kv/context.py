@@ -53,6 +53,19 @@ class KVStats:
         return asdict(self)
 
 
+def _fast_tokens(toks, n_vocab: int) -> list | None:
+    """``toks`` itself when it is a list of in-range Python ints (the common case, checked without
+    numpy); None when the general check must decide."""
+    if type(toks) is not list or not toks:
+        return None
+    for t in toks:
+        if type(t) is not int:
+            return None
+    if min(toks) < 0 or max(toks) >= n_vocab:
+        return None
+    return toks
+
+
 def _default_threads() -> int:
     """The CPU cores this process may run on."""
     try:
@@ -351,20 +364,28 @@ class Context:
             chunks.append(cur)
         try:
             for chunk in chunks:
-                n = 0
+                # fill the batch with one numpy assignment per array (lists built in Python are
+                # cheaper than a numpy call per sequence for the many small pieces of a generation step)
+                tok: list[int] = []
+                pos: list[int] = []
+                sid_l: list[int] = []
                 outs = []
                 for e, lo, hi, pos0 in chunk:
                     sid, toks, _ = plan[e]
                     k = hi - lo
-                    b.np_token[n:n + k] = toks[lo:hi]
-                    b.np_pos[n:n + k] = np.arange(pos0 + lo, pos0 + hi, dtype=np.int32)
-                    b.np_sid[n:n + k] = sid
-                    b.np_out[n:n + k] = 0
+                    tok.extend(toks[lo:hi] if (lo or hi != len(toks)) else toks)
+                    pos.extend(range(pos0 + lo, pos0 + hi))
+                    sid_l.extend([sid] * k)
                     if hi == len(toks) and want_logits:
-                        b.np_out[n + k - 1] = 1
-                        outs.append((e, n + k - 1))
-                    n += k
-                if not outs:  # llama.cpp wants at least one output; keep the last token's
+                        outs.append((e, len(tok) - 1))
+                n = len(tok)
+                b.np_token[:n] = tok
+                b.np_pos[:n] = pos
+                b.np_sid[:n] = sid_l
+                b.np_out[:n] = 0
+                if outs:
+                    b.np_out[[bidx for _, bidx in outs]] = 1
+                else:  # llama.cpp wants at least one output; keep the last token's
                     b.np_out[n - 1] = 1
                 b.batch.n_tokens = n
                 rc = L.llama_decode(self._ptr, b.batch[0])
@@ -373,10 +394,11 @@ class Context:
                     raise self._decode_error(rc)
                 if outs:
                     ptr = L.llama_get_logits(self._ptr)
+                    # one copy for all rows of this call; each sequence gets a row of it
                     rows = np.frombuffer(ffi.buffer(ptr, len(outs) * n_vocab * 4), dtype=np.float32)
-                    rows = rows.reshape(len(outs), n_vocab)
+                    rows = rows.reshape(len(outs), n_vocab).copy()
                     for i, (e, bidx) in enumerate(outs):
-                        results[e] = rows[i].copy()
+                        results[e] = rows[i]
                         self._last_out[plan[e][0]] = (self._decode_serial, bidx)
         except BaseException:
             # llama_decode restored its own partial cells; remove what earlier chunks added
@@ -413,24 +435,29 @@ class Context:
             plan = []
             seqs = []
             total = 0
+            n_vocab = self.model.n_vocab
             for seq, toks in batch.items():
-                self._own(seq)
-                arr = self.model.check_tokens(toks)
-                if arr.size == 0:
+                if type(seq) is not _Sequence or seq._ctx is not self or seq._closed:
+                    self._own(seq)  # raises the precise error
+                arr = _fast_tokens(toks, n_vocab)
+                if arr is None:  # not a plain list of ints: the general (numpy) check
+                    arr = self.model.check_tokens(toks).tolist()
+                if not arr:
                     raise InvalidInputError(f"empty token list for sequence {seq.id}")
-                if len(seq._tokens) + arr.size > self.n_ctx:
+                n_new = len(arr)
+                if len(seq._tokens) + n_new > self.n_ctx:
                     raise KVCacheFullError(
-                        f"sequence {seq.id} would hold {len(seq._tokens) + arr.size} positions, more than n_ctx={self.n_ctx}")
+                        f"sequence {seq.id} would hold {len(seq._tokens) + n_new} positions, more than n_ctx={self.n_ctx}")
                 plan.append((seq.id, arr, len(seq._tokens)))
                 seqs.append(seq)
-                total += arr.size
+                total += n_new
             used = int(self._L.llama_kv_self_used_cells(self._ptr))
             if total > self.n_ctx - used:
                 raise KVCacheFullError(f"the batch needs {total} cells but only {self.n_ctx - used} of {self.n_ctx} are free")
             results = self._raw_decode(plan)
             out = {}
             for seq, (sid, arr, _), logits in zip(seqs, plan, results):
-                seq._tokens.extend(int(t) for t in arr)
+                seq._tokens.extend(arr)
                 seq._logits = logits
                 out[seq] = logits
             return out
@@ -540,3 +567,5 @@ class Context:
         mine = (seqs == sid).any(axis=1) & (pos >= lo)
         return int((mine & ((seqs >= 0).sum(axis=1) == 1)).sum())
 
+
+from .sequence import Sequence as _Sequence  # noqa: E402  (after Context: sequence imports us lazily)

@@ -6,7 +6,8 @@ the gguf package, so decoding dominates), the same patched library build, contex
 threads: prompt 128 and generation 128 tokens for 1, 2, 4, 8 parallel sequences. The Python side
 uses ``ctx.decode`` exactly as batched-bench uses llama_decode: one batch with every sequence's
 prompt, then one batch per generation step with one token per sequence. Reported per row: prompt
-and generation tokens/s of both and the ratio python/C++ (1.0 = as fast).
+and generation tokens/s of both, the ratio python/C++ (1.0 = as fast), and the share of the Python
+generation loop spent outside llama_decode (the binding's own cost, measured within one run).
 
 Needs `pyllama-kv build --tools` (make setup does it).
 
@@ -59,10 +60,30 @@ def run_cpp(exe: Path, model: Path, n_ctx: int, n_batch: int, n_ubatch: int, pp:
     return rows
 
 
+class _TimedLib:
+    """Delegates to the cffi library, timing llama_decode: the rest of a Python step is the binding's."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self.in_decode = 0.0
+
+    def llama_decode(self, ctx, batch):
+        t = time.perf_counter()
+        try:
+            return self._lib.llama_decode(ctx, batch)
+        finally:
+            self.in_decode += time.perf_counter() - t
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
 def run_py(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
            threads: int) -> dict[int, dict]:
     rows = {}
     with model.context(n_ctx=n_ctx, n_seq_max=max(npl), n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads) as ctx:
+        timed = _TimedLib(ctx._L)
+        ctx._L = timed
         warm = ctx.new_sequence()
         warm.extend(list(range(16)))  # the same warm-up as batched-bench
         warm.close()
@@ -77,11 +98,13 @@ def run_py(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg
             ctx.decode({s: [0] * pp for s in seqs})
             t1 = time.perf_counter()
             step = [0]
+            timed.in_decode = 0.0
             for _ in range(tg):
                 ctx.decode({s: step for s in seqs})
             t2 = time.perf_counter()
             rows[pl] = {"pl": pl, "t_pp": t1 - t0, "speed_pp": pl * pp / (t1 - t0),
-                        "t_tg": t2 - t1, "speed_tg": pl * tg / (t2 - t1)}
+                        "t_tg": t2 - t1, "speed_tg": pl * tg / (t2 - t1),
+                        "tg_outside_decode": (t2 - t1 - timed.in_decode) / (t2 - t1)}
             for s in seqs:
                 s.close()
     return rows
@@ -127,6 +150,7 @@ def main(argv=None) -> int:
                     b = best_py.setdefault(pl, d)
                     b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
                     b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
+                    b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])
     for pl in npl:
         c, p = best_cpp.get(pl), best_py.get(pl)
         if not c or not p:
@@ -134,11 +158,16 @@ def main(argv=None) -> int:
         row = {"parallel": pl, "cpp_pp_tps": round(c["speed_pp"], 1), "py_pp_tps": round(p["speed_pp"], 1),
                "pp_ratio": round(p["speed_pp"] / c["speed_pp"], 3),
                "cpp_tg_tps": round(c["speed_tg"], 1), "py_tg_tps": round(p["speed_tg"], 1),
-               "tg_ratio": round(p["speed_tg"] / c["speed_tg"], 3)}
+               "tg_ratio": round(p["speed_tg"] / c["speed_tg"], 3),
+               # share of the Python generation loop spent outside llama_decode: the binding's own cost,
+               # measured inside one run (immune to the machine's drift between the two programs)
+               "py_tg_overhead": round(p["tg_outside_decode"], 4)}
         out["rows"].append(row)
         print(f"  npl {pl}: pp C++ {row['cpp_pp_tps']:8.1f} py {row['py_pp_tps']:8.1f} ({row['pp_ratio']:.3f})   "
-              f"tg C++ {row['cpp_tg_tps']:8.1f} py {row['py_tg_tps']:8.1f} ({row['tg_ratio']:.3f})", file=sys.stderr)
+              f"tg C++ {row['cpp_tg_tps']:8.1f} py {row['py_tg_tps']:8.1f} ({row['tg_ratio']:.3f}), "
+              f"binding overhead {row['py_tg_overhead']:.2%}", file=sys.stderr)
     out["min_ratio"] = min((min(r["pp_ratio"], r["tg_ratio"]) for r in out["rows"]), default=None)
+    out["max_py_tg_overhead"] = max((r["py_tg_overhead"] for r in out["rows"]), default=None)
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 

@@ -27,6 +27,7 @@ def test_bench_binding():
         for k in ("cpp_pp_tps", "py_pp_tps", "cpp_tg_tps", "py_tg_tps", "pp_ratio", "tg_ratio"):
             assert r[k] > 0
     assert d["min_ratio"] == min(min(r["pp_ratio"], r["tg_ratio"]) for r in d["rows"])
+    assert all(0 <= r["py_tg_overhead"] < 1 for r in d["rows"])
 
 
 def test_bench_defrag():

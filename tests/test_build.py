@@ -118,3 +118,15 @@ def test_metal_is_refused_off_macos():
         pytest.skip("on macOS metal is the default backend")
     r = run_cli(["build", "--backend", "metal"])
     assert r.returncode == 1 and "macOS" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_vanilla_build_is_made_from_the_pristine_pinned_tree(builds):
+    """The vanilla variant's source is the vendor tree with the series reversed: it must be exactly
+    the pinned upstream tree (fingerprint of the pin)."""
+    from pyllama_kv import vendor as V
+
+    m = B.read_manifest(Path(builds[("vanilla", "cpu")]["dir"]))
+    pin = V.Pin.load()
+    assert V.fingerprint(Path(m["source_dir"]), pin.fingerprint_paths) == pin.fingerprint_sha256
+    r = run_cli(["vendor", "--fingerprint", m["source_dir"], "--json"])
+    assert r.returncode == 0 and json.loads(r.stdout)["matches_pin"] is True
