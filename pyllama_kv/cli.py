@@ -500,7 +500,7 @@ def cmd_demo(args) -> int:
     cfg = _stress_config(argparse.Namespace(seqs=8, ctx=2048, steps=steps, seed=args.seed, sequential=False,
                                             threads=args.threads))
     print(f"pyllama-kv demo: a server-like workload ({cfg.n_seqs} requests at once, {cfg.n_ctx} KV cells, "
-          f"{cfg.steps} steps, seed {cfg.seed}) on the vanilla and the patched llama.cpp {''}\n")
+          f"{cfg.steps} steps, seed {cfg.seed}) on the vanilla and the patched llama.cpp\n")
     results = []
     for lib in ("vanilla", "patched"):
         d = _stress_once(str(mpath), lib, dataclasses.replace(cfg), lib, progress=not args.json)

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--embd", type=int, default=512)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--repeat", type=int, default=2, help="alternate C++ and Python runs this many times; best of each")
+    ap.add_argument("--repeat", type=int, default=5, help="alternate C++ and Python runs this many times; best of each")
     ap.add_argument("--quick", action="store_true", help="a small model and sizes, for the test suite")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
@@ -141,16 +141,19 @@ def main(argv=None) -> int:
         best_cpp: dict[int, dict] = {}
         best_py: dict[int, dict] = {}
         with pk.Model(mp) as model:
-            for _ in range(repeat):  # interleaved, so that both see the same machine state
-                for pl, d in run_cpp(exe, mp, n_ctx, n_batch, n_ubatch, pp, tg, npl, args.threads).items():
-                    b = best_cpp.setdefault(pl, d)
-                    b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
-                    b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
-                for pl, d in run_py(model, n_ctx, n_batch, n_ubatch, pp, tg, npl, args.threads).items():
-                    b = best_py.setdefault(pl, d)
-                    b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
-                    b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
-                    b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])
+            # interleaved row by row (C++ then Python for each parallel count, repeated), so that both
+            # see the same machine state; the best of the repeats is kept for each
+            for _ in range(repeat):
+                for one in npl:
+                    for pl, d in run_cpp(exe, mp, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads).items():
+                        b = best_cpp.setdefault(pl, d)
+                        b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
+                        b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
+                    for pl, d in run_py(model, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads).items():
+                        b = best_py.setdefault(pl, d)
+                        b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
+                        b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
+                        b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])
     for pl in npl:
         c, p = best_cpp.get(pl), best_py.get(pl)
         if not c or not p:
