@@ -63,6 +63,21 @@ def one_layer_model(models) -> Path:
     return make_tiny_model(models / "tiny-1l.gguf", n_layer=1, seed=1)
 
 
+def write_unknown_arch_model(path: Path) -> Path:
+    """A valid GGUF file of an architecture llama.cpp does not know."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "nosucharch")
+    w.add_block_count(1)
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def run_py(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import run_py
+from conftest import run_py, write_unknown_arch_model
 from pyllama_kv.gguf_tools import make_tiny_model
 
 F32_ATOL = 1e-4  # f32 cache, no flash attention: observed differences are ~5e-6 (summation order)
@@ -106,16 +106,7 @@ def test_model_load_errors(tmp_path, tiny_model):
         t.write_bytes(data[:cut])
         with pytest.raises(pk.ModelLoadError, match="truncated|corrupt|could not load"):
             pk.Model(t)
-    import gguf
-
-    u = tmp_path / "unknown.gguf"
-    w = gguf.GGUFWriter(str(u), "nosucharch")
-    w.add_block_count(1)
-    w.add_tensor("x", np.zeros(4, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    u = write_unknown_arch_model(tmp_path / "unknown.gguf")
     with pytest.raises(pk.ModelLoadError, match="nosucharch"):
         pk.Model(u)
 
@@ -521,3 +512,14 @@ def test_export_and_import_a_sequence(model, ctx, ref):
                 small.import_sequence(state)
             assert small.kv_stats().used_cells == 0 and small.free_sequence_ids == 1
         assert other.kv_stats().used_cells == used
+
+
+def test_llama_log_goes_to_python_logging(tiny_model, caplog):
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="pyllama_kv.llama"):
+        with pk.Model(tiny_model) as m, m.context(n_ctx=64, n_seq_max=1):
+            pass
+    recs = [r for r in caplog.records if r.name == "pyllama_kv.llama"]
+    assert recs and any("llama_context" in r.getMessage() or "llama_model" in r.getMessage() for r in recs)
+    assert all(not r.getMessage().endswith("\n") for r in recs)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ENTRY_POINT, ROOT, run_cli, run_py
+from conftest import ENTRY_POINT, ROOT, run_cli, run_py, write_unknown_arch_model
 
 pytestmark = pytest.mark.skipif(not ENTRY_POINT.exists(), reason="the venv entry point is missing (make setup)")
 
@@ -143,25 +143,12 @@ def test_map_without_matplotlib_is_a_clear_error(tiny_model, tmp_path):
     assert "matplotlib" in r.stderr and "Traceback" not in r.stderr
 
 
-def _unknown_arch(path):
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "nosucharch")
-    w.add_block_count(1)
-    w.add_tensor("x", np.zeros(4, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_bad_inputs_give_one_line_and_exit_1(tiny_model, tmp_path):
     notgguf = tmp_path / "x.gguf"
     notgguf.write_text("hello")
     trunc = tmp_path / "t.gguf"
     trunc.write_bytes(tiny_model.read_bytes()[:5000])
-    unk = _unknown_arch(tmp_path / "u.gguf")
+    unk = write_unknown_arch_model(tmp_path / "u.gguf")
     m = str(tiny_model)
     cases = [
         (["run", str(tmp_path / "missing.gguf"), "-p", "x"], "no such file"),

@@ -204,3 +204,43 @@ def test_real_archive_from_cache_unpacks_to_the_pinned_tree(tmp_path, monkeypatc
                        {"revision": pin.revision}, expected_sha256=pin.sha256)
     assert n > 1000
     assert (dest / "include" / "llama.h").is_file() and not (dest / ".git").exists()
+
+
+def _mini_root(tmp_path) -> Path:
+    """A project root with our pin and no vendor tree yet."""
+    from pyllama_kv import _paths
+
+    root = tmp_path / "proj"
+    (root / "vendor").mkdir(parents=True)
+    (root / "vendor" / "llama.cpp.pin.json").write_bytes(_paths.pin_path().read_bytes())
+    return root
+
+
+def test_source_dir_at_the_pinned_revision_is_accepted(tmp_path, builds):
+    """`vendor --source DIR`: the vanilla build's source copy is the pristine pinned tree."""
+    src = Path(builds[("vanilla", "cpu")]["dir"]).parent / "src-vanilla" / "llama.cpp"
+    root = _mini_root(tmp_path)
+    res = V.vendor(source=src, root=root, log=lambda m: None)
+    assert res.changed and (root / "vendor" / "llama.cpp" / "include" / "llama.h").is_file()
+    assert V.read_marker(root / "vendor" / "llama.cpp")["source"] == str(src.resolve())
+
+
+def test_source_dir_of_another_revision_is_refused_and_changes_nothing(tmp_path, builds):
+    import shutil
+
+    src = Path(builds[("vanilla", "cpu")]["dir"]).parent / "src-vanilla" / "llama.cpp"
+    other = tmp_path / "other"
+    for part in ("CMakeLists.txt", "include", "src", "ggml/include"):
+        s = src / part
+        (other / part).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(s, other / part) if s.is_dir() else shutil.copy2(s, other / part)
+    (other / "src" / "llama.cpp").write_text("// a different revision\n")
+    root = _mini_root(tmp_path)
+    existing = root / "vendor" / "llama.cpp"
+    (existing / "include").mkdir(parents=True)
+    (existing / "include" / "llama.h").write_text("// keep me\n")
+    before = _snapshot(existing)
+    with pytest.raises(V.VendorError, match="not the pinned revision"):
+        V.vendor(source=other, root=root, log=lambda m: None)
+    assert _snapshot(existing) == before
+    assert not list((root / "vendor").glob(".llama.cpp.*"))
