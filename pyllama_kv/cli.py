@@ -455,7 +455,7 @@ def _stress_once(model_path: str, lib: str, cfg, label: str, progress: bool, map
         model.close()
     d = res.as_dict()
     if map_path and occ is not None:
-        draw_map(occ, map_path, title=f"KV cache occupancy, {label} ({res.steps} steps, seed {cfg.seed}); white: free")
+        draw_map(occ, map_path, title=f"KV cache occupancy, {label} ({res.steps} steps, seed {cfg.seed}); white: free, dark grey: shared prefix")
         d["map"] = str(map_path)
     return d
 
