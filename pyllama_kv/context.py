@@ -144,6 +144,9 @@ class Context:
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise InvalidInputError("n_threads must be a positive integer")
 
+        if defrag_thold is not None and defrag_thold > 0 and not model._lib.patched:
+            raise InvalidInputError("defrag_thold (automatic defrag) on the vanilla build can abort the process "
+                                    "inside llama_decode (see patches/0003): use the patched build")
         self.model = model
         self._libobj = model._lib
         L = self._L = model._lib.lib

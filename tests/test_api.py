@@ -400,6 +400,32 @@ def test_explicit_defrag_packs_and_counts(ctx, ref, graph, monkeypatch):
         np.testing.assert_allclose(s.logits(recompute=True), ref(s.tokens), atol=F32_ATOL)
 
 
+def test_automatic_defrag_is_refused_on_vanilla(tiny_model, vanilla_lib):
+    with pk.Model(tiny_model, lib="vanilla") as m:
+        with pytest.raises(pk.InvalidInputError, match="vanilla"):
+            m.context(n_ctx=256, defrag_thold=0.1)
+
+
+def test_automatic_defrag_on_patched(model):
+    """llama.cpp's own threshold-driven defrag (defrag_thold) runs inside decode: safe when patched."""
+    # llama.cpp only considers windows of >= 2048 cells, and defragments at the decode after the one
+    # that measured the fragmentation
+    with model.context(n_ctx=4096, n_seq_max=4, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32",
+                       defrag_thold=0.1) as c:
+        seqs = [c.new_sequence() for _ in range(4)]
+        for k in range(14):
+            c.decode({s: toks(40, seed=10 * k + i) for i, s in enumerate(seqs)})
+        seqs[0].close()
+        seqs[2].close()
+        seqs[1].extend([5])
+        seqs[1].extend([6])
+        st = c.kv_stats()
+        assert st.defrags >= 1 and st.holes == 0
+        got = seqs[3].logits(recompute=True)
+    with model.context(n_ctx=1024, n_seq_max=1, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32") as r:
+        np.testing.assert_allclose(got, r.new_sequence().extend(seqs[3].tokens), atol=F32_ATOL)
+
+
 def test_vanilla_defrag_is_refused_when_it_would_abort(tiny_model, vanilla_lib):
     with pk.Model(tiny_model, lib="vanilla") as m, m.context(n_ctx=256, n_seq_max=2, n_batch=256, n_ubatch=128) as c:
         a, b = c.new_sequence(), c.new_sequence()
