@@ -362,6 +362,26 @@ class Library:
         self.recent_errors.clear()
 
 
+class CResource:
+    """Mixin for objects owning a C resource: ``close()`` frees it; ``with`` and garbage collection
+    call ``close()`` too."""
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 _libs: dict[str, Library] = {}
 _libs_lock = threading.Lock()
 

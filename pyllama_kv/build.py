@@ -345,14 +345,9 @@ def status(root: Path | None = None) -> dict:
             m = read_manifest(d)
             if m is None:
                 continue
+            # the sources decide staleness here (the flags a build was asked for are its own business)
             wanted_patches = [] if variant == "vanilla" else [{"name": p.name, "sha256": p.sha256} for p in patches]
-            stale = None
-            if not Path(m.get("lib", "")).is_file():
-                stale = "library missing"
-            elif m.get("revision") != pin.revision:
-                stale = "revision changed"
-            elif m.get("patches") != wanted_patches:
-                stale = "patches changed"
+            stale = stale_reason(m, dict(m, revision=pin.revision, patches=wanted_patches))
             out["builds"].append({
                 "variant": variant, "backend": backend, "lib": m.get("lib"), "dir": str(d),
                 "built_at": m.get("built_at"), "tools": m.get("tools", []), "bin_dir": m.get("bin_dir"),

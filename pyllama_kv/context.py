@@ -102,7 +102,7 @@ class _Batch:
         self.batch.logits = self.out
 
 
-class Context:
+class Context(_ffi.CResource):
     """A context over a :class:`~pyllama_kv.model.Model` with a KV cache of ``n_ctx`` cells.
 
     >>> with model.context(n_ctx=2048, n_seq_max=8) as ctx:
@@ -212,18 +212,6 @@ class Context:
             self._L.llama_free(self._ptr)
             self._ptr = None
             self.model._contexts.discard(self)
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         if self.closed:

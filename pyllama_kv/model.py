@@ -36,7 +36,7 @@ def _validate_gguf(path: Path) -> None:
         raise ModelLoadError(str(exc)) from None
 
 
-class Model:
+class Model(_ffi.CResource):
     """A GGUF model loaded into llama.cpp.
 
     >>> model = Model("tiny.gguf")            # ModelLoadError on a missing/corrupt/unsupported file
@@ -108,18 +108,6 @@ class Model:
             if self._ptr is not None:
                 self._lib.lib.llama_model_free(self._ptr)
                 self._ptr = None
-
-    def __enter__(self) -> "Model":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.desc}, n_vocab={self.n_vocab}, n_layer={self.n_layer}"

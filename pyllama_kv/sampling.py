@@ -7,7 +7,7 @@ from .errors import InvalidInputError
 ffi = _ffi.ffi
 
 
-class Sampler:
+class Sampler(_ffi.CResource):
     """A llama.cpp sampler chain. ``temp <= 0`` means greedy (argmax).
 
     ``sample(seq)`` draws the next token from the logits of ``seq``'s last decode; it must come right
@@ -51,8 +51,3 @@ class Sampler:
             self._L.llama_sampler_free(self._ptr)
             self._ptr = None
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
