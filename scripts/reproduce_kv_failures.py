@@ -13,6 +13,9 @@ validation, no high-level API), on a tiny random model made with the gguf packag
                 vanilla: the process aborts (GGML_ASSERT in ggml_view_1d); patched: returns
   bad-token     llama_decode with token id n_vocab
                 vanilla: uncaught C++ exception terminates the process; patched: returns -1
+  retry-abort   (patched) the first micro-batch lands in a hole at the end of the cache, the second
+                finds no slot, the retry's defrag moves the first one's uncommitted cells, then the
+                second is aborted: llama_decode must remove every cell of the batch, wherever it moved
 
 Run a case that may abort in a subprocess (the tests do). Usage:
   python scripts/reproduce_kv_failures.py --lib vanilla --case slot --json
@@ -32,7 +35,7 @@ from pyllama_kv import _ffi  # noqa: E402
 from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
 
 ffi = _ffi.ffi
-CASES = ("slot", "defrag-holes", "defrag-abort", "bad-token")
+CASES = ("slot", "defrag-holes", "defrag-abort", "bad-token", "retry-abort")
 
 
 class Raw:
@@ -134,6 +137,32 @@ def case_bad_token(lib: str, model_dir: Path) -> dict:
     return {"case": "bad-token", "token": r.n_vocab, "rc": rc, "after": r.cache()}
 
 
+def case_retry_abort(lib: str, model_dir: Path) -> dict:
+    mp = make_tiny_model(model_dir / "tiny-2l.gguf", n_layer=2)
+    r = Raw(lib, mp, n_ctx=256, n_batch=64, n_ubatch=8, n_seq_max=80)
+    for s in range(64):  # 256 cells, 4 per sequence
+        assert r.decode([(10 + i, i, s) for i in range(4)]) == 0
+    for s in list(range(0, 62, 2)) + [62, 63]:  # 4-cell holes, one 8-cell hole at the end
+        r.L.llama_kv_self_seq_rm(r.ctx, s, -1, -1)
+    calls = []
+    cb = ffi.callback("bool(void *)", lambda _d: calls.append(1) is None and False)
+    r.L.llama_set_abort_callback(r.ctx, cb, ffi.NULL)
+    assert r.decode([(20 + i, i, 70) for i in range(8)]) == 0  # calibrate one 8-token micro-batch
+    per_ubatch = len(calls)
+    r.L.llama_kv_self_seq_rm(r.ctx, 70, -1, -1)
+    calls.clear()
+    cb2 = ffi.callback("bool(void *)", lambda _d: (calls.append(1) is None and len(calls) > per_ubatch))
+    r.L.llama_set_abort_callback(r.ctx, cb2, ffi.NULL)
+    before = r.cache()
+    rc = r.decode([(30 + i, i, 71) for i in range(16)])  # two micro-batches of 8: the second is aborted
+    r.L.llama_set_abort_callback(r.ctx, ffi.NULL, ffi.NULL)
+    r.L.llama_kv_cache_view_update(r.ctx, r.view)
+    v = r.view
+    left = sum(1 for i in range(v.n_cells) for j in range(v.n_seq_max) if v.cells_sequences[i * v.n_seq_max + j] == 71)
+    return {"case": "retry-abort", "rc": rc, "before": before, "after": r.cache(), "cells_left_of_batch": left,
+            "stats": r.stats()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default="patched", help="patched, vanilla, or a path to libllama (default: patched)")
@@ -142,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document (the default prints it indented)")
     args = ap.parse_args(argv)
     fns = {"slot": case_slot, "defrag-holes": case_defrag_holes, "defrag-abort": case_defrag_abort,
-           "bad-token": case_bad_token}
+           "bad-token": case_bad_token, "retry-abort": case_retry_abort}
     cases = CASES if args.case == "all" else (args.case,)
     with tempfile.TemporaryDirectory() as tmp:
         mdir = Path(args.model_dir) if args.model_dir else Path(tmp)

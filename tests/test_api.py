@@ -549,3 +549,51 @@ def test_llama_log_goes_to_python_logging(tiny_model, caplog):
     recs = [r for r in caplog.records if r.name == "pyllama_kv.llama"]
     assert recs and any("llama_context" in r.getMessage() or "llama_model" in r.getMessage() for r in recs)
     assert all(not r.getMessage().endswith("\n") for r in recs)
+
+
+def _cells_by_sequence(c):
+    """{seq id: sorted positions}: what each sequence holds, independent of where the cells are."""
+    pos, seqs = c.kv_view()
+    out = {}
+    for p, row in zip(pos.tolist(), seqs.tolist()):
+        for s in row:
+            if s >= 0:
+                out.setdefault(s, []).append(p)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_abort_after_a_mid_batch_retry_restores_the_moved_cells(model, ref):
+    """The hardest path of patch 0002: the first micro-batch lands in a hole, the second finds no slot,
+    the cache is defragmented (moving the first micro-batch's uncommitted cells too), and then the
+    second micro-batch is aborted. Every cell of the batch must be removed, wherever it moved."""
+    with model.context(n_ctx=256, n_seq_max=80, n_batch=64, n_ubatch=8, type_k="f32", type_v="f32") as c:
+        seqs = [c.new_sequence() for _ in range(64)]
+        c.decode({s: toks(4, seed=i) for i, s in enumerate(seqs)})          # 256 cells, 4 per sequence
+        # 4-cell holes, and one 8-cell hole at the very end: the first micro-batch lands there, above
+        # the used cells, so the defrag of the retry moves it
+        for s in seqs[0:62:2] + seqs[62:]:
+            s.close()
+        live = [s for s in seqs if not s.closed]
+        st = c.kv_stats()
+        assert st.largest_free_block == 8 and st.free_cells == 8 + 4 * 31
+        before = _cells_by_sequence(c)
+
+        calls = []
+        x = c.new_sequence()
+        c.abort_callback = lambda: calls.append(1) and False
+        probe = c.new_sequence()
+        probe.extend(toks(8, seed=500))   # calibrate: polls of one 8-token micro-batch
+        per_ubatch = len(calls)
+        probe.close()
+        assert per_ubatch > 0 and c.kv_stats().largest_free_block == 8
+        calls.clear()
+        c.abort_callback = lambda: (calls.append(1) or len(calls) > per_ubatch)
+        with pytest.raises(pk.DecodeError):
+            x.extend(toks(16, seed=501))  # two micro-batches of 8
+        c.abort_callback = None
+        st = c.kv_stats()
+        assert st.slot_retries == 1 and st.defrags == 1, st
+        assert len(x) == 0
+        assert _cells_by_sequence(c) == before, "the batch's cells (moved by the defrag) were not all removed"
+        for s in live[:5]:
+            np.testing.assert_allclose(s.logits(recompute=True), ref(s.tokens), atol=F32_ATOL)

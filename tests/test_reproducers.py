@@ -103,3 +103,14 @@ def test_bad_token_patched_returns_an_error_code():
     r, c = _run("patched", "bad-token")
     assert r.returncode == 0, r.stderr[-2000:]
     assert c["rc"] == -1 and c["after"]["used_cells"] == 1
+
+
+def test_abort_after_a_mid_batch_retry_removes_every_moved_cell():
+    """Patch 0002 remaps the uncommitted cells that its defrag moves; without that, llama_decode's own
+    restore would clear the old cells and leave the moved ones behind."""
+    r, c = _run("patched", "retry-abort")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert c["rc"] == 2, "the second micro-batch should have been aborted"
+    assert c["stats"]["n_slot_retries"] == 1 and c["stats"]["n_defrags"] == 1
+    assert c["cells_left_of_batch"] == 0
+    assert c["after"]["used_cells"] == c["before"]["used_cells"]
