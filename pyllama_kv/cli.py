@@ -529,6 +529,18 @@ def cmd_demo(args) -> int:
 # parser
 
 
+def _version_text() -> str:
+    from . import __version__
+
+    try:
+        from .vendor import Pin
+
+        rev = Pin.load().revision[:12]
+    except Exception:  # no checkout around: the package alone
+        rev = "?"
+    return f"pyllama-kv {__version__} (llama.cpp {rev} + our KV-cache patches)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pyllama-kv",
@@ -536,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `pyllama-kv COMMAND --help` for each command's options.",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks and llama.cpp's log")
+    p.add_argument("--version", action="version", version=_version_text())
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

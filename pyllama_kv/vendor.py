@@ -128,12 +128,20 @@ def fetch(pin: Pin, log: Log = _stderr) -> Path:
             "--disable-pip-version-check", "-d", tmp, f"{pin.package}=={pin.version}",
         ]
         log(f"downloading {pin.package}=={pin.version} (sdist, {pin.filename}) with pip ...")
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:  # pip's own progress, as it comes
+            line = line.rstrip()
+            lines.append(line)
+            if line.lstrip().startswith(("Collecting", "Downloading", "Saved", "Preparing", "Getting", "Installing")):
+                log(f"  pip: {line.strip()}")
+        rc = proc.wait()
         got_file = Path(tmp) / pin.filename
         if not got_file.is_file():
-            tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+            tail = "\n".join(lines[-15:])
             raise VendorError(
-                f"pip could not download {pin.package}=={pin.version} (exit {proc.returncode}).\n{tail}\n"
+                f"pip could not download {pin.package}=={pin.version} (exit {rc}).\n{tail}\n"
                 f"If you have the file, put it at {target} or run `pyllama-kv vendor --source PATH`."
             )
         got = sha256_file(got_file)

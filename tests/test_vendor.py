@@ -244,3 +244,46 @@ def test_source_dir_of_another_revision_is_refused_and_changes_nothing(tmp_path,
         V.vendor(source=other, root=root, log=lambda m: None)
     assert _snapshot(existing) == before
     assert not list((root / "vendor").glob(".llama.cpp.*"))
+
+
+def test_download_with_a_wrong_hash_is_refused_and_not_cached(tmp_path, monkeypatch):
+    """fetch() runs pip; what pip saved must match the pinned sha256 before it enters the cache."""
+    import dataclasses
+
+    monkeypatch.setenv("PYLLAMA_KV_CACHE", str(tmp_path / "cache"))
+    pin = dataclasses.replace(V.Pin.load(), filename="fake-1.0.tar.gz", sha256="0" * 64)
+
+    class FakePip:
+        def __init__(self, cmd, **kw):
+            dest = Path(cmd[cmd.index("-d") + 1])
+            (dest / "fake-1.0.tar.gz").write_bytes(b"not what was pinned")
+            self.stdout = iter(["Collecting fake==1.0\n", "Saved ./fake-1.0.tar.gz\n"])
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(V.subprocess, "Popen", FakePip)
+    logs = []
+    with pytest.raises(V.VendorError, match="sha256 mismatch"):
+        V.fetch(pin, log=logs.append)
+    assert not (tmp_path / "cache" / "downloads" / "fake-1.0.tar.gz").exists()
+    assert any("pip: Collecting" in m for m in logs)
+
+
+def test_failed_download_says_what_to_do(tmp_path, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setenv("PYLLAMA_KV_CACHE", str(tmp_path / "cache"))
+    pin = dataclasses.replace(V.Pin.load(), filename="fake-1.0.tar.gz")
+
+    class FailingPip:
+        def __init__(self, cmd, **kw):
+            self.stdout = iter(["ERROR: Could not find a version that satisfies the requirement\n"])
+
+        def wait(self):
+            return 1
+
+    monkeypatch.setattr(V.subprocess, "Popen", FailingPip)
+    with pytest.raises(V.VendorError, match="--source PATH") as ei:
+        V.fetch(pin, log=lambda m: None)
+    assert "Could not find a version" in str(ei.value)
