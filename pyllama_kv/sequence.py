@@ -94,7 +94,8 @@ class Sequence:
 
         Returned from the last decode when still valid; otherwise (after remove, truncate, a shift, or
         with ``recompute=True``) the last token is evaluated again over the cached prefix, which is also
-        a direct check of what the cache holds.
+        a direct check of what the cache holds. That needs one cell: KVCacheFullError when the cache is
+        full to the last cell and this sequence's last cell is shared with a fork.
         """
         with self._ctx.lock:
             self._check()

@@ -18,7 +18,8 @@ of a token depend on nothing but the token and its position: a 1-layer model. So
 those operations use a 1-layer model; the 2-layer machines test everything else (fork, truncate,
 close, batched decode, defrag, retries), which is exact at any depth.
 
-Budget: PYLLAMA_KV_ORACLE_EXAMPLES (default 12) examples of up to 18 steps per machine.
+Budget: PYLLAMA_KV_ORACLE_EXAMPLES (default 50) examples of up to PYLLAMA_KV_ORACLE_STEPS (default
+30) steps per machine.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import pyllama_kv as pk
 from pyllama_kv.gguf_tools import make_tiny_model
 
-EXAMPLES = int(os.environ.get("PYLLAMA_KV_ORACLE_EXAMPLES", "12"))
-SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=18, deadline=None, derandomize=True,
+EXAMPLES = int(os.environ.get("PYLLAMA_KV_ORACLE_EXAMPLES", "50"))
+SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=int(os.environ.get("PYLLAMA_KV_ORACLE_STEPS", "30")), deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck))
 
 _models: dict = {}
@@ -94,6 +95,8 @@ class KVMachine(RuleBasedStateMachine):
         agg["moves"] += st_.moves or 0
         agg["full"] += getattr(self, "n_full", 0)
         agg["fallback"] = agg.get("fallback", 0) + getattr(self, "n_fallback", 0)
+        agg["checked"] = agg.get("checked", 0) + getattr(self, "n_checked", 0)
+        agg["skipped"] = agg.get("skipped", 0) + getattr(self, "n_skipped", 0)
         self.ctx.close()
         self.ref.close()
 
@@ -230,8 +233,13 @@ class KVMachine(RuleBasedStateMachine):
                 tokens = s.tokens + [PROBE]
             except pk.KVCacheFullError:  # not one free cell: re-evaluate the last token instead
                 self.n_fallback = getattr(self, "n_fallback", 0) + 1
-                got = s.logits(recompute=True)
+                try:
+                    got = s.logits(recompute=True)
+                except pk.KVCacheFullError:  # the cache is full to the last cell and that cell is shared
+                    self.n_skipped = getattr(self, "n_skipped", 0) + 1
+                    continue
                 tokens = s.tokens
+            self.n_checked = getattr(self, "n_checked", 0) + 1
             self.ref.clear()
             want = self.ref_seq.extend(tokens)
             err = float(np.abs(got - want).max())
@@ -284,6 +292,9 @@ def test_oracle_exercised_fragmentation_retries_and_defrags():
         pytest.skip("the oracle machines did not run (deselected)")
     total = {k: sum(v[k] for v in RUN_STATS.values()) for k in ("slot_retries", "defrags", "moves")}
     assert total["slot_retries"] > 0, RUN_STATS
+    # a sequence can only go unchecked when the cache is full to its last cell: rare
+    for name, v in RUN_STATS.items():
+        assert v["skipped"] <= 0.02 * v["checked"], (name, v)
     assert total["defrags"] > total["slot_retries"] - 1 and total["moves"] > 0, RUN_STATS
     # both defrag paths ran: graphs only where forced, memcpy elsewhere
     assert RUN_STATS["2l-f32-graphdefrag"]["graphs"] > 0, RUN_STATS
