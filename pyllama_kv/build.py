@@ -145,11 +145,14 @@ def find_builds(root: Path | None = None) -> list[dict]:
     return out
 
 
+def _patch_records(variant: str, patches: list) -> list[dict]:
+    """The patches a build of ``variant`` is made with, as its manifest records them."""
+    return [] if variant == "vanilla" else [{"name": p.name, "sha256": p.sha256} for p in patches]
+
+
 def _wanted(variant: str, backend: str, flags: list[str], tools: bool, root: Path | None) -> dict:
     pin = _vendor.Pin.load(_paths.pin_path(root))
-    patches = [] if variant == "vanilla" else [
-        {"name": p.name, "sha256": p.sha256} for p in _patch.series(_paths.patches_dir(root))
-    ]
+    patches = _patch_records(variant, _patch.series(_paths.patches_dir(root)))
     return {
         "revision": pin.revision,
         "variant": variant,
@@ -346,8 +349,7 @@ def status(root: Path | None = None) -> dict:
             if m is None:
                 continue
             # the sources decide staleness here (the flags a build was asked for are its own business)
-            wanted_patches = [] if variant == "vanilla" else [{"name": p.name, "sha256": p.sha256} for p in patches]
-            stale = stale_reason(m, dict(m, revision=pin.revision, patches=wanted_patches))
+            stale = stale_reason(m, dict(m, revision=pin.revision, patches=_patch_records(variant, patches)))
             out["builds"].append({
                 "variant": variant, "backend": backend, "lib": m.get("lib"), "dir": str(d),
                 "built_at": m.get("built_at"), "tools": m.get("tools", []), "bin_dir": m.get("bin_dir"),

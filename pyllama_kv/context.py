@@ -184,8 +184,7 @@ class Context(_ffi.CResource):
         self.can_shift: bool = bool(L.llama_kv_self_can_shift(ptr)) and model.rope_type != -1
         self.patched: bool = self._libobj.patched
         self._batch = _Batch(self.n_batch)
-        self._view = L.llama_kv_cache_view_init(ptr, self.n_seq_max)
-        self._view_p = ffi.new("struct llama_kv_cache_view *", self._view)
+        self._view_p = ffi.new("struct llama_kv_cache_view *", L.llama_kv_cache_view_init(ptr, self.n_seq_max))
         self._free_ids = list(range(self.n_seq_max))
         self._seqs: dict[int, object] = {}
         self._decode_serial = 0
@@ -232,15 +231,13 @@ class Context(_ffi.CResource):
 
     def new_sequence(self):
         """A new, empty sequence with a free id. LlamaError when all n_seq_max ids are in use."""
-        from .sequence import Sequence
-
         with self._lock:
             self._check_open()
             if not self._free_ids:
                 raise LlamaError(f"all {self.n_seq_max} sequences are in use: close one first (n_seq_max={self.n_seq_max})")
             sid = self._free_ids.pop(0)
             self._L.llama_kv_self_seq_rm(self._ptr, sid, -1, -1)  # defensive: the id starts empty
-            s = Sequence(self, sid)
+            s = _Sequence(self, sid)
             self._seqs[sid] = s
             return s
 
@@ -256,9 +253,7 @@ class Context(_ffi.CResource):
             return len(self._free_ids)
 
     def _own(self, seq) -> None:
-        from .sequence import Sequence
-
-        if not isinstance(seq, Sequence):
+        if not isinstance(seq, _Sequence):
             raise InvalidInputError(f"expected a Sequence, got {type(seq).__name__}")
         if seq._ctx is not self:
             raise InvalidInputError("the sequence belongs to another context")
@@ -271,6 +266,10 @@ class Context(_ffi.CResource):
         self._free_ids.append(sid)
         self._free_ids.sort()
 
+    def _free_cells(self) -> int:
+        """Cells no sequence holds (cheap: no view is read)."""
+        return self.n_ctx - int(self._L.llama_kv_self_used_cells(self._ptr))
+
     def _tmp_id(self) -> int | None:
         return self._free_ids[0] if self._free_ids else None
 
@@ -280,11 +279,9 @@ class Context(_ffi.CResource):
         The cells are written, not computed. They must fit in one contiguous run of free cells
         (llama.cpp's restore has no defrag retry): KVCacheFullError otherwise; nothing is changed.
         """
-        from .sequence import SequenceState
-
         with self._lock:
             self._check_open()
-            if not isinstance(state, SequenceState):
+            if not isinstance(state, _SequenceState):
                 raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
             toks = self.model.check_tokens(state.tokens)
             if toks.size > self.n_ctx:
@@ -328,7 +325,7 @@ class Context(_ffi.CResource):
             self._abort_cb = ffi.callback("bool(void *)", _cb)
             self._L.llama_set_abort_callback(self._ptr, self._abort_cb, ffi.NULL)
 
-    def _raw_decode(self, plan: list[tuple[int, np.ndarray, int]], want_logits: bool = True) -> list[np.ndarray | None]:
+    def _raw_decode(self, plan: list[tuple[int, np.ndarray, int]]) -> list[np.ndarray | None]:
         """Decode ``plan`` = [(seq_id, tokens, first_pos)] (validated) in as few llama_decode calls as
         n_batch allows, with one output (the last token) per entry. On failure every entry's new
         positions are removed and the mapped exception is raised."""
@@ -367,7 +364,7 @@ class Context(_ffi.CResource):
                     tok.extend(toks[lo:hi] if (lo or hi != len(toks)) else toks)
                     pos.extend(range(pos0 + lo, pos0 + hi))
                     sid_l.extend([sid] * k)
-                    if hi == len(toks) and want_logits:
+                    if hi == len(toks):
                         outs.append((e, len(tok) - 1))
                 n = len(tok)
                 b.np_token[:n] = tok
@@ -376,7 +373,7 @@ class Context(_ffi.CResource):
                 b.np_out[:n] = 0
                 if outs:
                     b.np_out[[bidx for _, bidx in outs]] = 1
-                else:  # llama.cpp wants at least one output; keep the last token's
+                else:  # a chunk that ends no entry: llama.cpp still wants one output
                     b.np_out[n - 1] = 1
                 b.batch.n_tokens = n
                 rc = L.llama_decode(self._ptr, b.batch[0])
@@ -442,9 +439,9 @@ class Context(_ffi.CResource):
                 plan.append((seq.id, arr, len(seq._tokens)))
                 seqs.append(seq)
                 total += n_new
-            used = int(self._L.llama_kv_self_used_cells(self._ptr))
-            if total > self.n_ctx - used:
-                raise KVCacheFullError(f"the batch needs {total} cells but only {self.n_ctx - used} of {self.n_ctx} are free")
+            free = self._free_cells()
+            if total > free:
+                raise KVCacheFullError(f"the batch needs {total} cells but only {free} of {self.n_ctx} are free")
             results = self._raw_decode(plan)
             out = {}
             for seq, (sid, arr, _), logits in zip(seqs, plan, results):
@@ -559,4 +556,4 @@ class Context(_ffi.CResource):
         return int((mine & ((seqs >= 0).sum(axis=1) == 1)).sum())
 
 
-from .sequence import Sequence as _Sequence  # noqa: E402  (after Context: sequence imports us lazily)
+from .sequence import Sequence as _Sequence, SequenceState as _SequenceState  # noqa: E402  (sequence.py needs no import of this module)

@@ -162,7 +162,7 @@ class Sequence:
             shift_ok = (not recompute and ctx.can_shift and ctx.patched
                         and not ctx._shared_in(self.id, end, n))
             if not shift_ok:
-                self._rebuild_tail(start, tail, keep_logits=False)
+                self._rebuild_tail(start, tail)
                 return
             L = ctx._L
             L.llama_kv_self_seq_rm(ctx._ptr, self.id, start, end)
@@ -183,7 +183,7 @@ class Sequence:
             n_discard = _index("n_discard", n_discard, 0, n - n_keep)
             self.remove(n_keep, n_keep + n_discard)
 
-    def _rebuild_tail(self, start: int, tail: np.ndarray, keep_logits: bool = True) -> None:
+    def _rebuild_tail(self, start: int, tail: np.ndarray) -> None:
         """Make positions [start:] hold ``tail``, evaluated afresh into cells of this sequence only.
 
         Atomic: built under a spare sequence id that shares our prefix and swapped in only when the
@@ -195,8 +195,7 @@ class Sequence:
         if tail.size == 0:
             self.truncate(start)
             return
-        used = int(L.llama_kv_self_used_cells(ctx._ptr))
-        free = ctx.n_ctx - used
+        free = ctx._free_cells()
         tmp = ctx._tmp_id()
         if tmp is not None and free >= tail.size:
             ctx._free_ids.remove(tmp)

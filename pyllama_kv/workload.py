@@ -134,9 +134,6 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
         res.decode_calls += 1
         return ctx.decode(batch)
 
-    def free_cells():
-        return ctx.n_ctx - int(ctx._L.llama_kv_self_used_cells(ctx._ptr))
-
     def close(r):
         if r.seq is not None and not r.seq.closed:
             r.seq.close()
@@ -186,7 +183,7 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
                     break
                 except KVCacheFullError:
                     needed = sum(len(t) for t in batch.values())
-                    free_now = free_cells()
+                    free_now = ctx._free_cells()
                     if needed <= free_now:
                         # refused although the cells are free: fragmentation
                         res.slot_failures += 1
