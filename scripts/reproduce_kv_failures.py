@@ -16,6 +16,28 @@ validation, no high-level API), on a tiny random model made with the gguf packag
   retry-abort   (patched) the first micro-batch lands in a hole at the end of the cache, the second
                 finds no slot, the retry's defrag moves the first one's uncommitted cells, then the
                 second is aborted: llama_decode must remove every cell of the batch, wherever it moved
+  view-shift    the KV view's positions while a K-shift is pending (seq_rm + seq_add, no decode yet)
+                vanilla: pos + delta, the shift counted twice (-1..13 for 2..16); patched: 2..16
+  state-after-shift  a K-shift is pending when its cells are freed, and a sequence state is restored
+                into them (1 layer, f32 cache)
+                vanilla: the freed cells keep the pending delta, and the next decode rotates the
+                restored K by it (logits off); patched: a cell's delta goes with its data
+  shift-abort   a K-shift is pending and the next llama_decode is aborted by the abort callback; then
+                the same token is decoded again (1 layer, f32 cache: a K-shift is exact)
+                vanilla: the aborted shift graph's deltas are cleared, logits off by ~4;
+                patched: the shift runs to completion, logits equal a fresh evaluation
+  defrag-abort-graph  llama_kv_self_defrag + update under an aborting callback (set
+                LLAMA_KV_DEFRAG_GRAPH=1 for the patched graph path)
+                vanilla: the cell metadata moves, K/V do not: logits off; patched: K/V moved too
+  shift-bf16    K-shift of a bf16 K cache
+                vanilla: the process aborts (ggml-cpu rope has no bf16); patched: f32 round trip
+  quant-head    q8_0 K cache on a model with head size 16 (half a quantization block)
+                vanilla: the context is created, K is never stored (logits far from an f32 cache),
+                and the K-shift aborts the process; patched: llama_init_from_model refuses (NULL)
+  c-api-throw   tokenize text that an SPM vocabulary without byte tokens cannot map, token_to_piece,
+                detokenize and the vocab getters with an out-of-range id, a NULL model path
+                vanilla: uncaught std::out_of_range terminates the process;
+                patched: INT32_MIN (tokenize, token_to_piece, detokenize), NULL, NAN, ..., logged
 
 Run a case that may abort in a subprocess (the tests do). Usage:
   python scripts/reproduce_kv_failures.py --lib vanilla --case slot --json
@@ -24,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -31,28 +54,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import cffi  # noqa: E402
+
 from pyllama_kv import _ffi  # noqa: E402
 from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
 
 ffi = _ffi.ffi
-CASES = ("slot", "defrag-holes", "defrag-abort", "bad-token", "retry-abort")
+CASES = ("slot", "defrag-holes", "defrag-abort", "bad-token", "retry-abort", "view-shift", "shift-abort",
+         "state-after-shift", "defrag-abort-graph", "shift-bf16", "quant-head", "c-api-throw")
+TYPE_F32, TYPE_F16, TYPE_Q8_0, TYPE_BF16 = (_ffi.GGML_TYPES[t] for t in ("f32", "f16", "q8_0", "bf16"))
 
 
 class Raw:
     """Just enough C calls to build the scenarios."""
 
-    def __init__(self, lib: str, model_path: Path, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int):
+    def __init__(self, lib: str, model_path: Path, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
+                 type_k: int = TYPE_F16, type_v: int = TYPE_F16, flash_attn: bool = False, need_ctx: bool = True):
         self.L_obj = _ffi.load(lib)
         L = self.L = self.L_obj.lib
         mp = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(str(model_path).encode(), mp)
         assert self.model != ffi.NULL, "model failed to load"
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
         cp.n_threads = cp.n_threads_batch = 2
+        cp.type_k, cp.type_v, cp.flash_attn = type_k, type_v, flash_attn
         self.ctx = L.llama_init_from_model(self.model, cp)
-        assert self.ctx != ffi.NULL, "context failed to create"
-        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        if self.ctx == ffi.NULL:
+            assert not need_ctx, "context failed to create"
+            return
         self.view = ffi.new("struct llama_kv_cache_view *", L.llama_kv_cache_view_init(self.ctx, n_seq_max))
 
     def decode(self, items: list[tuple[int, int, int]]) -> int:
@@ -67,6 +99,26 @@ class Raw:
         b = ffi.new("llama_batch *")
         b.n_tokens, b.token, b.embd, b.pos, b.n_seq_id, b.seq_id, b.logits = n, tok, ffi.NULL, pos, nsq, sidp, out
         return int(self.L.llama_decode(self.ctx, b[0]))
+
+    def logits(self) -> list[float]:
+        """Logits of the last output of the last decode."""
+        p = self.L.llama_get_logits_ith(self.ctx, -1)
+        return list(ffi.unpack(p, self.n_vocab))
+
+    def fresh(self, tokens: list[int], seq: int) -> list[float]:
+        """Logits after evaluating ``tokens`` from position 0 in (empty) sequence ``seq``."""
+        assert self.decode([(t, i, seq) for i, t in enumerate(tokens)]) == 0
+        return self.logits()
+
+    def positions(self, seq: int) -> list[int]:
+        """Positions of the cells of ``seq`` as the KV view reports them (sorted)."""
+        self.L.llama_kv_cache_view_update(self.ctx, self.view)
+        v = self.view
+        return sorted(int(v.cells[i].pos) for i in range(v.n_cells)
+                      if any(v.cells_sequences[i * v.n_seq_max + j] == seq for j in range(v.n_seq_max)))
+
+    def errors(self) -> list[str]:
+        return list(getattr(self.L_obj, "recent_errors", []))
 
     def cache(self) -> dict:
         self.L.llama_kv_cache_view_update(self.ctx, self.view)
@@ -163,6 +215,161 @@ def case_retry_abort(lib: str, model_dir: Path) -> dict:
             "stats": r.stats()}
 
 
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _abort_always():
+    return ffi.callback("bool(void *)", lambda _d: True)
+
+
+def case_view_shift(lib: str, model_dir: Path) -> dict:
+    mp = make_tiny_model(model_dir / "tiny-2l.gguf", n_layer=2)
+    r = Raw(lib, mp, n_ctx=128, n_batch=128, n_ubatch=128, n_seq_max=2)
+    assert r.decode([(10 + i, i, 0) for i in range(20)]) == 0
+    r.L.llama_kv_self_seq_rm(r.ctx, 0, 2, 5)
+    r.L.llama_kv_self_seq_add(r.ctx, 0, 5, -1, -3)  # K-shift pending: positions 5..19 are now 2..16
+    pending = r.positions(0)
+    r.L.llama_kv_self_update(r.ctx)                # apply it
+    applied = r.positions(0)
+    return {"case": "view-shift", "expected": list(range(17)), "pending": pending, "applied": applied}
+
+
+def case_state_after_shift(lib: str, model_dir: Path) -> dict:
+    mp = make_tiny_model(model_dir / "tiny-1l.gguf", n_layer=1, seed=1)
+    r = Raw(lib, mp, n_ctx=128, n_batch=128, n_ubatch=128, n_seq_max=2, type_k=TYPE_F32, type_v=TYPE_F32)
+    L, toks = r.L, list(range(10, 20))
+    assert r.decode([(t, i, 0) for i, t in enumerate(toks)]) == 0  # cells 0..9
+    n = L.llama_state_seq_get_size(r.ctx, 0)
+    state = ffi.new("uint8_t[]", n)
+    assert L.llama_state_seq_get_data(r.ctx, state, n, 0) == n
+    L.llama_kv_self_seq_rm(r.ctx, 0, 2, 4)
+    L.llama_kv_self_seq_add(r.ctx, 0, 4, -1, -2)  # K-shift pending on cells 4..9
+    L.llama_kv_self_seq_rm(r.ctx, 0, -1, -1)      # ... and their data removed
+    restored = int(L.llama_state_seq_set_data(r.ctx, state, n, 1))  # into cells 0..9 again
+    positions = r.positions(1)
+    rc = r.decode([(42, len(toks), 1)])
+    got = r.logits()
+    want = r.fresh(toks + [42], 0)
+    return {"case": "state-after-shift", "state_bytes": n, "restored": restored, "positions": positions,
+            "rc": rc, "max_abs_diff_vs_fresh": _max_diff(got, want)}
+
+
+def case_shift_abort(lib: str, model_dir: Path) -> dict:
+    # 1 layer, f32 cache: the K/V of a token depend only on it and its position, so a K-shift is exact
+    mp = make_tiny_model(model_dir / "tiny-1l.gguf", n_layer=1, seed=1)
+    r = Raw(lib, mp, n_ctx=128, n_batch=128, n_ubatch=128, n_seq_max=2, type_k=TYPE_F32, type_v=TYPE_F32)
+    toks = list(range(10, 40))
+    assert r.decode([(t, i, 0) for i, t in enumerate(toks)]) == 0
+    r.L.llama_kv_self_seq_rm(r.ctx, 0, 2, 10)
+    r.L.llama_kv_self_seq_add(r.ctx, 0, 10, -1, -8)  # K-shift pending
+    kept = toks[:2] + toks[10:]
+    cb = _abort_always()
+    r.L.llama_set_abort_callback(r.ctx, cb, ffi.NULL)
+    rc_aborted = r.decode([(42, len(kept), 0)])      # applies the shift first, then is aborted
+    r.L.llama_set_abort_callback(r.ctx, ffi.NULL, ffi.NULL)
+    positions_after_abort = r.positions(0)
+    rc = r.decode([(42, len(kept), 0)])
+    got = r.logits()
+    want = r.fresh(kept + [42], 1)
+    return {"case": "shift-abort", "rc_aborted": rc_aborted, "rc": rc, "n_kept": len(kept),
+            "positions_after_abort": positions_after_abort, "max_abs_diff_vs_fresh": _max_diff(got, want)}
+
+
+def case_defrag_abort_graph(lib: str, model_dir: Path) -> dict:
+    mp = make_tiny_model(model_dir / "tiny-1l.gguf", n_layer=1, seed=1)
+    # n_ubatch 64: the worst-case reserve after the defrag stays inside the cache on vanilla (see defrag-abort)
+    r = Raw(lib, mp, n_ctx=256, n_batch=256, n_ubatch=64, n_seq_max=3, type_k=TYPE_F32, type_v=TYPE_F32)
+    mine = list(range(10, 30))
+    assert r.decode([(100 + i, i, 0) for i in range(20)]) == 0  # cells 0..19: another sequence
+    assert r.decode([(t, i, 1) for i, t in enumerate(mine)]) == 0  # cells 20..39
+    r.L.llama_kv_self_seq_rm(r.ctx, 0, -1, -1)  # 20 free cells before ours: the defrag moves them all
+    before = r.cache()
+    cb = _abort_always()
+    r.L.llama_set_abort_callback(r.ctx, cb, ffi.NULL)
+    r.L.llama_kv_self_defrag(r.ctx)
+    r.L.llama_kv_self_update(r.ctx)
+    r.L.llama_set_abort_callback(r.ctx, ffi.NULL, ffi.NULL)
+    after = r.cache()
+    rc = r.decode([(42, len(mine), 1)])
+    got = r.logits()
+    want = r.fresh(mine + [42], 2)
+    return {"case": "defrag-abort-graph", "graph_path": os.environ.get("LLAMA_KV_DEFRAG_GRAPH", "") == "1",
+            "before": before, "after": after, "rc": rc, "max_abs_diff_vs_fresh": _max_diff(got, want),
+            "stats": r.stats()}
+
+
+def case_shift_bf16(lib: str, model_dir: Path) -> dict:
+    mp = make_tiny_model(model_dir / "tiny-1l.gguf", n_layer=1, seed=1)
+    r = Raw(lib, mp, n_ctx=128, n_batch=128, n_ubatch=128, n_seq_max=2, type_k=TYPE_BF16, type_v=TYPE_F16)
+    assert r.decode([(t, i, 0) for i, t in enumerate([5, 6, 7, 8])]) == 0
+    can_shift = bool(r.L.llama_kv_self_can_shift(r.ctx))
+    r.L.llama_kv_self_seq_rm(r.ctx, 0, 0, 1)
+    r.L.llama_kv_self_seq_add(r.ctx, 0, 1, -1, -1)
+    print("K-shift of a bf16 cache", file=sys.stderr, flush=True)
+    rc = r.decode([(9, 3, 0)])  # vanilla aborts in here
+    got = r.logits()
+    want = r.fresh([6, 7, 8, 9], 1)
+    return {"case": "shift-bf16", "can_shift": can_shift, "rc": rc, "max_abs_diff_vs_fresh": _max_diff(got, want)}
+
+
+def case_quant_head(lib: str, model_dir: Path) -> dict:
+    mp = make_tiny_model(model_dir / "tiny-1l.gguf", n_layer=1, seed=1)  # n_embd 64, 4 heads: head size 16
+    toks = list(range(10, 30))
+    ref = Raw(lib, mp, n_ctx=128, n_batch=128, n_ubatch=128, n_seq_max=1, type_k=TYPE_F32, type_v=TYPE_F32)
+    want = ref.fresh(toks, 0)
+    r = Raw(lib, mp, n_ctx=128, n_batch=128, n_ubatch=128, n_seq_max=1, type_k=TYPE_Q8_0, need_ctx=False)
+    out = {"case": "quant-head", "head_size": 16, "block_size": 32, "context_created": r.ctx != ffi.NULL,
+           "errors": r.errors()}
+    if r.ctx == ffi.NULL:
+        return out
+    out["max_abs_diff_vs_f32_cache"] = _max_diff(r.fresh(toks, 0), want)
+    print("progress: " + json.dumps(out), file=sys.stderr, flush=True)
+    r.L.llama_kv_self_seq_rm(r.ctx, 0, 0, 1)
+    r.L.llama_kv_self_seq_add(r.ctx, 0, 1, -1, -1)
+    out["rc_after_shift"] = r.decode([(9, len(toks) - 1, 0)])  # vanilla aborts in the K-shift
+    return out
+
+
+def case_c_api_throw(lib: str, model_dir: Path) -> dict:
+    mp = make_tiny_model(model_dir / "tiny-nobytes.gguf", n_layer=1, byte_tokens=False)
+    r = Raw(lib, mp, n_ctx=64, n_batch=64, n_ubatch=64, n_seq_max=1)
+    L, out = r.L, {"case": "c-api-throw"}
+    text = "h\u00e9llo".encode()
+    buf = ffi.new("llama_token[]", 64)
+    errors = getattr(r.L_obj, "recent_errors", None)
+
+    def call(name, fn):
+        """out[name] = fn(), and the error lines llama.cpp logged during the call."""
+        if errors is not None:
+            errors.clear()
+        out[name] = fn()
+        out["errors"][name] = list(errors or [])
+
+    out["errors"] = {}
+    print("tokenize", file=sys.stderr, flush=True)
+    # vanilla terminates in here
+    call("tokenize", lambda: int(L.llama_tokenize(r.vocab, text, len(text), buf, 64, True, False)))
+    call("tokenize_ascii", lambda: int(L.llama_tokenize(r.vocab, b"hello", 5, buf, 64, True, False)))
+    cbuf = ffi.new("char[]", 64)
+    call("token_to_piece", lambda: int(L.llama_token_to_piece(r.vocab, r.n_vocab, cbuf, 64, 0, False)))
+    bad = ffi.new("llama_token[]", [1, r.n_vocab])
+    call("detokenize", lambda: int(L.llama_detokenize(r.vocab, bad, 2, cbuf, 64, False, False)))
+    # vocab getters that pyllama_kv does not declare: a small FFI of their own on the same library
+    gffi = cffi.FFI()
+    gffi.cdef("struct llama_vocab; const char * llama_vocab_get_text(const struct llama_vocab *, int32_t);"
+              "float llama_vocab_get_score(const struct llama_vocab *, int32_t);"
+              "int llama_vocab_get_attr(const struct llama_vocab *, int32_t);")
+    G = gffi.dlopen(str(r.L_obj.path))
+    gv = gffi.cast("struct llama_vocab *", int(ffi.cast("uintptr_t", r.vocab)))
+    call("vocab_get_text_is_null", lambda: G.llama_vocab_get_text(gv, r.n_vocab) == gffi.NULL)
+    call("vocab_get_score_is_nan", lambda: math.isnan(G.llama_vocab_get_score(gv, r.n_vocab)))
+    call("vocab_get_attr", lambda: int(G.llama_vocab_get_attr(gv, -1)))
+    call("model_load_null_path",
+         lambda: L.llama_model_load_from_file(ffi.NULL, L.llama_model_default_params()) == ffi.NULL)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default="patched", help="patched, vanilla, or a path to libllama (default: patched)")
@@ -171,7 +378,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document (the default prints it indented)")
     args = ap.parse_args(argv)
     fns = {"slot": case_slot, "defrag-holes": case_defrag_holes, "defrag-abort": case_defrag_abort,
-           "bad-token": case_bad_token, "retry-abort": case_retry_abort}
+           "bad-token": case_bad_token, "retry-abort": case_retry_abort, "view-shift": case_view_shift,
+           "state-after-shift": case_state_after_shift, "shift-abort": case_shift_abort,
+           "defrag-abort-graph": case_defrag_abort_graph,
+           "shift-bf16": case_shift_bf16, "quant-head": case_quant_head, "c-api-throw": case_c_api_throw}
     cases = CASES if args.case == "all" else (args.case,)
     with tempfile.TemporaryDirectory() as tmp:
         mdir = Path(args.model_dir) if args.model_dir else Path(tmp)
