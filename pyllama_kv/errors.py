@@ -11,7 +11,9 @@ class LibraryError(LlamaError):
 
 
 class ModelLoadError(LlamaError):
-    """The model file is missing, not GGUF, truncated, or of an architecture llama.cpp cannot load."""
+    """The model file is missing, not GGUF, truncated, refused by validation (pyllama_kv.gguf_check:
+    a hyperparameter, tensor or vocabulary llama.cpp would crash on, or an architecture other than
+    llama), or one llama.cpp cannot load."""
 
 
 class InvalidInputError(LlamaError, ValueError):
@@ -25,3 +27,7 @@ class KVCacheFullError(LlamaError):
 
 class DecodeError(LlamaError):
     """llama_decode failed for another reason (aborted, compute error). Nothing was changed."""
+
+
+class QueueFullError(LlamaError):
+    """The engine's admission queue is full: try again later (a server answers 429)."""

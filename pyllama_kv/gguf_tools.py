@@ -1,7 +1,7 @@
-"""GGUF helpers built on the ``gguf`` package: a tiny random llama model, and file inspection.
+"""GGUF helpers: a tiny random llama model (written with the ``gguf`` package), and file inspection.
 
 Neither function loads weights into llama.cpp: ``inspect_gguf`` reads the header and tensor table
-with gguf's reader (memory-mapped, weights untouched).
+with :mod:`pyllama_kv.gguf_check`'s reader (memory-mapped, weights untouched).
 """
 from __future__ import annotations
 
@@ -9,6 +9,13 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from .errors import ModelLoadError
+from .gguf_check import ARRAY as _ARRAY
+from .gguf_check import STRING as _STRING
+from .gguf_check import _INTEGER_TYPES, GGUFFileError, check_gguf_header, ggml_type_name, read_gguf_header
+
+__all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_tiny_model", "tiny_vocab"]
 
 # a small SPM-style vocabulary: specials, the 256 byte tokens (without them llama.cpp aborts on text
 # it cannot tokenize), then printable characters and a few words so that text is not all bytes
@@ -65,11 +72,22 @@ def make_tiny_model(
     seed: int = 0,
     byte_tokens: bool = True,
     dtype: str = "f32",
+    *,
+    kv_overrides: dict | None = None,
+    tensor_overrides: dict | None = None,
 ) -> Path:
     """Write a random-weight llama GGUF with an SPM vocabulary (any text tokenizes); return its path.
 
     The weights are scaled so that the next-token logits depend on the whole context (attention
     matters), which is what the KV-cache tests need. ``dtype`` is ``"f32"`` or ``"f16"``.
+
+    ``kv_overrides`` and ``tensor_overrides`` write deliberately broken variants (the validation
+    tests use them). ``kv_overrides`` maps a metadata key to: a value (written with the key's GGUF
+    type, or the type gguf infers for a new key), ``(value, gguf.GGUFValueType.X)`` or
+    ``(list, gguf.GGUFValueType.ARRAY, element type)`` for an explicit type, or None to drop the key.
+    ``tensor_overrides`` maps a tensor name to an array (its dtype gives the ggml type), to
+    ``(uint8 bytes array, gguf.GGMLQuantizationType.X)`` for raw quantized data, or to None to drop it;
+    new names are appended.
     """
     import gguf
 
@@ -78,7 +96,8 @@ def make_tiny_model(
     if dtype not in ("f32", "f16"):
         raise ValueError("dtype must be 'f32' or 'f16'")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path.parent}: no such directory")
     rng = np.random.default_rng(seed)
     np_dtype = np.float32 if dtype == "f32" else np.float16
     head_dim = n_embd // n_head
@@ -92,48 +111,80 @@ def make_tiny_model(
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
-    tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name("pyllama-kv tiny random llama")
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    T = gguf.GGUFValueType
+    meta: dict = {  # key -> (value, type, array element type), in the order written
+        "general.architecture": ("llama", T.STRING, None),
+        "general.name": ("pyllama-kv tiny random llama", T.STRING, None),
+        "llama.context_length": (n_ctx_train, T.UINT32, None),
+        "llama.embedding_length": (n_embd, T.UINT32, None),
+        "llama.block_count": (n_layer, T.UINT32, None),
+        "llama.feed_forward_length": (n_ff, T.UINT32, None),
+        "llama.attention.head_count": (n_head, T.UINT32, None),
+        "llama.attention.head_count_kv": (n_head_kv, T.UINT32, None),
+        "llama.rope.dimension_count": (head_dim, T.UINT32, None),
+        "llama.rope.freq_base": (10000.0, T.FLOAT32, None),
+        "llama.attention.layer_norm_rms_epsilon": (1e-5, T.FLOAT32, None),
+        "general.file_type": (int(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16),
+                              T.UINT32, None),
+        "tokenizer.ggml.model": ("llama", T.STRING, None),
+        "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+        "tokenizer.ggml.scores": (scores, T.ARRAY, T.FLOAT32),
+        "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+        "tokenizer.ggml.unknown_token_id": (0, T.UINT32, None),
+        "tokenizer.ggml.bos_token_id": (1, T.UINT32, None),
+        "tokenizer.ggml.eos_token_id": (2, T.UINT32, None),
+        "tokenizer.ggml.add_bos_token": (True, T.BOOL, None),
+        "tokenizer.ggml.add_eos_token": (False, T.BOOL, None),
+    }
+    for key, v in (kv_overrides or {}).items():
+        if v is None:
+            meta.pop(key, None)
+        elif isinstance(v, tuple):
+            meta[key] = (v[0], v[1], v[2] if len(v) > 2 else None)
+        elif key in meta:
+            meta[key] = (v, meta[key][1], meta[key][2])
+        else:
+            meta[key] = (v, T.get_type(v), None)
 
     s_in = 1.0 / np.sqrt(n_embd)
-    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, 1.0))
+    tensors: dict = {"token_embd.weight": mat(n_vocab, n_embd, 1.0)}
     for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", norm(n_embd))
-        w.add_tensor(f"blk.{i}.attn_q.weight", mat(n_embd, n_embd, 2.0 * s_in))
-        w.add_tensor(f"blk.{i}.attn_k.weight", mat(n_embd_kv, n_embd, 2.0 * s_in))
-        w.add_tensor(f"blk.{i}.attn_v.weight", mat(n_embd_kv, n_embd, s_in))
-        w.add_tensor(f"blk.{i}.attn_output.weight", mat(n_embd, n_embd, s_in))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm(n_embd))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, n_embd, s_in))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd, s_in))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)))
-    w.add_tensor("output_norm.weight", norm(n_embd))
-    w.add_tensor("output.weight", mat(n_vocab, n_embd, 2.0 * s_in))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
+        tensors[f"blk.{i}.attn_norm.weight"] = norm(n_embd)
+        tensors[f"blk.{i}.attn_q.weight"] = mat(n_embd, n_embd, 2.0 * s_in)
+        tensors[f"blk.{i}.attn_k.weight"] = mat(n_embd_kv, n_embd, 2.0 * s_in)
+        tensors[f"blk.{i}.attn_v.weight"] = mat(n_embd_kv, n_embd, s_in)
+        tensors[f"blk.{i}.attn_output.weight"] = mat(n_embd, n_embd, s_in)
+        tensors[f"blk.{i}.ffn_norm.weight"] = norm(n_embd)
+        tensors[f"blk.{i}.ffn_gate.weight"] = mat(n_ff, n_embd, s_in)
+        tensors[f"blk.{i}.ffn_up.weight"] = mat(n_ff, n_embd, s_in)
+        tensors[f"blk.{i}.ffn_down.weight"] = mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff))
+    tensors["output_norm.weight"] = norm(n_embd)
+    tensors["output.weight"] = mat(n_vocab, n_embd, 2.0 * s_in)
+    for name, t in (tensor_overrides or {}).items():
+        if t is None:
+            tensors.pop(name, None)
+        else:
+            tensors[name] = t
+
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        w = gguf.GGUFWriter(str(tmp), "llama")
+        w.kv_data[0].clear()  # the writer adds general.architecture itself: write ours, in our order
+        for key, (value, vtype, sub_type) in meta.items():
+            w.add_key_value(key, value, vtype, sub_type=sub_type)
+        for name, t in tensors.items():
+            if isinstance(t, tuple):
+                w.add_tensor(name, t[0], raw_dtype=t[1])
+            else:
+                w.add_tensor(name, t)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -152,22 +203,26 @@ def kv_type_size(name: str) -> float:
         raise ValueError(f"unknown KV cache type {name!r}: one of {', '.join(_TYPE_SIZES)}") from None
 
 
-class GGUFFileError(ValueError):
-    """Not a GGUF file, or a truncated/corrupt one."""
-
-
-def _field_value(reader, key: str):
-    f = reader.fields.get(key)
-    if f is None:
+def _hparam(header, key: str):
+    """A hyperparameter as inspect reports it: None if absent, an int, or a list of ints (per-layer
+    arrays). GGUFFileError for a value that is no integer (a string, a float): the sizes derived from
+    it would be meaningless."""
+    kv = header.kv.get(key)
+    if kv is None:
         return None
-    try:
-        return f.contents()
-    except Exception:  # older gguf versions
-        import gguf
+    if kv.type in _INTEGER_TYPES:
+        return int(kv.value)
+    if kv.type == _ARRAY and kv.elem_type in _INTEGER_TYPES:
+        return [int(v) for v in kv.value]
+    raise GGUFFileError(f"{header.path}: {key} is {kv.describe()}: expected an integer")
 
-        if f.types and f.types[0] == gguf.GGUFValueType.STRING:
-            return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
-        return f.parts[f.data[0]].tolist()[0] if f.data else None
+
+def _metadata(header, key: str):
+    """A metadata value as it is (a str, a number, a bool), or None; arrays as their length."""
+    kv = header.kv.get(key)
+    if kv is None:
+        return None
+    return f"<array of {len(kv.value)}>" if kv.type == _ARRAY else kv.value
 
 
 def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int = 1,
@@ -177,76 +232,88 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
     KV bytes per token = n_layer * (n_embd_k_gqa * size(type_k) + n_embd_v_gqa * size(type_v)).
     The cache holds n_ctx cells shared by all sequences (llama.cpp's unified cache), so the total is
     per-token bytes * n_ctx; ``n_seqs`` is reported with the average room per sequence.
-    """
-    import gguf
 
+    Reads the header and tensor table with :func:`pyllama_kv.gguf_check.read_gguf_header` (never the
+    weights). ``validation`` says whether ``Model(path)`` accepts the file, and if not, why.
+    Raises FileNotFoundError, OSError, or GGUFFileError for a file that is not GGUF, is truncated or
+    corrupt, or has a hyperparameter that is not an integer.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise GGUFFileError(f"{path}: is a directory, not a GGUF file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise GGUFFileError(f"{path}: not a GGUF file (magic {magic!r})")
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # the reader raises ValueError/IndexError/... on truncation
-        raise GGUFFileError(f"{path}: truncated or corrupt GGUF ({type(exc).__name__}: {exc})") from None
-    arch = _field_value(reader, "general.architecture") or "?"
+        header = read_gguf_header(path)
+    except ValueError as exc:  # GGUFFileError; plain ValueError: mmap of a file that shrank
+        if isinstance(exc, GGUFFileError):
+            raise
+        raise GGUFFileError(f"{path}: cannot read: {exc}") from None
+    arch_kv = header.kv.get("general.architecture")
+    arch = arch_kv.value if arch_kv is not None and arch_kv.type == _STRING else "?"
 
     def hp(key: str):
-        return _field_value(reader, f"{arch}.{key}")
+        return _hparam(header, f"{arch}.{key}")
 
     n_layer = hp("block_count")
     n_embd = hp("embedding_length")
     n_head = hp("attention.head_count")
     n_head_kv = hp("attention.head_count_kv") or n_head
     if isinstance(n_head_kv, list):
-        n_head_kv = max(n_head_kv)
+        n_head_kv = max(n_head_kv, default=None)
     if isinstance(n_head, list):
-        n_head = max(n_head)
+        n_head = max(n_head, default=None)
     key_len = hp("attention.key_length")
     val_len = hp("attention.value_length")
-    head_dim = (n_embd // n_head) if (n_embd and n_head) else None
+    n_ff = hp("feed_forward_length")
+    n_ctx_train = hp("context_length")
+    rope_dim = hp("rope.dimension_count")
+    head_dim = (n_embd // n_head) if (isinstance(n_embd, int) and isinstance(n_head, int) and n_head > 0) else None
     n_embd_k = (key_len or head_dim or 0) * (n_head_kv or 0)
     n_embd_v = (val_len or head_dim or 0) * (n_head_kv or 0)
-    n_ctx_train = hp("context_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.data) if tokens is not None else None
+    tokens = header.kv.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens.value) if tokens is not None and tokens.type == _ARRAY else None
 
     types: dict[str, int] = {}
     n_params = 0
     n_bytes = 0
-    for t in reader.tensors:
-        tn = t.tensor_type.name.lower()
+    for t in header.tensors:
+        tn = ggml_type_name(t.type).lower()
         types[tn] = types.get(tn, 0) + 1
-        n_params += int(t.n_elements)
-        n_bytes += int(t.n_bytes)
+        n_params += t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
+        n_bytes += t.nbytes
+    try:
+        check_gguf_header(header)
+        validation = {"ok": True, "error": None}
+    except ModelLoadError as exc:
+        validation = {"ok": False, "error": str(exc)}
 
     out = {
         "path": str(path),
-        "file_bytes": path.stat().st_size,
-        "gguf_version": int(_field_value(reader, "GGUF.version") or 0) or None,
+        "file_bytes": header.file_size,
+        "gguf_version": header.version,
         "architecture": arch,
-        "name": _field_value(reader, "general.name"),
+        "name": _metadata(header, "general.name"),
         "n_layer": n_layer,
         "n_embd": n_embd,
         "n_head": n_head,
         "n_head_kv": n_head_kv,
-        "n_ff": hp("feed_forward_length"),
+        "n_ff": n_ff,
         "n_ctx_train": n_ctx_train,
-        "rope_dim": hp("rope.dimension_count"),
-        "tensors": {"count": len(reader.tensors), "types": types, "params": n_params, "bytes": n_bytes},
+        "rope_dim": rope_dim,
+        "tensors": {"count": len(header.tensors), "types": types, "params": n_params, "bytes": n_bytes},
         "vocab": {
-            "model": _field_value(reader, "tokenizer.ggml.model"),
+            "model": _metadata(header, "tokenizer.ggml.model"),
             "size": n_vocab,
-            "bos": _field_value(reader, "tokenizer.ggml.bos_token_id"),
-            "eos": _field_value(reader, "tokenizer.ggml.eos_token_id"),
+            "bos": _metadata(header, "tokenizer.ggml.bos_token_id"),
+            "eos": _metadata(header, "tokenizer.ggml.eos_token_id"),
         },
+        "validation": validation,
     }
-    if n_layer and n_embd_k:
+    if isinstance(n_layer, int) and n_layer > 0 and n_embd_k > 0:
         sk, sv = kv_type_size(type_k), kv_type_size(type_v)
         per_token = n_layer * (n_embd_k * sk + n_embd_v * sv)
-        ctx = n_ctx or n_ctx_train or 0
+        ctx = n_ctx or (n_ctx_train if isinstance(n_ctx_train, int) else 0) or 0
         out["kv_cache"] = {
             "n_ctx": ctx,
             "n_seqs": n_seqs,
