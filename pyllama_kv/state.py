@@ -1,0 +1,448 @@
+"""Sequence states: llama.cpp's byte format parsed and checked in Python, model fingerprints, digests.
+
+``llama_state_seq_set_data`` trusts its input: a cell count of 0 reads before the cell array
+(segfault in ``state_read_meta``), a huge count is allocated before anything is checked, and
+positions are written into the cache as given (a negative one makes a used cell look free; gaps,
+duplicates or positions past the context break the sequence invariant silently). So
+:meth:`Context.import_sequence <pyllama_kv.context.Context.import_sequence>` calls C only with data
+that :func:`parse` has read completely and :func:`check_import` has matched against the importing
+context, its model and the state's tokens.
+
+The format, as llama.cpp 8733e0c writes it for one sequence (``llama_state_seq_get_data`` ->
+``llama_context::state_seq_write_data`` -> ``llama_kv_cache_unified::state_write(io, seq_id)``),
+native byte order, no padding::
+
+    u32 cell_count
+    cell_count x { i32 pos; u32 n_seq_id }               state_write_meta; n_seq_id is 0 for one sequence
+    u32 v_trans; u32 n_layer                             state_write_data
+    n_layer x { i32 k_type; u64 k_row_size; cell_count * k_row_size bytes }
+    v_trans == 0: n_layer x { i32 v_type; u64 v_row_size; cell_count * v_row_size bytes }
+    v_trans == 1: n_layer x { i32 v_type; u32 v_elem_size; u32 n_embd_v_gqa;
+                              n_embd_v_gqa rows of cell_count * v_elem_size bytes }
+
+The cells are in cache order; :func:`export_sequence` reorders them by position, so a valid state
+holds positions 0..n-1 in that order and ``state_read_meta`` puts them into n contiguous cells.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _ffi
+from .errors import InvalidInputError, KVCacheFullError, LlamaError
+
+ffi = _ffi.ffi
+_alloc = ffi.new_allocator(should_clear_after_alloc=False)
+
+_DIGEST_TAG = b"pyllama-kv sequence state v1\0"
+_TYPE_NAMES = {v: k for k, v in _ffi.GGML_TYPES.items()}
+
+
+def _tname(t: int) -> str:
+    return _TYPE_NAMES.get(t, f"ggml type {t}")
+
+
+# -- the format ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One layer's K and V headers. ``v_row`` is the bytes per cell of V in both layouts;
+    ``v_elem`` and ``n_embd_v`` are set only for a transposed V (else 0)."""
+
+    k_type: int
+    k_row: int
+    v_type: int
+    v_row: int
+    v_elem: int = 0
+    n_embd_v: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a state's K/V headers must say for one context: V transposed or not, and per layer the
+    types and row sizes (llama.cpp's ``n_embd_k_gqa`` / ``n_embd_v_gqa`` times the type's size)."""
+
+    v_trans: bool
+    layers: tuple
+
+    def n_bytes(self, cell_count: int) -> int:
+        """The exact length of a state of ``cell_count`` cells in this layout."""
+        n = 4 + 8 * cell_count + 8
+        for ly in self.layers:
+            n += 12 + cell_count * ly.k_row
+            n += 12 + cell_count * ly.v_row  # both V headers are 12 bytes
+        return n
+
+
+@dataclass(frozen=True)
+class ParsedState:
+    cell_count: int
+    pos: np.ndarray  # int32, per cell in data order
+    layout: Layout
+    meta_off: int  # offset of the cell array
+    k_off: tuple  # per layer: offset of its K rows
+    v_off: tuple  # per layer: offset of its V data
+
+
+class _Reader:
+    def __init__(self, data: bytes):
+        self.data = data
+        self.off = 0
+
+    def need(self, n: int, what: str) -> int:
+        left = len(self.data) - self.off
+        if n > left:
+            raise InvalidInputError(f"the state data ends inside {what}: {n} more bytes needed at byte "
+                                    f"{self.off}, {left} left (truncated or tampered)")
+        off = self.off
+        self.off += n
+        return off
+
+    def scalar(self, fmt: str, what: str) -> int:
+        off = self.need(struct.calcsize(fmt), what)
+        return struct.unpack_from(fmt, self.data, off)[0]
+
+
+def parse(data: bytes, max_cells: int, expect: Layout | None = None) -> ParsedState:
+    """Read a sequence state completely, bounds-checking every field before it is used.
+
+    ``max_cells`` bounds the cell count before anything is sized by it. With ``expect`` (the
+    importing context's layout) every header must equal it, checked as soon as it is read.
+    InvalidInputError names the first problem: truncation, trailing bytes, a count over the bound,
+    a cell holding sequence ids, or a header that differs from ``expect``.
+    """
+    r = _Reader(data)
+    cell_count = r.scalar("=I", "the cell count")
+    if cell_count > max_cells:
+        raise InvalidInputError(f"the state holds {cell_count} cells, more than the {max_cells} the context has")
+    meta_off = r.need(8 * cell_count, f"the positions of its {cell_count} cells")
+    cells = np.frombuffer(data, dtype=np.int32, count=2 * cell_count, offset=meta_off).reshape(cell_count, 2)
+    if cell_count and cells[:, 1].any():
+        i = int(np.flatnonzero(cells[:, 1])[0])
+        raise InvalidInputError(f"cell {i} of the state lists {int(cells[i, 1]) & 0xFFFFFFFF} sequence ids "
+                                "(a one-sequence state lists none)")
+    v_trans = r.scalar("=I", "the V layout flag")
+    if v_trans not in (0, 1):
+        raise InvalidInputError(f"the state's V layout flag is {v_trans}, not 0 or 1")
+    if expect is not None and bool(v_trans) != expect.v_trans:
+        raise InvalidInputError(f"the state's V cache is {'' if v_trans else 'not '}transposed, this context's is "
+                                f"{'' if expect.v_trans else 'not '}(flash attention differs)")
+    n_layer = r.scalar("=I", "the layer count")
+    if expect is not None and n_layer != len(expect.layers):
+        raise InvalidInputError(f"the state has {n_layer} layers, this context's model has {len(expect.layers)}")
+
+    def check(il: int, what: str, got: int, want: int, name=str) -> None:
+        if expect is not None and got != want:
+            raise InvalidInputError(f"layer {il}: the state's {what} is {name(got)}, this context's is {name(want)}")
+
+    k_types, k_rows, k_off = [], [], []
+    for il in range(n_layer):
+        e = expect.layers[il] if expect is not None else None
+        t = r.scalar("=i", f"the K type of layer {il}")
+        check(il, "K type", t, e and e.k_type, _tname)
+        row = r.scalar("=Q", f"the K row size of layer {il}")
+        check(il, "K row size", row, e and e.k_row)
+        k_off.append(r.need(cell_count * row, f"the K rows of layer {il}"))
+        k_types.append(t)
+        k_rows.append(row)
+    layers, v_off = [], []
+    for il in range(n_layer):
+        e = expect.layers[il] if expect is not None else None
+        t = r.scalar("=i", f"the V type of layer {il}")
+        check(il, "V type", t, e and e.v_type, _tname)
+        if v_trans:
+            el = r.scalar("=I", f"the V element size of layer {il}")
+            check(il, "V element size", el, e and e.v_elem)
+            n_embd_v = r.scalar("=I", f"the V width of layer {il}")
+            check(il, "V width (n_embd_v_gqa)", n_embd_v, e and e.n_embd_v)
+            row = el * n_embd_v
+            ly = LayerLayout(k_types[il], k_rows[il], t, row, el, n_embd_v)
+        else:
+            row = r.scalar("=Q", f"the V row size of layer {il}")
+            check(il, "V row size", row, e and e.v_row)
+            ly = LayerLayout(k_types[il], k_rows[il], t, row)
+        v_off.append(r.need(cell_count * row, f"the V data of layer {il}"))
+        layers.append(ly)
+    if r.off != len(data):
+        raise InvalidInputError(f"the state data has {len(data) - r.off} bytes after its end (at byte {r.off})")
+    return ParsedState(cell_count, cells[:, 0].copy(), Layout(bool(v_trans), tuple(layers)), meta_off,
+                       tuple(k_off), tuple(v_off))
+
+
+def reorder(data: bytes, p: ParsedState, order: np.ndarray) -> bytes:
+    """``data`` with its cells (positions, K rows, V rows or transposed-V columns) permuted by ``order``."""
+    c = p.cell_count
+    buf = np.frombuffer(data, dtype=np.uint8)
+    out = [data[:p.meta_off], buf[p.meta_off:p.meta_off + 8 * c].reshape(c, 8)[order].tobytes()]
+    cur = p.meta_off + 8 * c
+    for il, ly in enumerate(p.layout.layers):
+        off = p.k_off[il]
+        out += [data[cur:off], buf[off:off + c * ly.k_row].reshape(c, ly.k_row)[order].tobytes()]
+        cur = off + c * ly.k_row
+    for il, ly in enumerate(p.layout.layers):
+        off = p.v_off[il]
+        v = buf[off:off + c * ly.v_row]
+        v = v.reshape(ly.n_embd_v, c, ly.v_elem)[:, order, :] if p.layout.v_trans else v.reshape(c, ly.v_row)[order]
+        out += [data[cur:off], v.tobytes()]
+        cur = off + c * ly.v_row
+    out.append(data[cur:])
+    return b"".join(out)
+
+
+# -- C side -------------------------------------------------------------------------------------
+
+
+def apply_pending_kv_updates(ctx) -> None:
+    """Run ``llama_kv_self_update`` (pending K-shifts, a scheduled defrag) to completion.
+
+    A state copies K as stored, so a shift still pending at export would be lost; at import, free
+    cells may still carry the pending delta of a removed cell, and the next update would rotate the
+    imported K by it. Context._c_update ignores the abort callback: this is maintenance, not a decode.
+    """
+    ctx._c_update()
+
+
+def _read_c_state(ctx, seq_id: int) -> bytes:
+    L = ctx._L
+    n = int(L.llama_state_seq_get_size(ctx._ptr, seq_id))
+    if n == 0:
+        raise LlamaError(f"llama.cpp could not size the state of sequence {seq_id}")
+    buf = _alloc("uint8_t[]", n)
+    got = int(L.llama_state_seq_get_data(ctx._ptr, buf, n, seq_id))
+    if got != n:
+        raise LlamaError(f"llama.cpp wrote {got} bytes of the state of sequence {seq_id}, expected {n}")
+    return ffi.buffer(buf, n)[:]
+
+
+def context_layout(ctx, empty_seq_id: int) -> Layout:
+    """The layout states of ``ctx`` have, read from C: the state of a sequence with no cells is
+    exactly the headers (V layout, n_layer, per layer K/V type and row size)."""
+    try:
+        p = parse(_read_c_state(ctx, empty_seq_id), max_cells=0)
+    except InvalidInputError as exc:
+        raise LlamaError(f"llama.cpp's empty sequence state is not in the expected format: {exc}") from None
+    ly = p.layout
+    want_k, want_v = _ffi.GGML_TYPES[ctx.type_k], _ffi.GGML_TYPES[ctx.type_v]
+    if any(x.k_type != want_k or x.v_type != want_v for x in ly.layers):
+        raise LlamaError("llama.cpp's state headers disagree with the context's cache types")
+    return ly
+
+
+# -- model fingerprint --------------------------------------------------------------------------
+
+_SAMPLE = 1024  # bytes hashed at the start, middle and end of each tensor's data
+_fingerprints: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_fp_lock = threading.Lock()
+
+# GGUF value types -> struct format (8: string, 9: array)
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _gguf_layout(mm) -> tuple[int, list[int]]:
+    """(data offset, sorted tensor data offsets) of a GGUF file; ValueError/struct.error when malformed."""
+    off = 0
+
+    def take(fmt: str):
+        nonlocal off
+        v = struct.unpack_from("<" + fmt, mm, off)
+        off += struct.calcsize("<" + fmt)
+        return v[0]
+
+    def skip_string():
+        nonlocal off
+        n = take("Q")
+        if n > len(mm) - off:
+            raise ValueError("string past the end")
+        off += n
+
+    def skip_value(t: int, depth: int = 0):
+        nonlocal off
+        if t in _GGUF_SCALARS:
+            off += struct.calcsize("<" + _GGUF_SCALARS[t])
+        elif t == 8:
+            skip_string()
+        elif t == 9 and depth < 4:
+            et, n = take("I"), take("Q")
+            if et in _GGUF_SCALARS:
+                off += n * struct.calcsize("<" + _GGUF_SCALARS[et])
+            else:
+                if n > len(mm):
+                    raise ValueError("array too long")
+                for _ in range(n):
+                    skip_value(et, depth + 1)
+        else:
+            raise ValueError(f"GGUF value type {t}")
+        if off > len(mm):
+            raise ValueError("value past the end")
+
+    if mm[:4] != b"GGUF":
+        raise ValueError("not GGUF")
+    off = 4
+    version = take("I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version}")
+    n_tensors, n_kv = take("Q"), take("Q")
+    if n_tensors > len(mm) or n_kv > len(mm):
+        raise ValueError("counts past the end")
+    alignment = 32
+    for _ in range(n_kv):
+        klen = take("Q")
+        key = bytes(mm[off:off + klen])
+        off += klen
+        t = take("I")
+        if key == b"general.alignment" and t == 4:
+            alignment = struct.unpack_from("<I", mm, off)[0] or 32
+        skip_value(t)
+    offsets = []
+    for _ in range(n_tensors):
+        skip_string()
+        n_dims = take("I")
+        if n_dims > 8:
+            raise ValueError("too many dimensions")
+        off += 8 * n_dims
+        take("I")
+        offsets.append(take("Q"))
+    data_off = -(-off // alignment) * alignment
+    if data_off > len(mm):
+        raise ValueError("tensor data past the end")
+    return data_off, sorted(data_off + o for o in offsets if data_off + o <= len(mm))
+
+
+def _compute_fingerprint(path) -> str:
+    h = hashlib.sha256(b"pyllama-kv model fingerprint v1\0")
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        h.update(struct.pack("<Q", size))
+        if size == 0:
+            return "sha256:" + h.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            try:
+                data_off, starts = _gguf_layout(mm)
+            except (ValueError, struct.error, IndexError, OverflowError):
+                # not a GGUF this parser reads: the first 16 MiB and 256 spread samples
+                data_off, starts = min(size, 16 << 20), [size * i // 256 for i in range(256)]
+            h.update(mm[:data_off])  # header, metadata, tensor table
+            ends = starts[1:] + [size]
+            for a, b in zip(starts, ends):  # a tensor's data (and its alignment padding)
+                for s in sorted({a, max(a, (a + b) // 2 - _SAMPLE // 2), max(a, b - _SAMPLE)}):
+                    h.update(mm[s:min(b, s + _SAMPLE)])
+    return "sha256:" + h.hexdigest()
+
+
+def model_fingerprint(model) -> str:
+    """A fingerprint of ``model``'s GGUF file, computed once per Model and cached: SHA-256 of its
+    size, header, metadata and tensor table, and of 1 KiB at the start, middle and end of each
+    tensor's data. Two models of the same shape with different weights differ; the whole file is
+    not read (a few KiB per tensor)."""
+    with _fp_lock:
+        fp = _fingerprints.get(model)
+    if fp is None:
+        try:
+            fp = _compute_fingerprint(model.path)
+        except OSError as exc:
+            raise LlamaError(f"cannot fingerprint the model file {model.path}: {exc}") from None
+        with _fp_lock:
+            fp = _fingerprints.setdefault(model, fp)
+    return fp
+
+
+def state_digest(tokens, data: bytes, model: str) -> str:
+    """SHA-256 over the fingerprint, the tokens (int32) and the data: what export records and
+    import checks, so that a state changed after export (a flipped byte, other tokens) is refused."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
+        return ""  # cannot be a valid state's tokens
+    h = hashlib.sha256(_DIGEST_TAG)
+    mb = model.encode("utf-8", "surrogatepass")
+    h.update(struct.pack("<Q", len(mb)) + mb)
+    h.update(struct.pack("<Q", arr.size) + arr.astype("<i4").tobytes())
+    h.update(data)
+    return h.hexdigest()
+
+
+# -- export and import --------------------------------------------------------------------------
+
+
+def export_sequence(seq):
+    """The SequenceState of ``seq`` (the caller holds the context lock and checked ``seq``)."""
+    from .sequence import SequenceState
+
+    ctx = seq._ctx
+    apply_pending_kv_updates(ctx)
+    data = _read_c_state(ctx, seq.id)
+    try:
+        p = parse(data, max_cells=ctx.n_ctx)
+    except InvalidInputError as exc:
+        raise LlamaError(f"llama.cpp's state of sequence {seq.id} is not in the expected format: {exc}") from None
+    tokens = list(seq._tokens)
+    order = np.argsort(p.pos, kind="stable")
+    if p.cell_count != len(tokens) or not np.array_equal(p.pos[order], np.arange(len(tokens))):
+        raise LlamaError(f"sequence {seq.id} has {len(tokens)} tokens but its cells hold positions "
+                         f"{sorted(p.pos.tolist())[:12]}{'...' if p.cell_count > 12 else ''}: not exported")
+    if not np.array_equal(order, np.arange(p.cell_count)):
+        data = reorder(data, p, order)
+    fp = model_fingerprint(ctx.model)
+    return SequenceState(tokens=tokens, data=data, model=fp, digest=state_digest(tokens, data, fp))
+
+
+def check_import(ctx, state, seq_id: int) -> tuple[np.ndarray, bytes, ParsedState]:
+    """Everything about ``state`` that import needs, checked before C sees it: the state's model
+    fingerprint and digest, its tokens, and its data parsed against ``ctx``'s layout (``seq_id``: an
+    id with no cells). InvalidInputError for a changed, foreign or malformed state; KVCacheFullError
+    when it holds more cells than ``ctx`` has."""
+    from .sequence import SequenceState
+
+    if not isinstance(state, SequenceState):
+        raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
+    fp = model_fingerprint(ctx.model)
+    if not isinstance(state.model, str) or state.model != fp:
+        raise InvalidInputError(f"the state is from another model (fingerprint {str(state.model)[:23]!r}, this "
+                                f"context's model has {fp[:23]!r})")
+    data = state.data
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"SequenceState.data must be bytes, got {type(data).__name__}")
+    if type(data) is not bytes:
+        data = bytes(data)  # an immutable copy: nothing can change it between the checks and C
+    toks = ctx.model.check_tokens(state.tokens)
+    if not isinstance(state.digest, str) or state.digest != state_digest(toks, data, fp):
+        raise InvalidInputError("the state's digest does not match its tokens and data: it was changed after export")
+    if len(data) < 4:
+        raise InvalidInputError(f"the state data is {len(data)} bytes, too short for its header")
+    (cell_count,) = struct.unpack_from("=I", data, 0)
+    if cell_count != toks.size:
+        raise InvalidInputError(f"the state data holds {cell_count} cells but has {toks.size} tokens")
+    if cell_count > ctx.n_ctx:
+        raise KVCacheFullError(f"the state holds {cell_count} cells, more than n_ctx={ctx.n_ctx}")
+    p = parse(data, max_cells=ctx.n_ctx, expect=context_layout(ctx, seq_id))
+    if not np.array_equal(p.pos, np.arange(cell_count, dtype=np.int32)):
+        bad = int(np.flatnonzero(p.pos != np.arange(cell_count))[0])
+        raise InvalidInputError(f"cell {bad} of the state holds position {int(p.pos[bad])}, not {bad}: "
+                                "a state holds positions 0..n-1 in order")
+    return toks, data, p
+
+
+def import_into(ctx, seq, state) -> None:
+    """Fill the new, empty sequence ``seq`` from ``state``; on any error ``seq`` holds no cells (the
+    caller closes it). Holds the context lock."""
+    toks, data, p = check_import(ctx, state, seq.id)
+    if p.cell_count == 0:
+        return
+    apply_pending_kv_updates(ctx)
+    st = ctx.kv_stats()
+    if st.largest_free_block < p.cell_count:
+        raise KVCacheFullError(f"could not restore {p.cell_count} cells: they need one contiguous block, the "
+                               f"largest free block is {st.largest_free_block} of {st.free_cells} free cells")
+    got = int(ctx._L.llama_state_seq_set_data(ctx._ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq.id))
+    if got != len(data):
+        ctx._L.llama_kv_self_seq_rm(ctx._ptr, seq.id, -1, -1)
+        if got == 0:
+            raise KVCacheFullError(f"llama.cpp found no slot for {p.cell_count} cells")
+        raise LlamaError(f"llama.cpp read {got} of the {len(data)} bytes of a checked state")
+    seq._tokens = [int(t) for t in toks]
