@@ -17,6 +17,7 @@ Contract (what every method guarantees):
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import asdict, dataclass
@@ -24,7 +25,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from . import _ffi
+from . import _ffi, _signals
 from .errors import DecodeError, InvalidInputError, KVCacheFullError, LlamaError
 
 ffi = _ffi.ffi
@@ -64,6 +65,50 @@ def _fast_tokens(toks, n_vocab: int) -> list | None:
     if min(toks) < 0 or max(toks) >= n_vocab:
         return None
     return toks
+
+
+INT32_MAX = 2**31 - 1
+MAX_THREADS = 512          # GGML_MAX_N_THREADS
+# decodes of at least this many tokens poll for Ctrl-C from the abort callback (a prompt chunk);
+# smaller ones (generation steps) are short enough to finish before the interrupt is delivered
+_POLL_TOKENS = 32
+
+
+def int_param(name: str, v, lo: int, hi: int = INT32_MAX) -> int:
+    """``v`` as an int in [lo, hi], else InvalidInputError (bools and floats are refused)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise InvalidInputError(f"{name} must be an integer, got {type(v).__name__}")
+    v = int(v)
+    if not lo <= v <= hi:
+        raise InvalidInputError(f"{name}={v} is out of range [{lo}, {hi}]")
+    return v
+
+
+class _Critical:
+    """The context's lock, with Ctrl-C held back and re-entrant calls from a callback refused."""
+
+    __slots__ = ("ctx", "sig")
+
+    def __init__(self, ctx: "Context"):
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        ctx = self.ctx
+        ctx._lock.acquire()
+        if ctx._busy:
+            ctx._lock.release()
+            raise InvalidInputError(
+                "the context is inside llama_decode: it cannot be used from its own abort callback "
+                "(or log handler) on the decoding thread")
+        self.sig = _signals.defer_sigint()
+        self.sig.__enter__()
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            self.ctx._lock.release()
+        finally:
+            self.sig.__exit__(*exc)   # delivers a held-back Ctrl-C, now that the state is whole
+        return False
 
 
 def _default_threads() -> int:
@@ -124,25 +169,39 @@ class Context(_ffi.CResource):
         if not isinstance(model, Model):
             raise InvalidInputError("model must be a pyllama_kv.Model")
         model._check_open()
-        for name, v, lo in (("n_ctx", n_ctx, 1), ("n_seq_max", n_seq_max, 1), ("n_batch", n_batch, 1),
-                            ("n_ubatch", n_ubatch, 1)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise InvalidInputError(f"{name} must be an integer >= {lo}, got {v!r}")
+        n_ctx = int_param("n_ctx", n_ctx, 1)
+        n_seq_max = int_param("n_seq_max", n_seq_max, 1)
+        n_batch = int_param("n_batch", n_batch, 1)
+        n_ubatch = int_param("n_ubatch", n_ubatch, 1)
+        if n_ubatch > n_batch:
+            raise InvalidInputError(f"n_ubatch={n_ubatch} must not exceed n_batch={n_batch}")
+        # llama.cpp clamps the batch to the context for causal models; do it here so our batch
+        # arrays are never bigger than the cache
+        n_batch = min(n_batch, n_ctx)
+        n_ubatch = min(n_ubatch, n_batch)
         if n_ctx > model.n_ctx_train:
             raise InvalidInputError(f"n_ctx={n_ctx} is larger than the model supports (n_ctx_train={model.n_ctx_train})")
         if n_seq_max > n_ctx:
             raise InvalidInputError(f"n_seq_max={n_seq_max} is larger than n_ctx={n_ctx}")
         if n_seq_max > 256:
             raise InvalidInputError("n_seq_max must be <= 256")
-        if n_ubatch > n_batch:
-            raise InvalidInputError(f"n_ubatch={n_ubatch} must not exceed n_batch={n_batch}")
         for name, t in (("type_k", type_k), ("type_v", type_v)):
-            if t not in _ffi.GGML_TYPES:
+            if not isinstance(t, str) or t not in _ffi.GGML_TYPES:
                 raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(_ffi.GGML_TYPES)}")
         if type_v in _ffi.QUANTIZED_TYPES and not flash_attn:
             raise InvalidInputError(f"a quantized V cache (type_v={type_v!r}) needs flash_attn=True")
-        if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
-            raise InvalidInputError("n_threads must be a positive integer")
+        for name, t, hd in (("type_k", type_k, model.head_dim_k), ("type_v", type_v, model.head_dim_v)):
+            if t in _ffi.QUANTIZED_TYPES and hd % 32:
+                raise InvalidInputError(
+                    f"{name}={t!r} needs a head size that is a multiple of its block size 32; this model's is {hd}")
+        if n_threads is not None:
+            n_threads = int_param("n_threads", n_threads, 1, MAX_THREADS)
+        if not isinstance(flash_attn, (bool, np.bool_)):
+            raise InvalidInputError(f"flash_attn must be a bool, got {type(flash_attn).__name__}")
+        if defrag_thold is not None:
+            if isinstance(defrag_thold, bool) or not isinstance(defrag_thold, (int, float, np.floating, np.integer)) \
+                    or not math.isfinite(defrag_thold):
+                raise InvalidInputError(f"defrag_thold must be a finite number or None, got {defrag_thold!r}")
 
         if defrag_thold is not None and defrag_thold > 0 and not model._lib.patched:
             raise InvalidInputError("defrag_thold (automatic defrag) on the vanilla build can abort the process "
@@ -154,7 +213,9 @@ class Context(_ffi.CResource):
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_ubatch
-        p.n_seq_max = n_seq_max
+        # one id more than asked for: a spare sequence under which a tail is re-evaluated and
+        # swapped in only on success (copy-on-write and exact removal stay atomic)
+        p.n_seq_max = n_seq_max + 1
         p.flash_attn = bool(flash_attn)
         p.type_k = _ffi.GGML_TYPES[type_k]
         p.type_v = _ffi.GGML_TYPES[type_v]
@@ -167,31 +228,39 @@ class Context(_ffi.CResource):
         self.n_threads = n_threads
         if defrag_thold is not None:
             p.defrag_thold = float(defrag_thold)
-        with self._libobj.lock:
-            self._libobj.clear_errors()
-            ptr = L.llama_init_from_model(model._ptr, p)
-            err = self._libobj.last_error()
-        if ptr == ffi.NULL:
-            raise LlamaError("llama.cpp could not create the context" + (f": {err}" if err else ""))
-        self._ptr = ptr
         self._lock = threading.RLock()
+        self._busy = False        # inside a C call that may call back into Python (decode, update)
+        self._no_abort = False    # a maintenance decode that must complete (abort callback ignored)
+        self._abort_exc: BaseException | None = None
+        self._shift_pending = False   # a K-shift (seq_add) not yet applied by an update
+        with model._lock:   # the model cannot be closed while a context of it is being made
+            model._check_open()
+            with self._libobj.lock:
+                self._libobj.clear_errors()
+                ptr = L.llama_init_from_model(model._ptr, p)
+                err = self._libobj.last_error()
+            if ptr == ffi.NULL:
+                raise LlamaError("llama.cpp could not create the context" + (f": {err}" if err else ""))
+            self._ptr = ptr
+            model._contexts.add(self)
         self.n_ctx: int = int(L.llama_n_ctx(ptr))          # may be padded up (256 with flash attention)
         self.n_batch: int = int(L.llama_n_batch(ptr))
         self.n_ubatch: int = int(L.llama_n_ubatch(ptr))
-        self.n_seq_max: int = int(L.llama_n_seq_max(ptr))
+        self.n_seq_max: int = n_seq_max
+        self._spare_id: int = n_seq_max
         self.flash_attn = bool(flash_attn)
         self.type_k, self.type_v = type_k, type_v
         self.can_shift: bool = bool(L.llama_kv_self_can_shift(ptr)) and model.rope_type != -1
         self.patched: bool = self._libobj.patched
         self._batch = _Batch(self.n_batch)
-        self._view_p = ffi.new("struct llama_kv_cache_view *", L.llama_kv_cache_view_init(ptr, self.n_seq_max))
+        self._view_p = ffi.new("struct llama_kv_cache_view *", L.llama_kv_cache_view_init(ptr, self.n_seq_max + 1))
         self._free_ids = list(range(self.n_seq_max))
         self._seqs: dict[int, object] = {}
         self._decode_serial = 0
         self._last_out: dict[int, tuple[int, int]] = {}  # seq id -> (decode serial, batch index) of its logits
         self._abort_fn: Callable[[], bool] | None = None
-        self._abort_cb = None
-        model._contexts.add(self)
+        self._abort_cb = ffi.callback("bool(void *)", self._on_abort_poll)
+        self._abort_installed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -200,17 +269,25 @@ class Context(_ffi.CResource):
         return self._ptr is None
 
     def close(self) -> None:
-        """Free the context and its KV cache; its sequences become closed."""
-        with self._lock:
+        """Free the context and its KV cache; its sequences become closed. Refused (InvalidInputError)
+        from the context's own abort callback, while its decode runs."""
+        if getattr(self, "_ptr", None) is None:
+            return
+        with self._critical():
             if self._ptr is None:
                 return
             for s in list(self._seqs.values()):
                 s._closed = True
             self._seqs.clear()
+            self._last_out.clear()
             self._L.llama_kv_cache_view_free(self._view_p)
             self._L.llama_free(self._ptr)
             self._ptr = None
             self.model._contexts.discard(self)
+
+    def _critical(self) -> _Critical:
+        """``with ctx._critical():`` the lock, Ctrl-C held back, no re-entry from a callback."""
+        return _Critical(self)
 
     def __repr__(self) -> str:
         if self.closed:
@@ -231,7 +308,7 @@ class Context(_ffi.CResource):
 
     def new_sequence(self):
         """A new, empty sequence with a free id. LlamaError when all n_seq_max ids are in use."""
-        with self._lock:
+        with self._critical():
             self._check_open()
             if not self._free_ids:
                 raise LlamaError(f"all {self.n_seq_max} sequences are in use: close one first (n_seq_max={self.n_seq_max})")
@@ -263,6 +340,7 @@ class Context(_ffi.CResource):
     def _release(self, sid: int) -> None:
         self._L.llama_kv_self_seq_rm(self._ptr, sid, -1, -1)
         self._seqs.pop(sid, None)
+        self._last_out.pop(sid, None)   # a new sequence with this id must not sample stale logits
         self._free_ids.append(sid)
         self._free_ids.sort()
 
@@ -270,33 +348,30 @@ class Context(_ffi.CResource):
         """Cells no sequence holds (cheap: no view is read)."""
         return self.n_ctx - int(self._L.llama_kv_self_used_cells(self._ptr))
 
-    def _tmp_id(self) -> int | None:
-        return self._free_ids[0] if self._free_ids else None
 
     def import_sequence(self, state):
         """A new sequence holding the cells and tokens of ``state`` (from Sequence.export_state).
 
-        The cells are written, not computed. They must fit in one contiguous run of free cells
-        (llama.cpp's restore has no defrag retry): KVCacheFullError otherwise; nothing is changed.
+        The cells are written, not computed. Before C sees it, the state is checked whole (see
+        pyllama_kv.state): its model fingerprint and digest, its tokens, and its data, parsed to the
+        last byte against this context (layers, K/V types and row sizes, V layout, positions 0..n-1 in
+        order, one per token). InvalidInputError for a state changed after export, from another model
+        or made with other cache settings; KVCacheFullError when its cells do not fit in one
+        contiguous run of free cells (llama.cpp's restore has no defrag retry). All or nothing: on any
+        error no sequence id is taken and no cell is changed. An empty state gives an empty sequence.
         """
-        with self._lock:
+        from . import state as _state
+
+        with self._critical():
             self._check_open()
             if not isinstance(state, _SequenceState):
                 raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
-            toks = self.model.check_tokens(state.tokens)
-            if toks.size > self.n_ctx:
-                raise KVCacheFullError(f"the state holds {toks.size} cells, more than n_ctx={self.n_ctx}")
-            s = self.new_sequence()
-            if toks.size:
-                buf = ffi.from_buffer("uint8_t[]", state.data)
-                got = self._L.llama_state_seq_set_data(self._ptr, buf, len(state.data), s.id)
-                if got == 0:
-                    s.close()
-                    st = self.kv_stats()
-                    raise KVCacheFullError(
-                        f"could not restore {toks.size} cells: largest free block {st.largest_free_block} of "
-                        f"{st.free_cells} free (or the state is from another model)")
-                s._tokens = [int(t) for t in toks]
+            s = self.new_sequence()  # LlamaError when no id is free; given back on any failure below
+            try:
+                _state.import_into(self, s, state)
+            except BaseException:
+                s.close()
+                raise
             return s
 
     # -- decoding -------------------------------------------------------------------------------
@@ -308,22 +383,62 @@ class Context(_ffi.CResource):
 
     @abort_callback.setter
     def abort_callback(self, fn: Callable[[], bool] | None) -> None:
-        with self._lock:
+        if fn is not None and not callable(fn):
+            raise InvalidInputError(f"abort_callback must be a callable or None, got {type(fn).__name__}")
+        with self._critical():
             self._check_open()
             self._abort_fn = fn
-            if fn is None:
+
+    def _on_abort_poll(self, _data) -> bool:
+        """Polled by ggml between graph nodes (with the GIL): True aborts the decode. An exception
+        from the user's callback aborts it too, and is raised (as the cause) after the rollback."""
+        try:
+            if self._no_abort:
+                return False
+            if _signals.interrupt_pending():
+                return True
+            fn = self._abort_fn
+            return bool(fn()) if fn is not None else False
+        except BaseException as exc:   # never into C; KeyboardInterrupt included
+            self._abort_exc = exc
+            return True
+
+    def _set_abort(self, on: bool) -> None:
+        if on != self._abort_installed:
+            if on:
+                self._L.llama_set_abort_callback(self._ptr, self._abort_cb, ffi.NULL)
+            else:
                 self._L.llama_set_abort_callback(self._ptr, ffi.NULL, ffi.NULL)
-                self._abort_cb = None
-                return
+            self._abort_installed = on
 
-            def _cb(_data):
-                try:
-                    return bool(fn())
-                except Exception:
-                    return True
+    def _c_decode(self, batch, n_tokens: int) -> int:
+        """One llama_decode with the abort callback installed when it has something to poll."""
+        self._set_abort(self._abort_fn is not None or n_tokens >= _POLL_TOKENS)
+        self._abort_exc = None
+        self._busy = True
+        try:
+            return self._L.llama_decode(self._ptr, batch)
+        finally:
+            self._busy = False
 
-            self._abort_cb = ffi.callback("bool(void *)", _cb)
-            self._L.llama_set_abort_callback(self._ptr, self._abort_cb, ffi.NULL)
+    def _c_update(self) -> None:
+        """llama_kv_self_update: apply pending K-shifts and a scheduled defrag, to completion. The
+        abort callback is not obeyed here: maintenance either completes or, interrupted, would
+        leave cells and K/V disagreeing (llama.cpp drops an aborted shift's deltas)."""
+        self._busy = True
+        self._no_abort = True
+        try:
+            self._L.llama_kv_self_update(self._ptr)
+            self._shift_pending = False
+        finally:
+            self._busy = False
+            self._no_abort = False
+
+    def _apply_shifts(self) -> None:
+        """Apply a pending K-shift now, so that cell positions read from the view are exact and a
+        following decode cannot abort the shift half-way."""
+        if self._shift_pending:
+            self._c_update()
 
     def _raw_decode(self, plan: list[tuple[int, np.ndarray, int]]) -> list[np.ndarray | None]:
         """Decode ``plan`` = [(seq_id, tokens, first_pos)] (validated) in as few llama_decode calls as
@@ -350,6 +465,7 @@ class Context(_ffi.CResource):
                     cur, room = [], cap
         if cur:
             chunks.append(cur)
+        self._apply_shifts()
         try:
             for chunk in chunks:
                 # fill the batch with one numpy assignment per array (lists built in Python are
@@ -376,7 +492,7 @@ class Context(_ffi.CResource):
                 else:  # a chunk that ends no entry: llama.cpp still wants one output
                     b.np_out[n - 1] = 1
                 b.batch.n_tokens = n
-                rc = L.llama_decode(self._ptr, b.batch[0])
+                rc = self._c_decode(b.batch[0], n)
                 self._decode_serial += 1
                 if rc != 0:
                     raise self._decode_error(rc)
@@ -395,7 +511,7 @@ class Context(_ffi.CResource):
             raise
         return results
 
-    def _decode_error(self, rc: int) -> LlamaError:
+    def _decode_error(self, rc: int) -> BaseException:
         err = self._libobj.last_error()
         if rc == 1:
             st = self.kv_stats()
@@ -404,6 +520,17 @@ class Context(_ffi.CResource):
                 f"block {st.largest_free_block}{'' if self.patched else '; the vanilla build does not defragment'})"
             )
         if rc == 2:
+            exc = self._abort_exc
+            self._abort_exc = None
+            if exc is not None:
+                if not isinstance(exc, Exception):   # KeyboardInterrupt, SystemExit: re-raised as is
+                    return exc   # type: ignore[return-value]
+                err_ = DecodeError(f"decode aborted: the abort callback raised {type(exc).__name__}: {exc}; "
+                                   "nothing was changed")
+                err_.__cause__ = exc
+                return err_
+            if _signals.interrupt_pending():
+                return DecodeError("decode interrupted (Ctrl-C); nothing was changed")
             return DecodeError("decode aborted by the abort callback; nothing was changed")
         if rc == -1:
             return InvalidInputError(f"llama_decode rejected the batch: {err or 'invalid input'}")
@@ -416,20 +543,34 @@ class Context(_ffi.CResource):
         tokens). The logits are the next-token logits after each sequence's last new token, float32
         arrays of shape (n_vocab,). Atomic: on failure nothing changes (see the module docstring).
         """
-        with self._lock:
+        with self._critical():
             self._check_open()
-            if not isinstance(batch, Mapping) or not batch:
+            if not isinstance(batch, Mapping):
                 raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
-            plan = []
-            seqs = []
-            total = 0
+            # first run every piece of caller code (the mapping's iteration, token iterables), then
+            # check the state they may have changed: nothing the checks saw can change after them
+            items = []
             n_vocab = self.model.n_vocab
-            for seq, toks in batch.items():
+            for seq, toks in list(batch.items()):
                 if type(seq) is not _Sequence or seq._ctx is not self or seq._closed:
                     self._own(seq)  # raises the precise error
                 arr = _fast_tokens(toks, n_vocab)
                 if arr is None:  # not a plain list of ints: the general (numpy) check
                     arr = self.model.check_tokens(toks).tolist()
+                items.append((seq, arr))
+            if not items:
+                raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
+            self._check_open()
+            plan = []
+            seqs = []
+            seen: set[int] = set()
+            total = 0
+            for seq, arr in items:
+                if type(seq) is not _Sequence or seq._ctx is not self or seq._closed:
+                    self._own(seq)
+                if seq.id in seen:
+                    raise InvalidInputError(f"sequence {seq.id} appears twice in the batch")
+                seen.add(seq.id)
                 if not arr:
                     raise InvalidInputError(f"empty token list for sequence {seq.id}")
                 n_new = len(arr)
@@ -458,7 +599,7 @@ class Context(_ffi.CResource):
         On a vanilla build this refuses (LlamaError) when the library would abort the process
         (cells in use past n_ctx - n_ubatch and holes to fill: see patches/0003).
         """
-        with self._lock:
+        with self._critical():
             self._check_open()
             if not self.patched:
                 pos, seqs = self._read_view()
@@ -472,14 +613,15 @@ class Context(_ffi.CResource):
                         "use the patched build"
                     )
             self._L.llama_kv_self_defrag(self._ptr)
-            self._L.llama_kv_self_update(self._ptr)
+            self._c_update()
             return self.kv_stats()
 
     def clear(self) -> None:
         """Empty the cache; every open sequence becomes empty (its id stays reserved)."""
-        with self._lock:
+        with self._critical():
             self._check_open()
             self._L.llama_kv_self_clear(self._ptr)
+            self._last_out.clear()
             for s in self._seqs.values():
                 s._tokens.clear()
                 s._logits = None
@@ -495,16 +637,20 @@ class Context(_ffi.CResource):
         return pos, seqs.reshape(n, v.n_seq_max).copy()
 
     def kv_view(self) -> tuple[np.ndarray, np.ndarray]:
-        """(pos, seqs): per cell its position (pending shifts included; -1 when free) and the ids of
-        the sequences holding it, shape (n_cells, n_seq_max), padded with -1."""
-        with self._lock:
+        """(pos, seqs): per cell its position (-1 when free) and the ids of the sequences holding it,
+        shape (n_cells, n_seq_max), padded with -1. A pending K-shift is applied first, so positions
+        are exact."""
+        with self._critical():
             self._check_open()
-            return self._read_view()
+            self._apply_shifts()
+            pos, seqs = self._read_view()
+        # the view has a column more, for the spare id, which holds no cell between calls
+        return pos, np.ascontiguousarray(seqs[:, :self.n_seq_max])
 
     def kv_cells(self) -> np.ndarray:
         """Per-cell occupancy, int32 (n_cells,): -1 free, -2 shared by several sequences, else the id
         of the one sequence holding the cell."""
-        with self._lock:
+        with self._critical():
             self._check_open()
             _, seqs = self._read_view()
         occ = seqs[:, 0].copy()
@@ -514,7 +660,7 @@ class Context(_ffi.CResource):
 
     def kv_stats(self) -> KVStats:
         """Cells, holes, the largest free block, and (patched build) the defrag/retry counters."""
-        with self._lock:
+        with self._critical():
             self._check_open()
             _, seqs = self._read_view()
             counters = None
@@ -544,6 +690,7 @@ class Context(_ffi.CResource):
 
     def _shared_in(self, sid: int, lo: int, hi: int) -> bool:
         """Whether any cell of sequence ``sid`` with position in [lo, hi) is held by another sequence too."""
+        self._apply_shifts()
         pos, seqs = self._read_view()
         mine = (seqs == sid).any(axis=1) & (pos >= lo) & (pos < hi)
         if not mine.any():
@@ -551,6 +698,7 @@ class Context(_ffi.CResource):
         return bool(((seqs[mine] >= 0).sum(axis=1) > 1).any())
 
     def _exclusive_cells(self, sid: int, lo: int) -> int:
+        self._apply_shifts()
         pos, seqs = self._read_view()
         mine = (seqs == sid).any(axis=1) & (pos >= lo)
         return int((mine & ((seqs >= 0).sum(axis=1) == 1)).sum())

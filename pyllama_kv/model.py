@@ -12,28 +12,19 @@ from . import _ffi
 from .errors import InvalidInputError, LlamaError, ModelLoadError
 
 ffi = _ffi.ffi
+INT32_MAX = 2**31 - 1
+# what the vocabulary functions return when llama.cpp threw an exception (patch 0005)
+C_EXCEPTION = -(2**31)
 
 
 def _validate_gguf(path: Path) -> None:
-    """Catch what would make llama.cpp abort or misbehave, before it sees the file."""
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file")
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: not a file")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read: {exc}") from exc
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    # a full structural read (header, metadata, tensor table, data bounds) with gguf's reader
-    from .gguf_tools import GGUFFileError, inspect_gguf
+    """Refuse (ModelLoadError) a file that would make llama.cpp abort or misbehave, before it sees it:
+    pyllama_kv.gguf_check.validate_gguf checks the structure, the architecture (llama only), every
+    hyperparameter, tensor shape and type, and the vocabulary that the pinned loader and graph
+    assert on or divide by, reading only the header and tensor table."""
+    from .gguf_check import validate_gguf
 
-    try:
-        inspect_gguf(path)
-    except GGUFFileError as exc:
-        raise ModelLoadError(str(exc)) from None
+    validate_gguf(path)
 
 
 class Model(_ffi.CResource):
@@ -51,10 +42,14 @@ class Model(_ffi.CResource):
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, *, lib=None,
                  use_mmap: bool = True, validate: bool = True):
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidInputError(f"the model path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)
+        if "\0" in str(self.path):
+            raise ModelLoadError("the model path contains a NUL byte")
         if validate:
             _validate_gguf(self.path)
-        if not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
+        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
         self._lib = _ffi.load(lib)
         L = self._lib.lib
@@ -63,20 +58,26 @@ class Model(_ffi.CResource):
         params.use_mmap = bool(use_mmap)
         with self._lib.lock:
             self._lib.clear_errors()
-            ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
+            ptr = L.llama_model_load_from_file(os.fsencode(self.path), params)
             err = self._lib.last_error()
         if ptr == ffi.NULL:
             raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
         self._ptr = ptr
         self._lock = threading.RLock()
+        # the identity a saved sequence state is checked against (the file as loaded now)
+        from . import state as _state
+
+        _state.model_fingerprint(self)
         self._contexts: set = set()
         self._vocab = L.llama_model_get_vocab(ptr)
         self.n_vocab: int = L.llama_vocab_n_tokens(self._vocab)
         self.n_layer: int = L.llama_model_n_layer(ptr)
-        self.n_ctx_train: int = L.llama_model_n_ctx_train(ptr)
+        self.n_ctx_train: int = L.llama_model_n_ctx_train(ptr) & 0xFFFFFFFF   # a uint32 in the file
         self.n_embd: int = L.llama_model_n_embd(ptr)
         self.n_head: int = L.llama_model_n_head(ptr)
         self.n_head_kv: int = L.llama_model_n_head_kv(ptr)
+        self.head_dim_k: int = self._head_dim("key_length")    # K and V head sizes (a quantized
+        self.head_dim_v: int = self._head_dim("value_length")  # cache needs whole blocks)
         self.bos: int = L.llama_vocab_bos(self._vocab)
         self.eos: int = L.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(L.llama_vocab_get_add_bos(self._vocab))
@@ -88,6 +89,14 @@ class Model(_ffi.CResource):
         self.size: int = int(L.llama_model_size(ptr))
         self.n_params: int = int(L.llama_model_n_params(ptr))
         self.n_gpu_layers = n_gpu_layers
+
+    def _head_dim(self, key: str) -> int:
+        arch = self.meta("general.architecture") or ""
+        v = self.meta(f"{arch}.attention.{key}")
+        try:
+            return int(v) if v is not None else self.n_embd // max(1, self.n_head)
+        except ValueError:
+            return self.n_embd // max(1, self.n_head)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -101,13 +110,22 @@ class Model(_ffi.CResource):
         return dict(self._lib.info)
 
     def close(self) -> None:
-        """Free the model. Open contexts are closed first."""
-        with self._lock:
-            for c in list(self._contexts):
+        """Free the model. Open contexts are closed first (each under its own lock, so a context
+        that is decoding finishes first; from a context's abort callback this raises
+        InvalidInputError and the model stays open)."""
+        if getattr(self, "_ptr", None) is None:
+            return
+        while True:
+            with self._lock:
+                if self._ptr is None:
+                    return
+                ctxs = list(self._contexts)
+                if not ctxs:
+                    self._lib.lib.llama_model_free(self._ptr)
+                    self._ptr = None
+                    return
+            for c in ctxs:   # outside the model lock: a context's lock is always taken first
                 c.close()
-            if self._ptr is not None:
-                self._lib.lib.llama_model_free(self._ptr)
-                self._ptr = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.desc}, n_vocab={self.n_vocab}, n_layer={self.n_layer}"
@@ -120,18 +138,38 @@ class Model(_ffi.CResource):
     # -- vocabulary -----------------------------------------------------------------------------
 
     def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_bos`` adds the BOS token if the model uses one."""
-        self._check_open()
-        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        """Token ids of ``text`` (str, or UTF-8 bytes); ``add_bos`` adds the BOS token if the model
+        uses one. Text the vocabulary cannot represent raises InvalidInputError."""
+        if isinstance(text, str):
+            data = text.encode("utf-8", "surrogatepass")
+        elif isinstance(text, (bytes, bytearray, memoryview)):
+            data = bytes(text)
+        else:
+            raise InvalidInputError(f"tokenize needs str or bytes, got {type(text).__name__}")
+        if len(data) > INT32_MAX // 2:
+            raise InvalidInputError(f"text of {len(data)} bytes is too long to tokenize")
         n_max = len(data) + 8
-        L = self._lib.lib
-        for _ in range(2):
-            buf = ffi.new("llama_token[]", n_max)
-            n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, bool(add_bos), bool(special))
-            if n >= 0:
-                return list(ffi.unpack(buf, n))
-            n_max = -n
+        with self._lock:
+            self._check_open()
+            L = self._lib.lib
+            for _ in range(2):
+                buf = ffi.new("llama_token[]", n_max)
+                self._lib.clear_errors()
+                n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, bool(add_bos), bool(special))
+                if n >= 0:
+                    return list(ffi.unpack(buf, n))
+                if n == C_EXCEPTION:
+                    raise InvalidInputError(f"the vocabulary cannot tokenize this text: {self._lib.last_error() or 'llama.cpp failed'}")
+                n_max = -n
         raise LlamaError("llama_tokenize failed")  # pragma: no cover
+
+    def _token_id(self, token, what: str = "token") -> int:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise InvalidInputError(f"{what} id must be an integer, got {type(token).__name__}")
+        t = int(token)
+        if not 0 <= t < self.n_vocab:
+            raise InvalidInputError(f"{what} id {t} is out of range [0, {self.n_vocab})")
+        return t
 
     def check_tokens(self, tokens: Iterable[int], what: str = "token") -> np.ndarray:
         """``tokens`` as an int32 array, or InvalidInputError if any id is out of range."""
@@ -154,42 +192,67 @@ class Model(_ffi.CResource):
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (may be part of a UTF-8 character)."""
-        self._check_open()
-        self.check_tokens([token])
-        buf = ffi.new("char[64]")
-        n = self._lib.lib.llama_token_to_piece(self._vocab, int(token), buf, 64, 0, bool(special))
-        if n < 0:
-            buf = ffi.new("char[]", -n)
-            n = self._lib.lib.llama_token_to_piece(self._vocab, int(token), buf, -n, 0, bool(special))
-        return ffi.unpack(buf, n)
+        t = self._token_id(token)
+        with self._lock:
+            self._check_open()
+            buf = ffi.new("char[64]")
+            n = self._lib.lib.llama_token_to_piece(self._vocab, t, buf, 64, 0, bool(special))
+            if n < 0 and n != C_EXCEPTION:
+                buf = ffi.new("char[]", -n)
+                n = self._lib.lib.llama_token_to_piece(self._vocab, t, buf, -n, 0, bool(special))
+            if n < 0:
+                raise LlamaError(f"llama_token_to_piece failed for token {t}: {self._lib.last_error()}")
+            return ffi.unpack(buf, n)
 
     def detokenize(self, tokens: _Seq[int], special: bool = False) -> str:
         """Text of ``tokens`` (invalid UTF-8 is replaced). Ids are validated first."""
-        self._check_open()
         arr = self.check_tokens(tokens)
         if arr.size == 0:
             return ""
-        cbuf = ffi.from_buffer("llama_token[]", np.ascontiguousarray(arr))
+        if arr.size > INT32_MAX // 64:
+            raise InvalidInputError(f"{arr.size} tokens are too many to detokenize at once")
+        arr = np.ascontiguousarray(arr)
+        cbuf = ffi.from_buffer("llama_token[]", arr)
         n_max = max(64, arr.size * 16)
-        for _ in range(2):
-            out = ffi.new("char[]", n_max)
-            n = self._lib.lib.llama_detokenize(self._vocab, cbuf, arr.size, out, n_max, not special, bool(special))
-            if n >= 0:
-                return ffi.unpack(out, n).decode("utf-8", "replace")
-            n_max = -n
-        raise LlamaError("llama_detokenize failed")  # pragma: no cover
+        with self._lock:
+            self._check_open()
+            for _ in range(2):
+                out = ffi.new("char[]", n_max)
+                n = self._lib.lib.llama_detokenize(self._vocab, cbuf, arr.size, out, n_max, not special, bool(special))
+                if n >= 0:
+                    return ffi.unpack(out, n).decode("utf-8", "replace")
+                if n == C_EXCEPTION:
+                    break
+                n_max = -n
+        raise LlamaError(f"llama_detokenize failed: {self._lib.last_error()}")
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT, ...)."""
-        self._check_open()
-        return bool(self._lib.lib.llama_vocab_is_eog(self._vocab, int(token)))
+        t = self._token_id(token)
+        with self._lock:
+            self._check_open()
+            return bool(self._lib.lib.llama_vocab_is_eog(self._vocab, t))
 
     def meta(self, key: str) -> str | None:
-        """A metadata value of the GGUF file as a string (None if absent)."""
-        self._check_open()
-        buf = ffi.new("char[4096]")
-        n = self._lib.lib.llama_model_meta_val_str(self._ptr, key.encode(), buf, 4096)
-        return None if n < 0 else ffi.string(buf).decode("utf-8", "replace")
+        """A metadata value of the GGUF file as a string (None if absent; arrays are abridged by
+        llama.cpp)."""
+        if not isinstance(key, str):
+            raise InvalidInputError(f"meta key must be a str, got {type(key).__name__}")
+        k = key.encode("utf-8", "surrogatepass")
+        if b"\0" in k:
+            raise InvalidInputError("meta key must not contain NUL")
+        size = 4096
+        with self._lock:
+            self._check_open()
+            for _ in range(2):
+                buf = ffi.new("char[]", size)
+                n = self._lib.lib.llama_model_meta_val_str(self._ptr, k, buf, size)
+                if n < 0:
+                    return None
+                if n < size:
+                    return ffi.unpack(buf, n).decode("utf-8", "replace")
+                size = n + 1
+        return ffi.string(buf).decode("utf-8", "replace")  # pragma: no cover
 
     # -- contexts -------------------------------------------------------------------------------
 

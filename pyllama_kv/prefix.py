@@ -37,7 +37,11 @@ class PrefixCache:
     """
 
     def __init__(self, ctx, max_sequences: int = 4):
-        if not isinstance(max_sequences, int) or max_sequences < 0:
+        from .context import Context
+
+        if not isinstance(ctx, Context):
+            raise InvalidInputError(f"PrefixCache needs a pyllama_kv.Context, got {type(ctx).__name__}")
+        if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 0:
             raise InvalidInputError("max_sequences must be an integer >= 0")
         self.ctx = ctx
         self.max_sequences = max_sequences
@@ -100,10 +104,64 @@ class PrefixCache:
 
     # -- API ------------------------------------------------------------------------------------
 
+    def longest(self, tokens) -> int:
+        """How many leading tokens of ``tokens`` an idle cached sequence already holds."""
+        with self.ctx._critical():
+            return self._best(self.ctx.model.check_tokens(tokens))[1]
+
+    def fork_prefix(self, tokens):
+        """A new sequence holding the longest cached prefix of ``tokens`` (at most all but the last
+        token), without evaluating anything: ``(seq, n)`` with ``n`` the tokens it holds (0: an empty
+        sequence). Idle cached sequences other than the matching one are evicted when no sequence
+        id is free; LlamaError when none can be had. The caller decodes ``tokens[n:]``."""
+        ctx = self.ctx
+        with ctx._critical():
+            toks = ctx.model.check_tokens(tokens)
+            if toks.size == 0:
+                raise InvalidInputError("fork_prefix needs at least one token")
+            best, n = self._best(toks)
+            n = min(n, toks.size - 1)
+            if best is not None:
+                self._idle.move_to_end(best.id)
+            while True:
+                try:
+                    seq = best.fork(n) if (best is not None and n > 0) else ctx.new_sequence()
+                    break
+                except LlamaError:
+                    if not self._evict_one(keep=best):
+                        raise
+            n = len(seq)
+            seq.prefix_reused = n
+            st = self.stats
+            st.requests += 1
+            st.prompt_tokens += int(toks.size)
+            st.reused_tokens += n
+            st.evaluated_tokens += int(toks.size) - n
+            return seq, n
+
+    def remember(self, seq) -> bool:
+        """Keep a fork of ``seq`` (its current tokens) as an idle cached sequence, if a sequence id
+        is free; the caller keeps ``seq``. Returns whether it was kept."""
+        with self.ctx._critical():
+            self.ctx._own(seq)
+            if self.max_sequences == 0 or len(seq) == 0 or not self.ctx.free_sequence_ids:
+                return False
+            self._remember(seq.fork())
+            return True
+
+    def evict(self, keep_for=None) -> bool:
+        """Close the least recently used idle cached sequence (not the best match for the tokens
+        ``keep_for``, if given); False when there is none to close."""
+        with self.ctx._critical():
+            keep = None
+            if keep_for is not None and len(keep_for):
+                keep = self._best(self.ctx.model.check_tokens(keep_for))[0]
+            return self._evict_one(keep=keep)
+
     def acquire(self, tokens, remember: bool = True):
         """A new sequence holding ``tokens`` (see the class docstring); the caller owns it."""
         ctx = self.ctx
-        with ctx.lock:
+        with ctx._critical():
             toks = ctx.model.check_tokens(tokens)
             if toks.size == 0:
                 raise InvalidInputError("acquire needs at least one token")
@@ -145,8 +203,10 @@ class PrefixCache:
 
     def release(self, seq, keep: bool = True) -> None:
         """Give a finished sequence back: cached for later prefixes (``keep``) or closed."""
-        with self.ctx.lock:
+        with self.ctx._critical():
             self.ctx._own(seq)
+            if self._idle.get(seq.id) is seq:
+                raise InvalidInputError(f"sequence {seq.id} was already released to the prefix cache")
             if keep and len(seq) > 0:
                 self._remember(seq)
             else:
@@ -154,7 +214,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Close every idle cached sequence."""
-        with self.ctx.lock:
+        with self.ctx._critical():
             for s in list(self._idle.values()):
                 s.close()
             self._idle.clear()

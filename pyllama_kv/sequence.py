@@ -11,11 +11,12 @@ nothing. Removals whose tail is private use llama.cpp's K-shift (no decode at al
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import _ffi
+from . import state as _state
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
 
 ffi = _ffi.ffi
@@ -23,11 +24,22 @@ ffi = _ffi.ffi
 
 @dataclass(frozen=True)
 class SequenceState:
-    """The saved cells and tokens of a sequence (see Sequence.export_state)."""
+    """The saved cells and tokens of a sequence (see Sequence.export_state), for Context.import_sequence.
+
+    ``data`` is llama.cpp's state of the sequence (the byte layout is in pyllama_kv.state), its cells in
+    position order. ``model`` is the fingerprint of the model that made it (pyllama_kv.state.model_fingerprint:
+    a hash of the GGUF header, metadata, tensor table and a sample of each tensor's data). ``digest`` is a
+    SHA-256 of the fingerprint, the tokens and the data. Import checks all of them and the structure of
+    ``data`` against the importing context, and refuses (InvalidInputError) a state that was changed after
+    export, comes from another model, or was made with other cache types or flash-attention setting.
+    A digest is no signature: K/V values edited with the digest recomputed cannot be told from real ones;
+    they are trusted (they change outputs, they cannot crash the process or break the cache).
+    """
 
     tokens: list
-    data: bytes
+    data: bytes = field(repr=False)
     model: str = ""
+    digest: str = ""
 
 
 def _index(name: str, v, lo: int, hi: int) -> int:
@@ -75,6 +87,16 @@ class Sequence:
     def __enter__(self) -> "Sequence":
         return self
 
+    def __copy__(self):
+        raise InvalidInputError("a Sequence cannot be copied (two objects would own one sequence id): "
+                                "use seq.fork() for a prefix copy")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        raise InvalidInputError("a Sequence cannot be pickled: use seq.export_state()")
+
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -97,7 +119,7 @@ class Sequence:
         a direct check of what the cache holds. That needs one cell: KVCacheFullError when the cache is
         full to the last cell and this sequence's last cell is shared with a fork.
         """
-        with self._ctx.lock:
+        with self._ctx._critical():
             self._check()
             if not self._tokens:
                 raise InvalidInputError(f"sequence {self.id} is empty: it has no next-token logits")
@@ -112,7 +134,7 @@ class Sequence:
         """A new sequence sharing this one's first ``n`` positions (default: all). No recompute:
         the cells are shared, not copied. LlamaError when no sequence id is free."""
         ctx = self._ctx
-        with ctx.lock:
+        with ctx._critical():
             self._check()
             n = len(self._tokens) if n is None else _index("n", n, 0, len(self._tokens))
             child = ctx.new_sequence()
@@ -128,7 +150,7 @@ class Sequence:
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions, drop the rest."""
         ctx = self._ctx
-        with ctx.lock:
+        with ctx._critical():
             self._check()
             n = _index("n", n, 0, len(self._tokens))
             if n == len(self._tokens):
@@ -136,6 +158,7 @@ class Sequence:
             ctx._L.llama_kv_self_seq_rm(ctx._ptr, self.id, n, -1)
             del self._tokens[n:]
             self._logits = None
+            ctx._last_out.pop(self.id, None)   # a sampler must not use the logits of the longer sequence
 
     def remove(self, start: int, end: int, recompute: bool = False) -> None:
         """Drop positions [start, end) and shift the later ones down by ``end - start``.
@@ -148,7 +171,7 @@ class Sequence:
         vanilla build or a model that cannot shift.
         """
         ctx = self._ctx
-        with ctx.lock:
+        with ctx._critical():
             self._check()
             n = len(self._tokens)
             start = _index("start", start, 0, n)
@@ -167,14 +190,16 @@ class Sequence:
             L = ctx._L
             L.llama_kv_self_seq_rm(ctx._ptr, self.id, start, end)
             L.llama_kv_self_seq_add(ctx._ptr, self.id, end, -1, -(end - start))
+            ctx._shift_pending = True
             del self._tokens[start:end]
             self._logits = None
+            ctx._last_out.pop(self.id, None)
 
     def shift_out(self, n_keep: int, n_discard: int) -> None:
         """Context shift for generation loops: keep the first ``n_keep`` positions, drop the next
         ``n_discard``, shift the rest down. Refused (LlamaError) when the model cannot shift."""
         ctx = self._ctx
-        with ctx.lock:
+        with ctx._critical():
             self._check()
             if not ctx.can_shift:
                 raise LlamaError("this model/context cannot shift its KV cache (no RoPE, or a cache type without K-shift)")
@@ -186,8 +211,13 @@ class Sequence:
     def _rebuild_tail(self, start: int, tail: np.ndarray) -> None:
         """Make positions [start:] hold ``tail``, evaluated afresh into cells of this sequence only.
 
-        Atomic: built under a spare sequence id that shares our prefix and swapped in only when the
-        decode succeeded; without a spare id, in place after checking that the cells are there.
+        Atomic. When ``tail.size`` cells are free, the tail is built under the context's spare
+        sequence id (which shares our prefix) and swapped in only when the decode succeeded.
+        Otherwise (patched build only) it is rebuilt in place, in the cells our old tail frees:
+        that decode cannot be aborted (the abort callback and Ctrl-C wait for it), and the patched
+        library's defrag-and-retry guarantees it a slot, since the cells were counted first. The
+        vanilla build, which may fail to place a batch in scattered cells, refuses instead
+        (KVCacheFullError, nothing changed).
         """
         ctx = self._ctx
         L = ctx._L
@@ -196,81 +226,82 @@ class Sequence:
             self.truncate(start)
             return
         free = ctx._free_cells()
-        tmp = ctx._tmp_id()
-        if tmp is not None and free >= tail.size:
-            ctx._free_ids.remove(tmp)
+        if free >= tail.size:
+            tmp = ctx._spare_id
+            L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
             try:
-                L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
                 if start > 0:
                     L.llama_kv_self_seq_cp(ctx._ptr, sid, tmp, 0, start)
-                try:
-                    (logits,) = ctx._raw_decode([(tmp, tail, start)])
-                except BaseException:
-                    L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
-                    raise
-                # swap: our cells become the temporary sequence's
-                L.llama_kv_self_seq_rm(ctx._ptr, sid, -1, -1)
-                L.llama_kv_self_seq_cp(ctx._ptr, tmp, sid, -1, -1)
+                (logits,) = ctx._raw_decode([(tmp, tail, start)])
+            except BaseException:
                 L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
-                ctx._last_out[sid] = ctx._last_out.pop(tmp, (0, 0))
-            finally:
-                ctx._free_ids.append(tmp)
-                ctx._free_ids.sort()
+                ctx._last_out.pop(tmp, None)
+                raise
+            # swap: our cells become the spare sequence's
+            L.llama_kv_self_seq_rm(ctx._ptr, sid, -1, -1)
+            L.llama_kv_self_seq_cp(ctx._ptr, tmp, sid, -1, -1)
+            L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
+            ctx._last_out[sid] = ctx._last_out.pop(tmp, (0, 0))
         else:
-            if free + ctx._exclusive_cells(sid, start) < tail.size:
+            exclusive = ctx._exclusive_cells(sid, start)
+            if not ctx.patched or free + exclusive < tail.size:
+                why = ("" if ctx.patched else
+                       "; the vanilla build cannot re-evaluate in place without risking the sequence")
                 raise KVCacheFullError(
-                    f"re-evaluating {tail.size} tokens of sequence {sid} needs {tail.size} free cells; {free} are free")
+                    f"re-evaluating {tail.size} tokens of sequence {sid} needs {tail.size} free cells; {free} are "
+                    f"free{why}")
             old = np.asarray(self._tokens[start:], dtype=np.int32)
             L.llama_kv_self_seq_rm(ctx._ptr, sid, start, -1)
+            ctx._no_abort = True
             try:
                 (logits,) = ctx._raw_decode([(sid, tail, start)])
             except LlamaError:
                 self._restore_tail(start, old)
                 raise
+            finally:
+                ctx._no_abort = False
         del self._tokens[start:]
         self._tokens.extend(int(t) for t in tail)
         self._logits = logits
 
     def _restore_tail(self, start: int, old: np.ndarray) -> None:
+        """Best effort after an in-place re-evaluation failed for a reason no check foresees (a
+        compute error): decode the old tail again, else truncate and say so."""
         ctx = self._ctx
-        fn = ctx.abort_callback
-        if fn is not None:
-            ctx._L.llama_set_abort_callback(ctx._ptr, ffi.NULL, ffi.NULL)
+        ctx._no_abort = True
         try:
             if old.size:
                 ctx._raw_decode([(self.id, old, start)])
         except LlamaError as exc:
             del self._tokens[start:]
             self._logits = None
+            ctx._last_out.pop(self.id, None)
             raise LlamaError(f"sequence {self.id} could not be restored after a failed re-evaluation and was "
                              f"truncated to {start} tokens: {exc}") from exc
         finally:
-            if fn is not None:
-                ctx.abort_callback = fn
+            ctx._no_abort = False
 
     # -- saving and restoring -------------------------------------------------------------------
 
     def export_state(self) -> "SequenceState":
         """A copy of this sequence's cells (K/V data and positions) and tokens, to restore later into
-        this context or another context of the same model with :meth:`Context.import_sequence`."""
+        this context or another context of the same model and cache types with :meth:`Context.import_sequence`.
+
+        Pending K-shifts are applied first (the state copies K as stored); cells shared with forks are
+        copied like the others. LlamaError if the cache does not hold exactly positions 0..n-1 for it."""
         ctx = self._ctx
-        with ctx.lock:
+        with ctx._critical():
             self._check()
-            ctx._L.llama_kv_self_update(ctx._ptr)  # apply pending K-shifts: the state copies the K data
-            n = ctx._L.llama_state_seq_get_size(ctx._ptr, self.id)
-            buf = ffi.new("uint8_t[]", n)
-            got = ctx._L.llama_state_seq_get_data(ctx._ptr, buf, n, self.id)
-            if got == 0 and len(self._tokens):
-                raise LlamaError(f"could not read the state of sequence {self.id}")
-            return SequenceState(tokens=list(self._tokens), data=bytes(ffi.buffer(buf, got)),
-                                 model=str(ctx.model.path))
+            return _state.export_sequence(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Free this sequence's id and its cells (cells shared with forks stay for them)."""
         ctx = self._ctx
-        with ctx.lock:
+        if self._closed:
+            return
+        with ctx._critical():
             if self._closed or ctx.closed:
                 self._closed = True
                 return

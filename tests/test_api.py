@@ -166,7 +166,9 @@ def test_fork_shares_cells_without_recompute(ctx, ref):
     lb = b.extend(toks(4, seed=5))
     np.testing.assert_allclose(lb, ref(toks(30)[:12] + toks(4, seed=5)), atol=F32_ATOL)
     c = a.fork()
-    np.testing.assert_allclose(c.logits(), a.logits(), atol=0)
+    assert ctx.kv_stats().used_cells == used + 4, "a fork must not use new cells"
+    # re-evaluate c's last token over the cells it shares with a: what the fork really holds
+    np.testing.assert_allclose(c.logits(recompute=True), ref(toks(30)), atol=F32_ATOL)
 
 
 def test_siblings_are_unaffected_by_remove_truncate_and_shift(ctx, ref, one_layer_model):
@@ -534,7 +536,7 @@ def test_export_and_import_a_sequence(model, ctx, ref):
         with pytest.raises(pk.InvalidInputError):
             other.import_sequence(b"junk")
         with model.context(n_ctx=16, n_seq_max=1) as small:
-            with pytest.raises(pk.KVCacheFullError):
+            with pytest.raises(pk.InvalidInputError, match="K type"):  # an f16 cache: refused before C
                 small.import_sequence(state)
             assert small.kv_stats().used_cells == 0 and small.free_sequence_ids == 1
         assert other.kv_stats().used_cells == used
@@ -562,10 +564,18 @@ def _cells_by_sequence(c):
     return {k: sorted(v) for k, v in out.items()}
 
 
-def test_abort_after_a_mid_batch_retry_restores_the_moved_cells(model, ref):
-    """The hardest path of patch 0002: the first micro-batch lands in a hole, the second finds no slot,
-    the cache is defragmented (moving the first micro-batch's uncommitted cells too), and then the
-    second micro-batch is aborted. Every cell of the batch must be removed, wherever it moved."""
+def test_api_rollback_removes_a_batch_aborted_after_a_mid_batch_retry(model, ref):
+    """The API's rollback (Context.decode), on the hardest path: a batch of 72 tokens is two
+    llama_decode calls (n_batch 64). In the first, the first micro-batch lands in a hole above the
+    used cells, the second finds no slot, and the retry's defrag moves the first one; that call
+    completes, so llama.cpp commits its 64 cells. The second call is aborted: llama.cpp restores only
+    that call's cells, and the 64 committed ones, wherever the defrag put them, must be removed by the
+    API (llama_kv_self_seq_rm from the sequence's first new position), leaving every other sequence
+    exactly as it was.
+
+    llama.cpp's own restore of cells that a defrag moved *within* one aborted call (patch 0002's
+    remap) plays no part here; it is tested without the API in
+    tests/test_reproducers.py::test_abort_after_a_mid_batch_retry_removes_every_moved_cell."""
     with model.context(n_ctx=256, n_seq_max=80, n_batch=64, n_ubatch=8, type_k="f32", type_v="f32") as c:
         seqs = [c.new_sequence() for _ in range(64)]
         c.decode({s: toks(4, seed=i) for i, s in enumerate(seqs)})          # 256 cells, 4 per sequence
@@ -587,13 +597,14 @@ def test_abort_after_a_mid_batch_retry_restores_the_moved_cells(model, ref):
         probe.close()
         assert per_ubatch > 0 and c.kv_stats().largest_free_block == 8
         calls.clear()
-        c.abort_callback = lambda: (calls.append(1) or len(calls) > per_ubatch)
+        c.abort_callback = lambda: (calls.append(1) or len(calls) > 8 * per_ubatch)
         with pytest.raises(pk.DecodeError):
-            x.extend(toks(16, seed=501))  # two micro-batches of 8
+            x.extend(toks(72, seed=501))  # llama_decode of 64 tokens (8 micro-batches), then of 8
         c.abort_callback = None
+        assert len(calls) == 8 * per_ubatch + 1, "the abort must come in the second llama_decode call"
         st = c.kv_stats()
         assert st.slot_retries == 1 and st.defrags == 1, st
         assert len(x) == 0
-        assert _cells_by_sequence(c) == before, "the batch's cells (moved by the defrag) were not all removed"
+        assert _cells_by_sequence(c) == before, "the first call's cells (moved by the defrag) were not all removed"
         for s in live[:5]:
             np.testing.assert_allclose(s.logits(recompute=True), ref(s.tokens), atol=F32_ATOL)

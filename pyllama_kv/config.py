@@ -1,0 +1,174 @@
+"""Options, defined once: validated dataclasses that the API, the engine and every CLI command share.
+
+``SamplingParams`` says how one request draws tokens; ``ContextConfig`` how a context (one KV cache)
+is made; ``EngineConfig`` adds the generation engine's admission and batching policy. Each is
+validated in ``__post_init__`` (InvalidInputError), so a bad value is refused where it is written,
+and the CLI maps its flags onto these fields (``cli/options.py``) instead of repeating defaults.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+from .errors import InvalidInputError
+
+INT32_MAX = 2**31 - 1
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+
+
+def default_threads() -> int:
+    """The CPU cores this process may run on (llama.cpp's own default is a fixed 4)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, n)
+
+
+def _int(name: str, v, lo: int, hi: int = INT32_MAX) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        try:
+            import numpy as np
+
+            if isinstance(v, np.integer):
+                v = int(v)
+            else:
+                raise TypeError
+        except TypeError:
+            raise InvalidInputError(f"{name} must be an integer, got {type(v).__name__}") from None
+    if not lo <= v <= hi:
+        raise InvalidInputError(f"{name}={v} is out of range [{lo}, {hi}]")
+    return int(v)
+
+
+def _num(name: str, v, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        try:
+            import numpy as np
+
+            if not isinstance(v, (np.integer, np.floating)):
+                raise TypeError
+        except TypeError:
+            raise InvalidInputError(f"{name} must be a number, got {type(v).__name__}") from None
+    v = float(v)
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        raise InvalidInputError(f"{name}={v} is out of range {'(' if lo_open else '['}{lo}, {hi}]")
+    return v
+
+
+class _Config:
+    def as_dict(self) -> dict:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SamplingParams(_Config):
+    """How one request draws its tokens (llama.cpp's sampler chain: top-k, top-p, min-p,
+    temperature, then a seeded draw). ``temperature == 0`` is greedy (argmax)."""
+
+    temperature: float = 0.8
+    top_k: int = 40          # 0: off
+    top_p: float = 0.95      # 1: off
+    min_p: float = 0.05      # 0: off
+    seed: int | None = None  # None: a random seed per request
+    ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "temperature", _num("temperature", self.temperature, 0.0, 100.0))
+        object.__setattr__(self, "top_k", _int("top_k", self.top_k, 0))
+        object.__setattr__(self, "top_p", _num("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        object.__setattr__(self, "min_p", _num("min_p", self.min_p, 0.0, 1.0))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _int("seed", self.seed, 0, 2**32 - 1))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidInputError("ignore_eos must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class ContextConfig(_Config):
+    """One KV cache: its size, batch sizes, cache types and threads (see Context)."""
+
+    n_ctx: int = 2048
+    n_seq_max: int = 8
+    n_batch: int = 512
+    n_ubatch: int = 512
+    flash_attn: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_threads: int | None = None   # None: every core this process may use
+    defrag_thold: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, lo in (("n_ctx", 1), ("n_seq_max", 1), ("n_batch", 1), ("n_ubatch", 1)):
+            object.__setattr__(self, name, _int(name, getattr(self, name), lo))
+        if self.n_seq_max > 256:
+            raise InvalidInputError("n_seq_max must be <= 256")
+        if self.n_ubatch > self.n_batch:
+            raise InvalidInputError(f"n_ubatch={self.n_ubatch} must not exceed n_batch={self.n_batch}")
+        for name in ("type_k", "type_v"):
+            t = getattr(self, name)
+            if not isinstance(t, str) or t not in KV_TYPES:
+                raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(KV_TYPES)}")
+        if not isinstance(self.flash_attn, bool):
+            raise InvalidInputError("flash_attn must be a bool")
+        if self.n_threads is not None:
+            object.__setattr__(self, "n_threads", _int("n_threads", self.n_threads, 1, 512))
+        if self.defrag_thold is not None:
+            object.__setattr__(self, "defrag_thold", _num("defrag_thold", self.defrag_thold, -1.0, 1.0))
+
+    def context_kwargs(self) -> dict:
+        return self.as_dict()
+
+
+@dataclass(frozen=True)
+class EngineConfig(_Config):
+    """The generation engine: one context, ``parallel`` sequences generating at once.
+
+    Admission: a request enters when its prompt (less the prefix it reuses) and an output reserve
+    of ``min(max_tokens, output_reserve)`` cells per continuation fit beside what running requests
+    were promised; otherwise it waits in a queue of at most ``max_queue`` requests (a full queue
+    refuses new ones). Idle cached prefixes (``prefix_cache`` sequence ids) are evicted before a
+    request waits for cells. Preemption (a running continuation put back in the queue, resumed
+    later with its tokens so far) happens only when the cache fills beyond the reserves.
+    """
+
+    n_ctx: int = 2048
+    parallel: int = 8            # continuations generating at once (sequence ids for requests)
+    prefix_cache: int = 4        # extra sequence ids that keep idle prompts for prefix reuse
+    n_batch: int = 512           # tokens per decode: one per generating sequence + prompt chunks
+    n_ubatch: int = 512
+    flash_attn: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_threads: int | None = None
+    max_queue: int = 64          # requests waiting for admission; more are refused (QueueFullError)
+    output_reserve: int = 64     # cells reserved per continuation at admission
+    max_tokens: int = 4096       # the cap on one request's max_tokens
+    keep_finished: bool = True   # cache a finished sequence (prompt + answer) for the next turn
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parallel", _int("parallel", self.parallel, 1, 255))
+        object.__setattr__(self, "prefix_cache", _int("prefix_cache", self.prefix_cache, 0, 255))
+        if self.parallel + self.prefix_cache > 256:
+            raise InvalidInputError("parallel + prefix_cache must be <= 256")
+        object.__setattr__(self, "max_queue", _int("max_queue", self.max_queue, 0))
+        object.__setattr__(self, "output_reserve", _int("output_reserve", self.output_reserve, 0))
+        object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
+        self.context()  # validates the context fields
+
+    def context(self) -> ContextConfig:
+        return ContextConfig(n_ctx=self.n_ctx, n_seq_max=self.parallel + self.prefix_cache, n_batch=self.n_batch,
+                             n_ubatch=min(self.n_ubatch, self.n_batch), flash_attn=self.flash_attn,
+                             type_k=self.type_k, type_v=self.type_v, n_threads=self.n_threads)
