@@ -14,6 +14,7 @@ llama.cpp's log goes to the Python logger ``pyllama_kv.llama`` (a NullHandler is
 """
 from __future__ import annotations
 
+import _thread
 import collections
 import logging
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 import cffi
 
 from . import _paths
-from .errors import LibraryError
+from .errors import InvalidInputError, LibraryError
 
 # C types. Struct layouts must match llama.h exactly (checked by tests/test_ffi_header.py).
 TYPES_CDEF = r"""
@@ -154,6 +155,19 @@ typedef struct llama_sampler_chain_params {
     bool no_perf;
 } llama_sampler_chain_params;
 
+typedef struct llama_token_data {
+    llama_token id;
+    float logit;
+    float p;
+} llama_token_data;
+
+typedef struct llama_token_data_array {
+    llama_token_data * data;
+    size_t size;
+    int64_t selected;
+    bool sorted;
+} llama_token_data_array;
+
 struct llama_kv_cache_view_cell {
     llama_pos pos;
 };
@@ -265,6 +279,9 @@ struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
 struct llama_sampler * llama_sampler_init_top_k(int32_t k);
 struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_temp(float t);
+struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
+void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
+void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
@@ -289,6 +306,17 @@ logging.getLogger("pyllama_kv").addHandler(logging.NullHandler())
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 
 
+# every function of FUNCS_CDEF: a library must export them all to be loaded (checked at load, so that a
+# wrong library is a LibraryError naming the file, not an AttributeError in the middle of a call)
+REQUIRED_FUNCS: tuple[str, ...] = tuple(
+    m.group(1) for m in (re.search(r"(\w+)\s*\(", decl) for decl in FUNCS_CDEF.split(";")) if m
+)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 class Library:
     """A loaded libllama: the cffi handle ``lib`` plus what we know about the build."""
 
@@ -297,8 +325,22 @@ class Library:
         self.info = info
         try:
             self.lib = ffi.dlopen(str(path))
-        except OSError as exc:
-            raise LibraryError(f"cannot load {path}: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            # cffi's message: "cannot load library 'P': P: REASON.  Additionally, ctypes.util...": keep REASON
+            reason = _one_line(exc).split(" Additionally, ")[0]
+            reason = reason.replace(f"cannot load library '{path}': ", "").replace(f"{path}: ", "")
+            raise LibraryError(f"cannot load {path}: {reason}") from None
+        # a library that loads but is not a libllama of the pinned revision (libz, an older llama.cpp)
+        # would otherwise fail later with AttributeError at the first missing function
+        missing = [name for name in REQUIRED_FUNCS if not self._exports(name)]
+        if missing:
+            try:
+                ffi.dlclose(self.lib)
+            except Exception:  # pragma: no cover - nothing more to free
+                pass
+            more = f" (and {len(missing) - 1} more of the {len(REQUIRED_FUNCS)} functions pyllama_kv needs)" \
+                if len(missing) > 1 else ""
+            raise LibraryError(f"{path} is not a usable libllama: it does not export {missing[0]}{more}")
         self._has: dict[str, bool] = {}
         self.lock = threading.RLock()
         self._pending = ""
@@ -312,14 +354,17 @@ class Library:
         if self.info.get("variant") in (None, "unknown"):
             self.info["variant"] = "patched" if self.info["has_stats"] else "vanilla"
 
+    def _exports(self, name: str) -> bool:
+        try:
+            getattr(self.lib, name)
+            return True
+        except AttributeError:
+            return False
+
     def has(self, name: str) -> bool:
         """Whether the loaded library exports ``name`` (e.g. the patched-only stats API)."""
         if name not in self._has:
-            try:
-                getattr(self.lib, name)
-                self._has[name] = True
-            except AttributeError:
-                self._has[name] = False
+            self._has[name] = self._exports(name)
         return self._has[name]
 
     @property
@@ -341,7 +386,11 @@ class Library:
             if self._pending.endswith("\n"):
                 self._emit(lvl, self._pending.rstrip("\n"))
                 self._pending = ""
-        except Exception:  # never raise into C
+        except KeyboardInterrupt:
+            # Ctrl-C landed in this callback: it cannot be raised into C, so hand it back to the main
+            # thread as a new SIGINT (it goes through the handler, so a critical section defers it)
+            _thread.interrupt_main()
+        except BaseException:  # never raise into C
             pass
 
     def _emit(self, lvl: int, msg: str) -> None:
@@ -375,6 +424,16 @@ class CResource:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # A copy would share the C pointer and free it twice: refused (share the object itself).
+    def __copy__(self):
+        raise InvalidInputError(f"a {type(self).__name__} owns a C resource and cannot be copied: share the object")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        raise InvalidInputError(f"a {type(self).__name__} owns a C resource and cannot be pickled")
+
     def __del__(self):
         try:
             self.close()
@@ -392,7 +451,7 @@ def _manifest_builds() -> list[dict]:
 
     try:
         return find_builds(_paths.project_root())
-    except OSError:
+    except (OSError, ValueError, TypeError):  # an unreadable build dir or a damaged manifest
         return []
 
 
@@ -402,10 +461,21 @@ def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
     ``lib`` may be a path, ``"patched"`` or ``"vanilla"`` (the CPU build of that variant, else any
     backend), or None: ``$PYLLAMA_KV_LIB``, else the patched build.
     """
-    builds = _manifest_builds()
     if lib is None:
         lib = os.environ.get("PYLLAMA_KV_LIB") or "patched"
-    name = str(lib)
+    if isinstance(lib, (bytes, os.PathLike)):
+        try:
+            lib = os.fsdecode(lib)
+        except (TypeError, ValueError) as exc:
+            raise LibraryError(f"lib must be a path, 'patched' or 'vanilla': {_one_line(exc)}") from None
+    if not isinstance(lib, str):
+        raise LibraryError(f"lib must be a path, 'patched', 'vanilla' or None, not {type(lib).__name__}")
+    name = lib
+    if not name.strip():
+        raise LibraryError("lib is an empty string: give a path to a libllama, 'patched' or 'vanilla'")
+    if "\0" in name:
+        raise LibraryError(f"library path {name!r} contains a NUL byte")
+    builds = _manifest_builds()
     if name in ("patched", "vanilla"):
         cands = [b for b in builds if b.get("variant") == name]
         cands.sort(key=lambda b: (b.get("backend") != "cpu", b.get("backend", "")))
@@ -415,14 +485,26 @@ def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
                 f"(or `pyllama-kv build{' --vanilla' if name == 'vanilla' else ''}`), or set PYLLAMA_KV_LIB"
             )
         b = cands[0]
-        return Path(b["lib"]), _info_from_manifest(b)
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise LibraryError(f"library {path} does not exist")
-    path = path.resolve()
+        return Path(b["lib"]).resolve(), _info_from_manifest(b)
+    try:
+        path = Path(name).expanduser()
+    except RuntimeError:  # "~user" of an unknown user
+        path = Path(name)
+    try:
+        if path.is_dir():
+            raise LibraryError(f"library {path} is a directory, not a libllama file")
+        if not path.is_file():
+            raise LibraryError(f"library {path} does not exist" if not path.exists() else
+                               f"library {path} is not a regular file")
+        path = path.resolve()
+    except (OSError, ValueError, RuntimeError) as exc:  # a NUL byte, a symlink loop, a name too long
+        raise LibraryError(f"library {name!r}: {_one_line(exc)}") from None
     for b in builds:
-        if Path(b["lib"]).resolve() == path:
-            return path, _info_from_manifest(b)
+        try:
+            if Path(b["lib"]).resolve() == path:
+                return path, _info_from_manifest(b)
+        except (OSError, ValueError, RuntimeError, TypeError, KeyError):
+            continue
     return path, {"path": str(path), "variant": "unknown", "revision": None, "patches": [], "backend": None}
 
 
@@ -431,7 +513,7 @@ def _info_from_manifest(b: dict) -> dict:
         "path": str(Path(b["lib"]).resolve()),
         "variant": b.get("variant"),
         "revision": b.get("revision"),
-        "patches": [p["name"] for p in b.get("patches", [])],
+        "patches": [p.get("name") for p in (b.get("patches") or []) if isinstance(p, dict)],
         "backend": b.get("backend"),
         "built_at": b.get("built_at"),
     }

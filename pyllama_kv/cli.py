@@ -1,13 +1,18 @@
 """`pyllama-kv`: the command line.
 
-Every subcommand has --help; data-producing ones have --json. Errors are one line on stderr and a
-non-zero exit code (no traceback unless --debug).
+Every subcommand has --help; data-producing ones have --json. Errors are one line on stderr and exit
+code 1 (no traceback unless --debug; main() is the one place that maps exceptions to that line).
+Ctrl-C exits 130, after the summary of what was done (run, stress, demo) or a line saying what it
+interrupted; a closed stdout (`| head`) ends quietly with 141.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 EXIT_ERROR = 1
@@ -16,6 +21,15 @@ EXIT_USAGE = 2
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit code EXIT_ERROR."""
+
+
+# what the command is doing, for the line main() prints when Ctrl-C stops it there
+_phase: str | None = None
+
+
+def _set_phase(what: str | None) -> None:
+    global _phase
+    _phase = what
 
 
 def _log(msg: str) -> None:
@@ -165,6 +179,8 @@ def cmd_inspect(args) -> int:
 
     _positive("--seqs", args.seqs)
     _positive("--ctx", args.ctx)
+    if Path(args.model).is_dir():
+        raise CLIError(f"{args.model} is a directory, not a GGUF file")
     info = inspect_gguf(args.model, n_ctx=args.ctx, n_seqs=args.seqs, type_k=args.type_k, type_v=args.type_v)
     if args.json:
         _print_json(info)
@@ -178,6 +194,8 @@ def cmd_inspect(args) -> int:
     print(f"tensors       {t['count']} ({types}), {t['params']:,} parameters, {_human_bytes(t['bytes'])}")
     v = info["vocab"]
     print(f"vocabulary    {v['model']}, {v['size']} tokens (bos {v['bos']}, eos {v['eos']})")
+    val = info.get("validation") or {}
+    print(f"validation    {'ok' if val.get('ok') else 'refused: ' + str(val.get('error'))}")
     kv = info.get("kv_cache")
     if kv:
         print(f"KV cache      {_human_bytes(kv['bytes_per_token'])} per token "
@@ -187,6 +205,27 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _check_output_file(out: str, what: str) -> Path:
+    """``out`` as a file path to write, or CLIError: not a directory, and its directory must exist
+    (nothing is created silently) and be writable."""
+    path = Path(out)
+    if not out:
+        raise CLIError(f"an empty path: give the path of the file to write {what} to")
+    if path.is_dir() or out.endswith(("/", os.sep)):
+        raise CLIError(f"{out} is a directory: give the path of the file to write {what} to")
+    parent = path.parent
+    if not parent.exists():
+        raise CLIError(f"cannot write {out}: the directory {parent} does not exist")
+    if not parent.is_dir():
+        raise CLIError(f"cannot write {out}: {parent} is not a directory")
+    try:  # really try (os.access says yes to root on a read-only file system)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise CLIError(f"cannot write {out}: {exc.strerror or exc}") from None
+    return path
+
+
 def cmd_tiny_model(args) -> int:
     from .gguf_tools import inspect_gguf, make_tiny_model
 
@@ -194,9 +233,20 @@ def cmd_tiny_model(args) -> int:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     if args.embd % args.heads or args.heads % args.kv_heads:
         raise CLIError("--embd must be a multiple of --heads, and --heads a multiple of --kv-heads")
-    path = make_tiny_model(args.out, n_layer=args.layers, n_embd=args.embd, n_head=args.heads, n_head_kv=args.kv_heads,
-                           n_ff=args.ff, n_ctx_train=args.ctx_train, seed=args.seed, byte_tokens=args.vocab_bytes,
-                           dtype="f16" if args.f16 else "f32")
+    if (args.embd // args.heads) % 2:
+        raise CLIError("--embd / --heads (the head size) must be even: llama.cpp's rope needs pairs")
+    path = _check_output_file(args.out, "the model")
+    # written in a temporary directory next to the target, then renamed over it: nothing is left
+    # behind on any failure (a full disk, Ctrl-C), and the target is never half written
+    tmpdir = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        written = make_tiny_model(Path(tmpdir) / path.name, n_layer=args.layers, n_embd=args.embd,
+                                  n_head=args.heads, n_head_kv=args.kv_heads, n_ff=args.ff,
+                                  n_ctx_train=args.ctx_train, seed=args.seed, byte_tokens=args.vocab_bytes,
+                                  dtype="f16" if args.f16 else "f32")
+        os.replace(written, path)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
     info = inspect_gguf(path)
     if args.json:
         _print_json(info)
@@ -249,61 +299,92 @@ class _Streamer:
         self.out.flush()
 
 
-def _read_prompt(args) -> str:
+def _read_prompt(args) -> bytes:
+    """The prompt as bytes: tokenized as given, so a prompt that is not UTF-8 (in argv, a file or on
+    stdin) is not an error."""
     if args.prompt is not None and args.file is not None:
         raise CLIError("give the prompt with -p or -f, not both")
     if args.prompt is not None:
-        return args.prompt
+        return os.fsencode(args.prompt)  # the bytes of argv, undoing Python's surrogateescape
+    stdin = getattr(sys.stdin, "buffer", None)
     if args.file is not None:
         if args.file == "-":
-            return sys.stdin.read()
+            if stdin is None:
+                raise CLIError("-f -: there is no stdin to read the prompt from")
+            return stdin.read()
+        path = Path(args.file)
+        if path.is_dir():
+            raise CLIError(f"cannot read the prompt file: {path} is a directory")
         try:
-            return Path(args.file).read_text(encoding="utf-8")
+            return path.read_bytes()
         except OSError as exc:
             raise CLIError(f"cannot read the prompt file: {exc}") from None
-    if not sys.stdin.isatty():
-        return sys.stdin.read()
+    if stdin is not None and not sys.stdin.isatty():
+        return stdin.read()
     raise CLIError("no prompt: use -p TEXT, -f FILE, or pipe the prompt on stdin")
 
 
 def cmd_run(args) -> int:
     import random
-    import time
-
-    from . import Sampler
 
     _setup_logging(args.debug)
     _positive("--parallel", args.parallel)
     _positive("-n", args.n_predict, 0)
     _positive("--ctx", args.ctx)
+    _positive("-t", args.threads)
+    _set_phase("reading the prompt")
     prompt = _read_prompt(args)
     seed = args.seed if args.seed is not None and args.seed >= 0 else random.randrange(2**31)
+    _set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
     model = _open_model(args.model, args.lib)
-    if args.ctx and args.ctx > model.n_ctx_train:
-        raise CLIError(f"--ctx {args.ctx} is larger than the model supports (n_ctx_train {model.n_ctx_train})")
-    n_ctx = args.ctx or min(2048, model.n_ctx_train)
-    toks = model.tokenize(prompt)
-    if len(toks) >= n_ctx:
-        raise CLIError(f"the prompt has {len(toks)} tokens, which does not fit in --ctx {n_ctx}")
-    ctx = model.context(n_ctx=n_ctx, n_seq_max=args.parallel, n_batch=max(512, args.parallel),
-                        n_ubatch=512, n_threads=args.threads)
+    ctx = None
+    try:
+        if args.ctx and args.ctx > model.n_ctx_train:
+            raise CLIError(f"--ctx {args.ctx} is larger than the model supports (n_ctx_train {model.n_ctx_train})")
+        n_ctx = args.ctx or min(2048, model.n_ctx_train)
+        _set_phase("tokenizing the prompt")
+        toks = model.tokenize(prompt)
+        if len(toks) >= n_ctx:
+            raise CLIError(f"the prompt has {len(toks)} tokens, which does not fit in --ctx {n_ctx}")
+        _set_phase("creating the context")
+        ctx = model.context(n_ctx=n_ctx, n_seq_max=args.parallel, n_batch=max(512, args.parallel),
+                            n_ubatch=512, n_threads=args.threads)
+        return _generate(args, model, ctx, toks, seed)
+    finally:
+        if ctx is not None:
+            ctx.close()
+        model.close()
+
+
+def _generate(args, model, ctx, toks: list[int], seed: int) -> int:
+    """Evaluate the prompt, fork, decode; print the outputs and the summary of what was done, also
+    when Ctrl-C stops it (during the prompt or the generation): exit 130 then."""
+    import time
+
+    from . import Sampler
+    from .errors import KVCacheFullError
+
     N = args.parallel
-    stream = _Streamer(N, out=sys.stderr if args.json else sys.stdout) if not args.json else None
+    stream = _Streamer(N, out=sys.stdout) if not args.json else None
     texts = [b""] * N
     counts = [0] * N
     stop = ["length"] * N
-    interrupted = False
-    t_prompt0 = time.perf_counter()
-    root = ctx.new_sequence()
-    root.extend(toks)
-    t_prompt = time.perf_counter() - t_prompt0
-    seqs = [root] + [root.fork() for _ in range(N - 1)]
-    samplers = [Sampler(ctx, temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=seed + i) for i in range(N)]
-    nxt = [samplers[i].sample(root) for i in range(N)]
-    live = list(range(N)) if args.n_predict > 0 else []
-    t_gen0 = time.perf_counter()
-    n_decode_tokens = 0
+    interrupted = None  # what Ctrl-C interrupted
+    t_prompt = t_gen = 0.0
+    where = "evaluating the prompt"
+    _set_phase(where)
+    t_prompt0 = t_gen0 = time.perf_counter()
     try:
+        root = ctx.new_sequence()
+        root.extend(toks)
+        t_prompt = time.perf_counter() - t_prompt0
+        seqs = [root] + [root.fork() for _ in range(N - 1)]
+        samplers = [Sampler(ctx, temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=seed + i) for i in range(N)]
+        nxt = [samplers[i].sample(root) for i in range(N)]
+        live = list(range(N)) if args.n_predict > 0 else []
+        where = "generating"
+        _set_phase(where)
+        t_gen0 = time.perf_counter()
         while live:
             batch = {}
             for i in list(live):
@@ -325,39 +406,43 @@ def cmd_run(args) -> int:
                 break
             try:
                 ctx.decode(batch)
-            except Exception as exc:  # cache full: stop with what we have
-                from .errors import KVCacheFullError
-
-                if not isinstance(exc, KVCacheFullError):
-                    raise
+            except KVCacheFullError:  # cache full: stop with what we have
                 for i in live:
                     stop[i] = "cache full"
                 break
-            n_decode_tokens += len(batch)
             for i in live:
                 nxt[i] = samplers[i].sample(seqs[i])
+        t_gen = time.perf_counter() - t_gen0
     except KeyboardInterrupt:
-        interrupted = True
-        for i in live:
-            stop[i] = "interrupted"
-    t_gen = time.perf_counter() - t_gen0
+        interrupted = where
+        if where == "generating":
+            t_gen = time.perf_counter() - t_gen0
+            for i in live:
+                stop[i] = "interrupted"
+        else:
+            t_prompt = time.perf_counter() - t_prompt0
+            stop = ["interrupted"] * N
+    _set_phase("printing the summary")
     if stream:
         stream.finish()
     st = ctx.kv_stats()
     gen_total = sum(counts)
+    prompt_done = interrupted != "evaluating the prompt"
     summary = {
         "model": str(args.model),
         "library": model.library.get("variant"),
         "seed": seed,
         "parallel": N,
+        "threads": ctx.n_threads,
         "prompt_tokens": len(toks),
         "prompt_seconds": round(t_prompt, 4),
-        "prompt_tokens_per_s": round(len(toks) / t_prompt, 1) if t_prompt > 0 else None,
+        "prompt_tokens_per_s": round(len(toks) / t_prompt, 1) if t_prompt > 0 and prompt_done else None,
         "generated_tokens": gen_total,
         "generation_seconds": round(t_gen, 4),
         "generation_tokens_per_s": round(gen_total / t_gen, 1) if t_gen > 0 else None,
-        "reused_tokens": len(toks) * (N - 1),
-        "interrupted": interrupted,
+        "reused_tokens": len(toks) * (N - 1) if prompt_done else 0,
+        "interrupted": interrupted is not None,
+        "interrupted_while": interrupted,
         "kv": st.as_dict(),
     }
     if args.json:
@@ -366,15 +451,16 @@ def cmd_run(args) -> int:
         _print_json(summary)
     else:
         _log("")
-        _log(f"prompt      {len(toks)} tokens in {t_prompt * 1000:.1f} ms ({summary['prompt_tokens_per_s']} tok/s), "
-             f"evaluated once and shared by {N} sequence(s): {summary['reused_tokens']} tokens reused")
+        if prompt_done:
+            _log(f"prompt      {len(toks)} tokens in {t_prompt * 1000:.1f} ms ({summary['prompt_tokens_per_s']} tok/s), "
+                 f"evaluated once and shared by {N} sequence(s): {summary['reused_tokens']} tokens reused")
+        else:
+            _log(f"prompt      {len(toks)} tokens: interrupted after {t_prompt * 1000:.1f} ms, before it was evaluated")
         _log(f"generation  {gen_total} tokens in {t_gen * 1000:.1f} ms ({summary['generation_tokens_per_s']} tok/s), "
              f"{N} sequence(s) per decode; stop: {', '.join(sorted(set(stop)))}")
         _log(f"KV cache    {st.used_cells}/{st.n_cells} cells used, largest free block {st.largest_free_block}, "
-             f"defrags {st.defrags if st.defrags is not None else 'n/a (vanilla)'}, seed {seed}"
-             + ("  [interrupted]" if interrupted else ""))
-    ctx.close()
-    model.close()
+             f"defrags {st.defrags if st.defrags is not None else 'n/a (vanilla)'}, seed {seed}, threads {ctx.n_threads}"
+             + (f"  [interrupted while {interrupted}]" if interrupted else ""))
     return 130 if interrupted else 0
 
 
@@ -437,27 +523,38 @@ class _Progress:
                 _log(f"  {self.label:<8} {step}/{total} steps, {tps:,.0f} tok/s, slot failures {res.slot_failures}")
 
 
-def _stress_once(model_path: str, lib: str, cfg, label: str, progress: bool, map_path: str | None = None) -> dict:
-    from .workload import draw_map, run_stress
+def _check_map_path(out: str) -> Path:
+    """The file ``--map`` will write, checked before the workload runs: matplotlib is there, the
+    format is one it writes (no suffix: .png is added, as matplotlib would), and the file can be
+    written. CLIError otherwise."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CLIError("--map needs matplotlib: pip install 'pyllama-kv[map]' (or pip install matplotlib)") from None
+    path = Path(out)
+    if out and not out.endswith(("/", os.sep)) and not path.is_dir() and not path.suffix:
+        path = path.with_name(path.name + ".png")
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix and path.suffix[1:].lower() not in formats:
+        raise CLIError(f"--map {out}: matplotlib cannot write {path.suffix} files; use .png "
+                       f"(or one of {', '.join('.' + f for f in sorted(formats))})")
+    return _check_output_file(str(path) if path != Path(out) else out, "the map")
 
-    if map_path:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise CLIError("--map needs matplotlib: pip install 'pyllama-kv[map]' (or pip install matplotlib)") from None
-        cfg.record_map = True
+
+def _stress_once(model_path: str, lib: str, cfg, label: str, progress: bool):
+    """Run the workload once; return the result dict and the occupancy map (when cfg.record_map)."""
+    from .workload import run_stress
+
+    _set_phase(f"loading the model ({label})")
     model = _open_model(model_path, lib)
     try:
         if cfg.n_ctx > model.n_ctx_train:
             raise CLIError(f"--ctx {cfg.n_ctx} is larger than the model supports (n_ctx_train {model.n_ctx_train})")
+        _set_phase(f"starting the workload ({label})")  # run_stress itself stops cleanly on Ctrl-C
         res, occ = run_stress(model, cfg, progress=_Progress(label, progress))
     finally:
         model.close()
-    d = res.as_dict()
-    if map_path and occ is not None:
-        draw_map(occ, map_path, title=f"KV cache occupancy, {label} ({res.steps} steps, seed {cfg.seed}); white: free, dark grey: shared prefix")
-        d["map"] = str(map_path)
-    return d
+    return res.as_dict(), occ
 
 
 def _stress_config(args):
@@ -466,22 +563,47 @@ def _stress_config(args):
     _positive("--seqs", args.seqs)
     _positive("--ctx", args.ctx)
     _positive("--steps", args.steps)
+    _positive("-t", args.threads)
     return StressConfig(n_seqs=args.seqs, n_ctx=args.ctx, steps=args.steps, seed=args.seed,
                         sequential=args.sequential, n_threads=args.threads)
 
 
 def cmd_stress(args) -> int:
+    from .workload import draw_map
+
     _setup_logging(args.debug)
     cfg = _stress_config(args)
+    map_path = _check_map_path(args.map) if args.map is not None else None  # before the workload, not after
+    cfg.record_map = map_path is not None
     label = args.lib if args.lib in ("patched", "vanilla") else Path(args.lib).name
-    d = _stress_once(args.model, args.lib, cfg, label, progress=not args.json, map_path=args.map)
+    d, occ = _stress_once(args.model, args.lib, cfg, label, progress=not args.json)
+    rc = 130 if d.get("interrupted") else 0
+    if not args.json:  # the results first: a failure to draw the map must not lose them
+        print(_stress_table([(label, d)]), flush=True)
+    map_error = None
+    if map_path is not None:
+        _set_phase("drawing the map")
+        try:
+            if occ is None:
+                raise CLIError("no step ran, so there is no map to draw")
+            written = draw_map(occ, map_path, title=f"KV cache occupancy, {label} ({d['steps']} steps, seed {cfg.seed}); "
+                                                    "white: free, dark grey: shared prefix")
+            d["map"] = str(written)
+        except KeyboardInterrupt:
+            map_error, rc = "interrupted while drawing the map", 130
+        except Exception as exc:
+            if args.debug:
+                raise
+            map_error, rc = f"could not write the map {map_path}: {' '.join(str(exc).split())}", EXIT_ERROR
+        if map_error:
+            d["map_error"] = map_error
     if args.json:
         _print_json(d)
-    else:
-        print(_stress_table([(label, d)]))
-        if args.map:
-            print(f"map: {args.map}")
-    return 130 if d.get("interrupted") else 0
+    elif "map" in d:
+        print(f"map: {d['map']}")
+    if map_error:
+        _log(f"pyllama-kv stress: error: {map_error}")
+    return rc
 
 
 def cmd_demo(args) -> int:
@@ -503,12 +625,27 @@ def cmd_demo(args) -> int:
           f"{cfg.steps} steps, seed {cfg.seed}) on the vanilla and the patched llama.cpp\n")
     results = []
     for lib in ("vanilla", "patched"):
-        d = _stress_once(str(mpath), lib, dataclasses.replace(cfg), lib, progress=not args.json)
+        try:
+            d, _ = _stress_once(str(mpath), lib, dataclasses.replace(cfg), lib, progress=not args.json)
+        except KeyboardInterrupt:
+            if not results or args.json:
+                raise  # main() says what was interrupted
+            print()
+            print(_stress_table(results))
+            _log(f"pyllama-kv demo: interrupted while {_phase}")
+            return 130
         results.append((lib, d))
-    van, pat = results[0][1], results[1][1]
+        if d.get("interrupted"):  # Ctrl-C: show what ran, and stop there
+            break
     if args.json:
         _print_json({"model": str(mpath), "stress": {k: v for k, v in results}})
-        return 0
+        return 130 if results[-1][1].get("interrupted") else 0
+    if results[-1][1].get("interrupted"):
+        print()
+        print(_stress_table(results))
+        _log(f"pyllama-kv demo: interrupted during the {results[-1][0]} workload")
+        return 130
+    van, pat = results[0][1], results[1][1]
     print()
     print(_stress_table(results))
     print()
@@ -519,8 +656,11 @@ def cmd_demo(args) -> int:
           f"defrag ({pat['kv'].get('moves')} block moves, {pat['kv'].get('defrag_share', 0):.1%} of the run); "
           f"{pat['tokens']} tokens processed vs {van['tokens']}.")
     print("\nNow 4 continuations of one prompt: evaluated once, forked 3 times, decoded together:\n")
-    run_args = build_parser().parse_args(["run", str(mpath), "-p", "The KV cache of the model", "-n", "24",
-                                          "--parallel", "4", "--seed", str(args.seed)])
+    run_argv = ["run", str(mpath), "-p", "The KV cache of the model", "-n", "24", "--parallel", "4",
+                "--seed", str(args.seed)]
+    if args.threads is not None:
+        run_argv += ["--threads", str(args.threads)]
+    run_args = build_parser().parse_args(run_argv)
     run_args.debug = args.debug
     return cmd_run(run_args)
 
@@ -633,7 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("tiny-model", help="write the random-weight tiny llama model the tests use",
                        description="Write a random-weight llama GGUF with an SPM vocabulary (with the 256 byte "
                                    "tokens, any text tokenizes). For tests, demos and benchmarks; it says nothing.")
-    s.add_argument("out", help="output .gguf path")
+    s.add_argument("out", help="output .gguf path (its directory must exist; the file is replaced whole or not at all)")
     s.add_argument("--layers", type=int, default=2, help="n_layer (default 2)")
     s.add_argument("--embd", type=int, default=64, help="n_embd (default 64)")
     s.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -660,7 +800,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=300, help="decode steps (default 300)")
     s.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     s.add_argument("--sequential", action="store_true", help="serve the same requests one after another (no fragmentation)")
-    s.add_argument("--map", metavar="FILE.png", help="draw the cache occupancy over time (needs matplotlib)")
+    s.add_argument("--map", metavar="FILE.png", help="draw the cache occupancy over time into this image (needs "
+                                                     "matplotlib; .png is added to a name without a suffix; "
+                                                     "checked before the workload runs)")
     s.add_argument("-t", "--threads", type=int, help="CPU threads (default: llama.cpp's choice)")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_stress)
@@ -678,6 +820,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _error_types() -> tuple[type, ...]:
+    """The exceptions that are a user's error, not a bug: every error class of pyllama_kv, and OSError
+    and ValueError (a file that cannot be read or written, a value out of range)."""
+    try:
+        from .build import BuildError
+        from .errors import LlamaError
+        from .gguf_tools import GGUFFileError
+        from .patch import PatchError
+        from .vendor import VendorError
+    except ImportError:  # pragma: no cover - a broken installation: report what we can
+        return (CLIError, OSError, ValueError)
+    return (CLIError, VendorError, PatchError, BuildError, LlamaError, GGUFFileError, OSError, ValueError)
+
+
+def _report_error(command: str | None, exc: Exception) -> int:
+    """The one place an exception becomes the CLI's output: one line on stderr (a patch or build
+    failure adds its detail), exit code EXIT_ERROR. An exception outside pyllama_kv's errors is a bug:
+    it is named as an internal error, still in one line; --debug shows its traceback."""
+    msg = str(exc).strip()
+    first, _, rest = msg.partition("\n")
+    detailed = tuple(t for t in _error_types() if t.__name__ in ("PatchError", "BuildError"))
+    if not isinstance(exc, _error_types()):
+        first = f"internal error: {type(exc).__name__}" + (f": {first}" if first else "") + \
+            " (run with --debug for the traceback)"
+    _log(f"pyllama-kv {command}: error: {first or type(exc).__name__}")
+    if rest and detailed and isinstance(exc, detailed):
+        _log(rest)
+    return EXIT_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -686,35 +858,27 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    from .build import BuildError
-    from .patch import PatchError
-    from .vendor import VendorError
-
-    known = (CLIError, VendorError, PatchError, BuildError)
-    try:
-        from . import errors as _errors  # the API's exceptions, when the API is importable
-        known = known + (_errors.LlamaError,)
-    except ImportError:  # pragma: no cover
+    _set_phase(None)
+    try:  # paths given as non-UTF-8 bytes are printed back as those bytes, not a UnicodeEncodeError
+        sys.stdout.reconfigure(errors="surrogateescape")  # type: ignore[union-attr]
+    except (AttributeError, ValueError, OSError):  # not a text stream of ours (tests, pipes replaced)
         pass
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        _log("interrupted")
+        _log(f"pyllama-kv {args.command}: interrupted" + (f" while {_phase}" if _phase else ""))
         return 130
-    except known as exc:
+    except BrokenPipeError:  # `pyllama-kv ... | head`: the reader has gone; end quietly, as cat does
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so that the exit-time flush does not fail again
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 128 + 13  # SIGPIPE
+    except Exception as exc:
         if args.debug:
             raise
-        msg = str(exc).strip()
-        first, _, rest = msg.partition("\n")
-        _log(f"pyllama-kv {args.command}: error: {first}")
-        if rest and isinstance(exc, (PatchError, BuildError)):
-            _log(rest)
-        return EXIT_ERROR
-    except (OSError, ValueError) as exc:
-        if args.debug:
-            raise
-        _log(f"pyllama-kv {args.command}: error: {exc}")
-        return EXIT_ERROR
+        return _report_error(args.command, exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

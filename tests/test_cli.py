@@ -13,7 +13,130 @@ import pytest
 
 from conftest import ENTRY_POINT, ROOT, run_cli, run_py, write_unknown_arch_model
 
-pytestmark = pytest.mark.skipif(not ENTRY_POINT.exists(), reason="the venv entry point is missing (make setup)")
+
+
+def test_the_entry_point_is_installed():
+    # no skip when it is missing: run_cli would quietly fall back to `python -m pyllama_kv.cli`
+    assert ENTRY_POINT.is_file(), f"the venv entry point {ENTRY_POINT} is missing: run `make setup` (pip install -e .)"
+
+
+def _entry() -> str:
+    if not ENTRY_POINT.is_file():
+        pytest.fail(f"the venv entry point {ENTRY_POINT} is missing: run `make setup` (pip install -e .)")
+    return str(ENTRY_POINT)
+
+
+def _env(**extra) -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1", GGML_NO_BACKTRACE="1", **extra)
+
+
+def _run_bytes(args: list, input: bytes | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    """The entry point with bytes in argv and on stdin (run_cli is text only); output decoded leniently."""
+    r = subprocess.run([_entry(), *args], input=input, capture_output=True, timeout=timeout, env=_env(), cwd=ROOT)
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode("utf-8", "replace"),
+                                       r.stderr.decode("utf-8", "replace"))
+
+
+class _Lines:
+    """Lines of a subprocess's pipe, read by a thread, so that a test can wait for one with a timeout."""
+
+    def __init__(self, pipe):
+        import queue
+        import threading
+
+        self.q: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(pipe,), daemon=True).start()
+
+    def _pump(self, pipe) -> None:
+        for line in iter(pipe.readline, ""):
+            self.q.put(line)
+        self.q.put(None)
+
+    def wait_for(self, pred, timeout: float = 60) -> str:
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no such line within {timeout} s; seen: {self.seen[-20:]}") from None
+            if line is None:
+                raise AssertionError(f"the pipe closed first; seen: {self.seen[-20:]}")
+            self.seen.append(line)
+            if pred(line):
+                return line
+
+    def rest(self, timeout: float = 60) -> str:
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"the pipe stayed open for {timeout} s") from None
+            if line is None:
+                return "".join(self.seen)
+            self.seen.append(line)
+
+
+# A sitecustomize.py, put on PYTHONPATH, that changes the real entry point's process from inside:
+# it announces the point on stderr and stalls there (so that a test sends SIGINT at a known moment),
+# or makes a step fail. PYLLAMA_KV_TEST_HOOK picks the hook.
+_HOOKS = r"""
+import os, sys, time
+
+hook = os.environ.get("PYLLAMA_KV_TEST_HOOK", "")
+
+def stall(where):
+    sys.stderr.write(f"HOOK: stalling in {where}\n")
+    sys.stderr.flush()
+    time.sleep(120)
+
+if hook.startswith("stall-load"):  # the model's C load is done, Model() has not returned: still loading
+    import pyllama_kv.model as _m
+    _init = _m.Model.__init__
+    _n = [0]
+    def __init__(self, *a, **k):
+        _init(self, *a, **k)
+        _n[0] += 1
+        if hook == "stall-load" or _n[0] == 2:  # stall-load-2: the second model only
+            stall("Model()")
+    _m.Model.__init__ = __init__
+elif hook == "stall-prompt":  # the first decode is the prompt's
+    import pyllama_kv.context as _c
+    _decode = _c.Context.decode
+    def decode(self, *a, **k):
+        stall("decode")
+        return _decode(self, *a, **k)
+    _c.Context.decode = decode
+elif hook == "disk-full-gguf":  # writing the tensors fails after the file was created
+    import errno, gguf
+    _wt = gguf.GGUFWriter.write_tensors_to_file
+    def write_tensors_to_file(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    gguf.GGUFWriter.write_tensors_to_file = write_tensors_to_file
+elif hook == "disk-full-map":  # the map cannot be saved after the workload ran
+    import errno, matplotlib.figure
+    def savefig(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    matplotlib.figure.Figure.savefig = savefig
+elif hook == "inspect-bug":  # an exception that is no error of pyllama_kv: a bug
+    import pyllama_kv.gguf_tools as _g
+    def inspect_gguf(*a, **k):
+        raise KeyError("boom")
+    _g.inspect_gguf = inspect_gguf
+"""
+
+
+def _hook_env(tmp_path, hook: str) -> dict:
+    d = tmp_path / "hooks"
+    d.mkdir(exist_ok=True)
+    (d / "sitecustomize.py").write_text(_HOOKS)
+    path = os.pathsep.join(x for x in (str(d), os.environ.get("PYTHONPATH", "")) if x)
+    return {"PYTHONPATH": path, "PYLLAMA_KV_TEST_HOOK": hook}
 
 
 def test_tiny_model_and_inspect(tmp_path):
@@ -163,6 +286,7 @@ def test_bad_inputs_give_one_line_and_exit_1(tiny_model, tmp_path):
         (["inspect", str(notgguf)], "not a GGUF file"),
         (["inspect", str(trunc)], "truncated"),
         (["inspect", str(tmp_path / "missing.gguf")], "no such file"),
+        (["inspect", str(tmp_path)], "is a directory"),  # was "no such file"
     ]
     for args, msg in cases:
         r = run_cli(args)
@@ -170,8 +294,69 @@ def test_bad_inputs_give_one_line_and_exit_1(tiny_model, tmp_path):
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1, (args, r.stderr)
         assert msg in lines[0] and "Traceback" not in r.stderr, (args, r.stderr)
+        assert "internal error" not in lines[0], (args, r.stderr)
     r = run_cli(["--debug", "run", str(tmp_path / "missing.gguf"), "-p", "x"])
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def _write_string_hparams_model(path):
+    """A GGUF whose hyperparameters are strings: gguf_tools once raised a raw TypeError on it."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("llama.block_count", "two")
+    w.add_string("llama.embedding_length", "64")
+    w.add_string("llama.attention.head_count", "4")
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_every_error_is_one_line_and_a_bug_says_so(tiny_model, tmp_path):
+    odd = _write_string_hparams_model(tmp_path / "odd.gguf")
+    for args in (["inspect", str(odd)], ["inspect", str(odd), "--json"], ["run", str(odd), "-p", "x"]):
+        r = run_cli(args)
+        assert r.returncode == 1, (args, r.stderr)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert lines[0].startswith(f"pyllama-kv {args[0]}: error: "), lines
+    # an exception that is not one of pyllama_kv's errors is a bug: still one line, named as such;
+    # --debug shows the traceback
+    env = _hook_env(tmp_path, "inspect-bug")
+    r = run_cli(["inspect", str(tiny_model)], env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("pyllama-kv inspect: error: internal error: KeyError: 'boom' "
+                                "(run with --debug for the traceback)")
+    r = run_cli(["--debug", "inspect", str(tiny_model)], env=env)
+    assert r.returncode != 0 and "Traceback" in r.stderr and "KeyError" in r.stderr
+
+
+def test_a_closed_pipe_ends_quietly(tiny_model):
+    # `pyllama-kv run ... | head -c 20`: the reader goes away; no "Broken pipe" error, no traceback
+    p = subprocess.Popen([_entry(), "run", str(tiny_model), "-p", "the", "-n", "3000", "--ctx", "4096",
+                          "--seed", "1", "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_env(), cwd=ROOT)
+    try:
+        p.stdout.read(20)
+        p.stdout.close()
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    err = err.decode("utf-8", "replace")
+    assert p.returncode == 141, err
+    assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_non_utf8_paths_are_printed_back_as_given(tmp_path):
+    out = os.fsencode(str(tmp_path)) + b"/caf\xe9.gguf"  # a Latin-1 file name
+    # a user's en_US.UTF-8 locale has a strict stdout (the C and C.UTF-8 locales here do not)
+    env = _env(PYTHONIOENCODING="utf-8:strict")
+    r = subprocess.run([_entry(), "tiny-model", out, "--layers", "1"], capture_output=True, env=env, cwd=ROOT)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert os.path.isfile(out) and r.stdout.startswith(b"wrote " + out + b": ")
 
 
 def test_ctrl_c_stops_run_with_a_summary(tiny_model):
@@ -179,19 +364,237 @@ def test_ctrl_c_stops_run_with_a_summary(tiny_model):
            "--seed", "3"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    line = p.stdout.readline()  # generation has started
-    assert line.startswith("[")
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
-    assert "interrupted" in err and "generation" in err and "Traceback" not in err
+    try:
+        out = _Lines(p.stdout)
+        out.wait_for(lambda ln: ln.startswith("["))  # generation has started
+        p.send_signal(signal.SIGINT)
+        err = _Lines(p.stderr).rest()
+        assert p.wait(timeout=60) == 130, err
+    finally:
+        p.kill()
+    assert "interrupted while generating" in err and "generation" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("phase,as_json", [("load", False), ("prompt", False), ("prompt", True)])
+def test_ctrl_c_while_loading_or_evaluating_the_prompt(tiny_model, tmp_path, phase, as_json):
+    # a real SIGINT to the real entry point, at a known moment: a hook stalls there and says so
+    cmd = [_entry(), "run", str(tiny_model), "-p", "the cache of the model", "-n", "50", "--parallel", "2",
+           "--seed", "3"] + (["--json"] if as_json else [])
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=_env(**_hook_env(tmp_path, f"stall-{phase}")))
+    try:
+        err = _Lines(p.stderr)
+        err.wait_for(lambda ln: ln.startswith("HOOK: stalling"))
+        p.send_signal(signal.SIGINT)
+        stderr = err.rest()
+        out = p.stdout.read()
+        assert p.wait(timeout=60) == 130, stderr
+    finally:
+        p.kill()
+    assert "Traceback" not in stderr, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("HOOK:")]
+    if phase == "load":  # nothing was done yet: one clear line
+        assert lines == ["pyllama-kv run: interrupted while loading the model"], stderr
+        assert out == ""
+        return
+    # the summary of what was done: the prompt was not evaluated, nothing was generated
+    if as_json:
+        d = json.loads(out)
+        assert d["interrupted"] is True and d["interrupted_while"] == "evaluating the prompt"
+        assert d["prompt_tokens"] == 6 and d["generated_tokens"] == 0 and d["reused_tokens"] == 0
+        assert [o["stop"] for o in d["outputs"]] == ["interrupted"] * 2 and "kv" in d
+    else:
+        assert any(ln.startswith("prompt ") and "interrupted" in ln for ln in lines), stderr
+        assert any(ln.startswith("generation  0 tokens") and "stop: interrupted" in ln for ln in lines), stderr
+        assert any(ln.startswith("KV cache") and "[interrupted while evaluating the prompt]" in ln for ln in lines), stderr
+
+
+def test_ctrl_c_in_the_demo_shows_what_ran(tmp_path):
+    # Ctrl-C while the demo loads its second (patched) model: the vanilla results are shown, exit 130
+    p = subprocess.Popen([_entry(), "demo", "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=ROOT, env=_env(**_hook_env(tmp_path, "stall-load-2")))
+    try:
+        err = _Lines(p.stderr)
+        err.wait_for(lambda ln: ln.startswith("HOOK: stalling"), timeout=300)
+        p.send_signal(signal.SIGINT)
+        stderr = err.rest()
+        out = p.stdout.read()
+        assert p.wait(timeout=60) == 130, stderr
+    finally:
+        p.kill()
+    assert "Traceback" not in stderr and "interrupted while loading the model (patched)" in stderr, stderr
+    lines = out.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("decode calls"))
+    assert lines[i - 1].split() == ["vanilla"] and "slot failures" in out, out  # the table of what ran
+
+
+def test_non_utf8_prompts_are_tokenized_as_bytes(tiny_model, tmp_path):
+    import pyllama_kv as pk
+
+    prompt = b"\xff\xfe the \xe9t\xe9 \x80 cache"  # Latin-1 and stray bytes: not UTF-8
+    with pk.Model(tiny_model) as m:
+        want = m.tokenize(prompt)
+    f = tmp_path / "latin1.txt"
+    f.write_bytes(prompt)
+    routes = [
+        (["-p", prompt], None),    # argv: the bytes the user gave, not a "surrogates not allowed" error
+        ([], prompt),              # piped stdin
+        (["-f", "-"], prompt),     # stdin named
+        (["-f", str(f)], None),    # a file
+    ]
+    for extra, stdin in routes:
+        r = _run_bytes(["run", str(tiny_model), *extra, "-n", "3", "--temp", "0", "--json"], input=stdin)
+        assert r.returncode == 0, (extra, r.stderr)
+        d = json.loads(r.stdout)
+        assert d["prompt_tokens"] == len(want), extra
+    # the text output too (streamed, not JSON)
+    r = _run_bytes(["run", str(tiny_model), "-p", prompt, "-n", "3", "--temp", "0"])
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"prompt      {len(want)} tokens" in r.stderr
+
+
+def test_tiny_model_refuses_a_directory_and_a_missing_parent_and_leaves_nothing(tmp_path):
+    d = tmp_path / "out"
+    d.mkdir()
+    (d / "keep").write_text("x")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    cases = [
+        ([str(d)], "is a directory"),                            # was: wrote out.tmp, then failed
+        ([str(d) + "/"], "is a directory"),
+        ([str(tmp_path / "new")+ "/"], "is a directory"),        # a name ending in / is meant as a directory
+        ([str(tmp_path / "no" / "such" / "m.gguf")], "does not exist"),  # was: made no/such silently
+        ([str(d / "keep" / "m.gguf")], "not a directory"),
+        ([""], "empty path"),
+    ]
+    for args, msg in cases:
+        r = run_cli(["tiny-model", *args])
+        assert r.returncode == 1, (args, r.stderr)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and msg in lines[0] and "Traceback" not in r.stderr, (args, r.stderr)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before, args
+        assert sorted(p.name for p in d.iterdir()) == ["keep"], args
+    # a failure while writing (the disk fills up): no partial model, no temporary file
+    r = run_cli(["tiny-model", str(d / "m.gguf")], env=_hook_env(tmp_path, "disk-full-gguf"))
+    assert r.returncode == 1 and "No space left" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sorted(p.name for p in d.iterdir()) == ["keep"]
+    # an existing model is replaced whole, or left as it was
+    good = d / "m.gguf"
+    assert run_cli(["tiny-model", str(good), "--layers", "1"]).returncode == 0
+    data = good.read_bytes()
+    r = run_cli(["tiny-model", str(good), "--layers", "3"], env=_hook_env(tmp_path, "disk-full-gguf"))
+    assert r.returncode == 1 and good.read_bytes() == data
+    assert sorted(p.name for p in d.iterdir()) == ["keep", "m.gguf"]
+
+
+def test_stress_map_path_is_checked_first_and_reported_as_written(tiny_model, tmp_path):
+    d = tmp_path / "maps"
+    d.mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    bad = [
+        (str(d), "is a directory"),                       # was: wrote maps.png, printed "map: maps"
+        (str(tmp_path / "nodir" / "m.png"), "does not exist"),  # was: ran the workload, then failed
+        (str(afile / "m.png"), "not a directory"),
+        (str(d / "m.nosuchformat"), "cannot write .nosuchformat"),
+    ]
+    for m, msg in bad:
+        r = run_cli(["stress", str(tiny_model), "--steps", "20", "--map", m])
+        assert r.returncode == 1, (m, r.stderr)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and msg in lines[0], (m, r.stderr)  # no progress line: the workload never ran
+        assert "steps" not in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+    assert list(d.iterdir()) == [] and not (tmp_path / "maps.png").exists()
+    # no suffix: .png is added, and the path printed is the one written
+    r = run_cli(["stress", str(tiny_model), "--steps", "10", "--map", str(d / "occ")])
+    assert r.returncode == 0, r.stderr
+    assert f"map: {d / 'occ.png'}" in r.stdout.splitlines() and (d / "occ.png").is_file()
+    assert sorted(p.name for p in d.iterdir()) == ["occ.png"]
+    r = run_cli(["stress", str(tiny_model), "--steps", "10", "--map", str(d / "occ2"), "--json"])
+    assert r.returncode == 0 and json.loads(r.stdout)["map"] == str(d / "occ2.png") and (d / "occ2.png").is_file()
+
+
+def test_stress_results_survive_a_map_that_cannot_be_saved(tiny_model, tmp_path):
+    d = tmp_path / "maps"
+    d.mkdir()
+    env = _hook_env(tmp_path, "disk-full-map")
+    r = run_cli(["stress", str(tiny_model), "--steps", "10", "--map", str(d / "m.png")], env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "slot failures" in r.stdout and "peak fragmentation" in r.stdout  # the results table, first
+    assert "No space left" in r.stderr.splitlines()[-1] and "map:" not in r.stdout
+    r = run_cli(["stress", str(tiny_model), "--steps", "10", "--map", str(d / "m.png"), "--json"], env=env)
+    assert r.returncode == 1
+    res = json.loads(r.stdout)
+    assert res["steps"] == 10 and "No space left" in res["map_error"] and "map" not in res
+    assert list(d.iterdir()) == []  # no partial image, no temporary file
+
+
+def test_lib_that_is_not_libllama_is_one_line(tiny_model, tmp_path, patched_lib):
+    from pathlib import Path
+
+    not_llama = sorted(Path(patched_lib).parent.glob("libggml-base.so*"))  # a real .so without llama_*
+    assert not_llama, f"no libggml-base.so next to {patched_lib}"
+    text = tmp_path / "text.so"
+    text.write_text("not a library")
+    m = str(tiny_model)
+    libs = [(str(not_llama[0]), "is not a usable libllama: it does not export llama_"), (str(tmp_path), "is a directory"), (str(text), "cannot load"),
+            (str(tmp_path / "nope.so"), "does not exist"), ("", "empty")]
+    for lib, msg in libs:
+        for args in (["run", m, "-p", "x", "--lib", lib], ["stress", m, "--steps", "2", "--lib", lib]):
+            r = run_cli(args)
+            assert r.returncode == 1, (args, r.stderr)
+            lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+            assert len(lines) == 1 and msg in lines[0] and "Traceback" not in r.stderr, (args, r.stderr)
+            assert "internal error" not in lines[0], lines
+
+
+def test_ffi_load_raises_only_library_error(tiny_model, tmp_path, patched_lib):
+    # Model(lib=<a .so without the llama symbols>) was an AttributeError: now a LibraryError naming
+    # the file and a missing function. And no value of lib gets anything but LibraryError out of load.
+    (tmp_path / "text.so").write_text("hello")
+    code = f"""
+import os, pathlib, sys
+from pyllama_kv import Model, _ffi
+from pyllama_kv.errors import LibraryError
+not_llama = sorted(pathlib.Path({patched_lib!r}).parent.glob("libggml-base.so*"))[0]
+class BadPath(os.PathLike):
+    def __fspath__(self):
+        return 5
+values = [0, 5, -1, 3.5, b"", "", "  ", "\\0", "x\\0y", b"/nonexistent.so", "/nonexistent.so", {str(tmp_path)!r},
+          pathlib.Path({str(tmp_path)!r}), {str(tmp_path / "text.so")!r}, str(not_llama), "/dev/null",
+          "~no-such-user-here/x.so", "a" * 5000, BadPath(), object(), ["x"], {{"a": 1}}, sys.executable]
+for v in values:
+    try:
+        _ffi.load(v)
+    except LibraryError:
+        continue
+    print("NOT A LibraryError:", repr(v)[:60])
+    sys.exit(1)
+os.environ["PYLLAMA_KV_LIB"] = {str(tmp_path)!r}
+try:
+    _ffi.load(None)
+    sys.exit("loaded a directory")
+except LibraryError as e:
+    assert "is a directory" in str(e), e
+del os.environ["PYLLAMA_KV_LIB"]
+try:
+    Model({str(tiny_model)!r}, lib=str(not_llama))
+    sys.exit("loaded a library without llama_*")
+except LibraryError as e:
+    msg = str(e)
+assert not_llama.name in msg and "llama_model_default_params" in msg, msg
+print("OK", msg)
+"""
+    r = run_py(["-c", code])
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
 def test_demo_finishes():
-    r = run_cli(["demo", "--quick"], timeout=600)
+    r = run_cli(["demo", "--quick", "-t", "1"], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "vanilla" in r.stdout and "patched" in r.stdout and "slot failures" in r.stdout
     assert "[3]" in r.stdout  # the run --parallel 4 part
+    kv = [ln for ln in r.stderr.splitlines() if ln.startswith("KV cache")]
+    assert len(kv) == 1 and kv[0].endswith("threads 1"), r.stderr[-2000:]  # -t reaches the final run too
 
 
 def test_every_command_has_help():
