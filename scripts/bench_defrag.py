@@ -54,11 +54,11 @@ def numpy_copy_seconds(n_bytes: int, repeats: int = 3) -> float:
     return best
 
 
-def one(model: pk.Model, n_cells: int, type_kv: str, n_threads: int | None) -> dict:
+def one(model: pk.Model, n_cells: int, type_kv: str, n_threads: int | None, max_chunk: int = 1024) -> dict:
     # the worst-case reserve after a defrag must stay inside the cache on the vanilla build (patch 0003):
     # used cells end at n/2 after packing, so keep n_ubatch <= n/4
     n_ubatch = min(512, n_cells // 4)
-    chunk = min(n_cells, 1024)
+    chunk = min(n_cells, max_chunk)
     with model.context(n_ctx=n_cells, n_seq_max=n_cells // chunk, n_batch=n_ubatch, n_ubatch=n_ubatch,
                        type_k=type_kv, type_v=type_kv, n_threads=n_threads) as ctx:
         # fill the cache: compute `chunk` cells once, then write copies of them (no compute)
@@ -113,7 +113,12 @@ def main(argv=None) -> int:
     cells = [int(x) for x in args.cells.split(",")]
     layers, embd = args.layers, args.embd
     if args.quick:
-        cells, layers, embd = [512, 1024], 8, 64
+        # small, but past vanilla's one graph of moves ((65536 - 2*64) / (6*64) = 170 moves at 64 layers;
+        # 1024 and 2048 cells need 256 and 512), so that vanilla visibly leaves holes
+        cells, layers, embd = [1024, 2048], 64, 64
+        # one thread: vanilla's defrag graph has ~65k nodes, and on a loaded machine a barrier per node
+        # between threads that cannot all run stretched it from 0.5 s to minutes
+        args.threads = args.threads or 1
     out = {"benchmark": "defrag", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
            "model": {"n_layer": layers, "n_embd": embd}, "type_kv": args.type, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,7 +127,7 @@ def main(argv=None) -> int:
         for n in cells:
             for lib in ("patched", "vanilla"):
                 with pk.Model(mp, lib=lib) as m:
-                    row = one(m, n, args.type, args.threads)
+                    row = one(m, n, args.type, args.threads, 256 if args.quick else 1024)
                 out["rows"].append(row)
                 print(f"  {lib:8} {n:6} cells: {row['ms']:9.1f} ms, {row['gb_per_s']:.3f} GB/s "
                       f"(numpy {row['numpy_gb_per_s']} GB/s), holes left {row['holes_after']}", file=sys.stderr)

@@ -3,8 +3,8 @@
 
 For each concurrency, with the same seeds, in one run: the patched build, the vanilla build, and
 the patched build serving the same requests one after another (--sequential: no fragmentation).
-Reported: tokens/s, slot failures, defrags, the time spent in defrag as a share of the run, and the
-ratios patched/vanilla and patched/sequential tokens/s.
+Reported: tokens/s, slot failures, slot retries and defrags (patched), the time spent in defrag as a
+share of the run, and the ratios patched/vanilla and patched/sequential tokens/s.
 
   python scripts/bench_stress.py [--quick] [--json] [--seqs 4,8,16] [--seeds 0,1] [--steps 300]
 """
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     seqs = [int(x) for x in args.seqs.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
     steps, n_ctx = args.steps, args.ctx
-    if args.quick:
+    if args.quick:  # one thread: ggml's barriers crawl when the suite's other work takes the cores
         seqs, seeds, steps = [8], [0], 120
     out = {"benchmark": "stress", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
            "model": {"n_layer": args.layers, "n_embd": args.embd}, "n_ctx": n_ctx, "steps": steps, "seeds": seeds,
@@ -54,9 +54,11 @@ def main(argv=None) -> int:
                 for mode, lib, sequential in (("patched", "patched", False), ("vanilla", "vanilla", False),
                                               ("sequential", "patched", True)):
                     tot = {"tokens": 0, "seconds": 0.0, "slot_failures": 0, "failed_requests": 0, "preempted": 0,
-                           "defrags": 0, "defrag_seconds": 0.0, "completed": 0, "peak_fragmentation": 0.0}
+                           "defrags": 0, "slot_retries": 0, "defrag_seconds": 0.0, "completed": 0,
+                           "peak_fragmentation": 0.0}
                     for seed in seeds:
-                        cfg = StressConfig(n_seqs=n, n_ctx=n_ctx, steps=steps, seed=seed, sequential=sequential)
+                        cfg = StressConfig(n_seqs=n, n_ctx=n_ctx, steps=steps, seed=seed, sequential=sequential,
+                                           n_threads=1 if args.quick else None)
                         r, _ = run_stress(models[lib], cfg)
                         d = r.as_dict()
                         tot["tokens"] += d["tokens"]
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
                         tot["preempted"] += d["preempted"]
                         tot["completed"] += d["requests"]["completed"]
                         tot["defrags"] += d["kv"].get("defrags") or 0
+                        tot["slot_retries"] += d["kv"].get("slot_retries") or 0  # 0 on vanilla (no counter)
                         tot["defrag_seconds"] += d["kv"].get("defrag_seconds") or 0.0
                         tot["peak_fragmentation"] = max(tot["peak_fragmentation"], d["peak_fragmentation"])
                     tot["tokens_per_s"] = round(tot["tokens"] / tot["seconds"], 1)

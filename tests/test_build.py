@@ -38,10 +38,19 @@ def test_status_text_and_help():
 
 
 def _exports(lib: str) -> set[str]:
-    out = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True)
+    """The dynamic symbols ``lib`` defines, read with binutils' nm (installed with the C toolchain
+    that builds libllama). Without nm, or when it cannot read the library, the test fails: a skip
+    would hide a library that does not export what it should."""
+    try:
+        out = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True)
+    except OSError as exc:
+        pytest.fail(f"cannot run nm to list the symbols of {lib}: {exc} (install binutils)")
     if out.returncode != 0:
-        pytest.skip("nm is not available")
-    return {ln.split()[-1] for ln in out.stdout.splitlines() if ln.strip()}
+        pytest.fail(f"nm -D --defined-only {lib} failed with exit code {out.returncode}: {out.stderr.strip()[-500:]}")
+    syms = {ln.split()[-1] for ln in out.stdout.splitlines() if ln.strip()}
+    if not syms:
+        pytest.fail(f"nm found no dynamic symbols in {lib}")
+    return syms
 
 
 def test_patched_exports_stats_vanilla_does_not(patched_lib, vanilla_lib):

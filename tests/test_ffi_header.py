@@ -6,6 +6,10 @@ The generated C file includes llama.h and then
   * asserts, for every struct we declare, its size, each field's offset (as cffi computes them from
     our declaration) and each field's exact type (const included);
   * asserts the typedefs and the enum values we use.
+
+A redeclaration also *declares*: a function that llama.h does not have would compile cleanly. So a
+second file, without our declarations, takes the address of every function we declare, with only
+llama.h in scope: a name llama.h does not declare is an error there.
 """
 from __future__ import annotations
 
@@ -69,22 +73,54 @@ def generate_checks(types_cdef: str, funcs_cdef: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _compile(tmp_path, source: str) -> subprocess.CompletedProcess:
+def declared_functions(types_cdef: str, funcs_cdef: str) -> list[str]:
+    """The names of the functions ``funcs_cdef`` declares."""
+    ast = pycparser.CParser().parse(PRELUDE + types_cdef + funcs_cdef)
+    return [e.name for e in ast.ext if isinstance(e, c_ast.Decl) and isinstance(e.type, c_ast.FuncDecl)]
+
+
+def generate_address_checks(names: list[str]) -> str:
+    """C source that takes the address of each function with only llama.h in scope (no redeclaration):
+    a name llama.h does not declare is an error."""
+    lines = ["#include <stddef.h>", "#include <stdbool.h>", '#include "llama.h"', ""]
+    lines += [f"__typeof__({n}) *const pyllama_kv_address_of_{n} = &{n};" for n in names]
+    return "\n".join(lines) + "\n"
+
+
+def _compile(tmp_path, source: str, name: str = "check_decls.c") -> subprocess.CompletedProcess:
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         pytest.fail("no C compiler found (cc/gcc/clang); one is needed to build libllama anyway")
     vdir = _paths.vendor_dir()
-    src = tmp_path / "check_decls.c"
+    src = tmp_path / name
     src.write_text(source)
     return subprocess.run([cc, "-std=c11", "-fsyntax-only", "-Werror", f"-I{vdir / 'include'}",
                            f"-I{vdir / 'ggml' / 'include'}", str(src)], capture_output=True, text=True)
 
 
+def _check(tmp_path, types_cdef: str, funcs_cdef: str) -> list[subprocess.CompletedProcess]:
+    """Both compiles: the redeclarations and static checks, and the addresses without redeclarations."""
+    names = declared_functions(types_cdef, funcs_cdef)
+    return [_compile(tmp_path, generate_checks(types_cdef, funcs_cdef)),
+            _compile(tmp_path, generate_address_checks(names), "check_addresses.c")]
+
+
 def test_declarations_match_the_vendored_header(tmp_path):
     src = generate_checks(_ffi.TYPES_CDEF, _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF)
     assert src.count("_Static_assert") > 100
-    r = _compile(tmp_path, src)
-    assert r.returncode == 0, r.stderr[-3000:]
+    names = declared_functions(_ffi.TYPES_CDEF, _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF)
+    assert set(_ffi.REQUIRED_FUNCS) | {"llama_kv_self_stats"} == set(names) and len(names) > 50
+    for r in _check(tmp_path, _ffi.TYPES_CDEF, _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF):
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_function_llama_h_lacks_fails_the_check(tmp_path):
+    """A declared function that llama.h does not have (a typo, a function of another revision):
+    the redeclarations compile, since they declare it themselves; the address check must not."""
+    funcs = _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF + "int32_t llama_kv_self_seq_n_cells(struct llama_context * ctx);\n"
+    decls, addresses = _check(tmp_path, _ffi.TYPES_CDEF, funcs)
+    assert decls.returncode == 0, decls.stderr[-3000:]
+    assert addresses.returncode != 0 and "llama_kv_self_seq_n_cells" in addresses.stderr, addresses.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mutate", [
@@ -119,3 +155,4 @@ def test_the_check_catches_drift(tmp_path, mutate):
         src = generate_checks(t, f)
     r = _compile(tmp_path, src)
     assert r.returncode != 0, "a drifted declaration compiled cleanly"
+    assert "error" in r.stderr

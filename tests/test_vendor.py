@@ -162,10 +162,40 @@ def test_source_tarball_prefix_detection(tmp_path):
 
 
 def test_pin_file_is_consistent():
+    """The pin's hashes are the real ones, recomputed here without vendor.py: its sha256 is that of
+    the cached archive, and its fingerprint that of the archive's llama.cpp tree, read straight from
+    the tarball (the pristine tree: our patches are never in the archive)."""
+    from pyllama_kv import _paths
+
+    raw = json.loads(_paths.pin_path().read_text())
+    src, fp = raw["source"], raw["fingerprint"]
     pin = V.Pin.load()
-    assert len(pin.revision) == 40 and pin.revision.startswith("8733e0c")
-    assert pin.sha256 == "a3a985f558385e2f5de5b663f4e9b0817506d6af98122450142cd98e79216370"
-    assert pin.subdir.endswith("vendor/llama.cpp")
+    assert (pin.revision, pin.sha256, pin.subdir, pin.fingerprint_paths, pin.fingerprint_sha256) == (
+        raw["revision"], src["sha256"], src["subdir"], tuple(fp["paths"]), fp["sha256"])
+    assert len(pin.revision) == 40 and int(pin.revision, 16) >= 0
+    assert src["filename"] == f"{src['package'].replace('-', '_')}-{src['version']}.tar.gz"
+
+    archive = V.cached_archive(pin)
+    if not archive.is_file():
+        pytest.fail(f"the pinned archive is not cached at {archive}: run `make setup` (pyllama-kv vendor)")
+    h = hashlib.sha256()
+    with open(archive, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    assert h.hexdigest() == src["sha256"], "the pin's sha256 is not that of the archive it names"
+
+    prefix = src["subdir"].strip("/") + "/"
+    lines = []
+    with tarfile.open(archive, "r:gz") as tf:
+        for m in tf:
+            if not (m.isfile() and m.name.startswith(prefix)):
+                continue
+            rel = m.name[len(prefix):]
+            if any(rel == p or rel.startswith(p + "/") for p in fp["paths"]):
+                lines.append(f"{hashlib.sha256(tf.extractfile(m).read()).hexdigest()}  {rel}\n")
+    assert any(ln.endswith("  include/llama.h\n") for ln in lines), f"no {prefix}include/llama.h in the archive"
+    assert hashlib.sha256("".join(sorted(lines)).encode()).hexdigest() == fp["sha256"], \
+        "the pin's fingerprint is not that of the archive's tree"
 
 
 def test_vendored_tree_is_the_pinned_revision_and_cached():
