@@ -1,28 +1,34 @@
 """A seeded, server-like workload over one context (`pyllama-kv stress`, the demo, the benchmarks).
 
-Requests arrive with prompts of random length (some sharing a system-prompt prefix, served by
-forking a sequence that holds it), generate a random number of tokens, and leave, so the cache
-fragments. Every step is one continuous-batching decode: the prompts of the requests admitted this
-step and one token for each request that is generating.
+Requests arrive with prompts of random length (some starting with one of a few shared system
+prompts), generate a random number of tokens, and leave, so the cache fragments. They are served
+by the generation engine (pyllama_kv.engine) in step mode: every step is one continuous-batching
+decode of one token per generating request plus prompt chunks, with prefix reuse, admission
+control and preemption as the engine does them.
 
 The request stream is drawn from the seed alone, so the patched and the vanilla library see the same
-requests. What differs is what the library manages to place:
+requests at the same steps. What differs is what the library manages to place:
 
 * a **slot failure** is a decode the library refused (KVCacheFullError) although the free cells were
-  enough for the batch: the fragmentation failure our patches fix. The new requests of that batch
-  fail; the generating ones are retried alone (and one by one if needed);
-* when the cells really are not there, the oldest request is preempted (closed) and counted.
+  enough for the batch: the fragmentation failure our patches fix. The engine fails the requests
+  whose prompts were in that batch (finish reason "cache_full");
+* when the cells really are not there, the engine preempts a request and resumes it later; that is
+  counted too, and should be rare: admission keeps an output reserve for each running request.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .errors import KVCacheFullError
+from .config import SamplingParams
+
+_GREEDY_FULL_LENGTH = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 @dataclass
@@ -45,6 +51,7 @@ class StressConfig:
     sequential: bool = False     # serve the requests one after another (no fragmentation)
     record_map: bool = False     # keep the cache occupancy of every step (for --map)
     n_threads: int | None = None
+    output_reserve: int = 32     # cells the engine reserves per running request at admission
 
 
 @dataclass
@@ -54,9 +61,6 @@ class Request:
     prefix: int | None
     suffix: list[int]
     gen_len: int
-    seq: object = None
-    generated: int = 0
-    next_token: int = 0
 
 
 @dataclass
@@ -65,9 +69,9 @@ class StressResult:
     library: dict
     steps: int = 0
     decode_calls: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0       # prompt tokens evaluated
     gen_tokens: int = 0
-    reused_tokens: int = 0
+    reused_tokens: int = 0       # prompt tokens served from cached cells (shared system prompts)
     seconds: float = 0.0
     requests: dict = field(default_factory=dict)
     slot_failures: int = 0
@@ -115,151 +119,88 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     """Run the workload on ``model`` (its library decides patched or vanilla); return the result and,
     with ``cfg.record_map``, the occupancy map (steps x cells, int16: -1 free, -2 shared, else a
     sequence id)."""
-    n_seq_max = (1 if cfg.sequential else cfg.n_seqs) + cfg.n_prefixes
-    ctx = model.context(n_ctx=cfg.n_ctx, n_seq_max=n_seq_max, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
-                        n_threads=cfg.n_threads)
+    from .config import EngineConfig
+    from .engine import Engine
+
+    parallel = 1 if cfg.sequential else cfg.n_seqs
+    ecfg = EngineConfig(n_ctx=cfg.n_ctx, parallel=parallel, prefix_cache=max(cfg.n_prefixes, 1),
+                        n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch), n_threads=cfg.n_threads,
+                        max_queue=100_000, output_reserve=cfg.output_reserve, max_tokens=max(cfg.gen_max, 1),
+                        keep_finished=False)
     res = StressResult(config=asdict(cfg), library={k: model.library.get(k) for k in ("variant", "path", "backend")})
     prefixes, reqs = make_requests(cfg, model.n_vocab, n=cfg.steps * 4 + 16)
-    queue = deque(reqs)
-    holders: dict[int, object] = {}
-    active: list[Request] = []
-    frags = []
+    frags: list[float] = []
     fail_free: list[float] = []
-    maps = [] if cfg.record_map else None
-    arrived = started = completed = 0
-    limit = 1 if cfg.sequential else cfg.n_seqs
+    maps: list[np.ndarray] | None = [] if cfg.record_map else None
+    handles = []
+    nxt = 0
+    eng = Engine(model, ecfg)
+    ctx = eng.kv.ctx   # type: ignore[attr-defined]
     t0 = time.perf_counter()
-
-    def decode(batch):
-        res.decode_calls += 1
-        return ctx.decode(batch)
-
-    def close(r):
-        if r.seq is not None and not r.seq.closed:
-            r.seq.close()
-        if r in active:
-            active.remove(r)
-
     try:
         for step in range(cfg.steps):
             if should_stop is not None and should_stop():
                 res.interrupted = True
                 break
-            # admit arrivals (FIFO, up to the concurrency limit)
-            new: list[Request] = []
-            while queue and len(active) + len(new) < limit and (cfg.sequential or queue[0].arrival <= step):
-                r = queue.popleft()
-                arrived += 1
-                new.append(r)
-            batch = {}
-            for r in new:
-                if r.prefix is not None:
-                    h = holders.get(r.prefix)
-                    if h is None:
-                        h = ctx.new_sequence()
-                        try:
-                            decode({h: prefixes[r.prefix]})
-                            res.prompt_tokens += len(prefixes[r.prefix])
-                            holders[r.prefix] = h
-                        except KVCacheFullError:
-                            h.close()
-                            h = None
-                    if h is not None:
-                        r.seq = h.fork()
-                        res.reused_tokens += len(h)
-                    else:
-                        r.seq = ctx.new_sequence()
-                        r.suffix = prefixes[r.prefix] + r.suffix
-                else:
-                    r.seq = ctx.new_sequence()
-                batch[r.seq] = r.suffix
-            for r in active:
-                batch[r.seq] = [r.next_token]
-            by_seq = {r.seq: r for r in new + active}
-            out = {}
-            while batch:
-                try:
-                    out = decode(batch)
+            # arrivals of this step (all of them at once in sequential mode: one is served at a time)
+            while nxt < len(reqs) and (cfg.sequential or reqs[nxt].arrival <= step):
+                r = reqs[nxt]
+                nxt += 1
+                prompt = (prefixes[r.prefix] if r.prefix is not None else []) + r.suffix
+                prompt = prompt[:cfg.n_ctx - 2]
+                handles.append(eng.submit(prompt, _GREEDY_FULL_LENGTH, max_tokens=r.gen_len))
+                if cfg.sequential and eng.waiting > 2:
                     break
-                except KVCacheFullError:
-                    needed = sum(len(t) for t in batch.values())
-                    free_now = ctx._free_cells()
-                    if needed <= free_now:
-                        # refused although the cells are free: fragmentation
-                        res.slot_failures += 1
-                        fail_free.append(free_now / ctx.n_ctx)
-                        failed_new = [by_seq[s] for s in batch if by_seq[s] in new]
-                        if failed_new:
-                            for r in failed_new:
-                                res.failed_requests += 1
-                                batch.pop(r.seq)
-                                new.remove(r)
-                                close(r)
-                            continue
-                        # generation tokens only: one sequence at a time
-                        out = {}
-                        for s in list(batch):
-                            try:
-                                out.update(decode({s: batch[s]}))
-                            except KVCacheFullError:
-                                res.slot_failures += 1
-                                res.failed_requests += 1
-                                close(by_seq[s])
-                        break
-                    # really full: preempt the oldest request
-                    victim = active[0] if active else (new[0] if new else None)
-                    if victim is None:
-                        break
-                    batch.pop(victim.seq, None)
-                    if victim in new:
-                        new.remove(victim)
-                    close(victim)
-                    res.preempted += 1
-            for r in new:
-                if r.seq in out:
-                    res.prompt_tokens += len(batch[r.seq])
-                    active.append(r)
-                    started += 1
-            for r in list(active):
-                if r.seq not in out:
-                    continue
-                if r not in new:
-                    res.gen_tokens += 1
-                    r.generated += 1
-                r.next_token = int(np.argmax(out[r.seq]))
-                if r.generated >= r.gen_len:
-                    completed += 1
-                    close(r)
+            failures = eng.stats.slot_failures
+            free_before = ctx._free_cells()
+            eng.step()
+            if eng.stats.slot_failures > failures:
+                fail_free.append(free_before / ctx.n_ctx)
             st = ctx.kv_stats()
             frags.append(st.fragmentation)
             if maps is not None:
                 maps.append(ctx.kv_cells().astype(np.int16))
             res.steps = step + 1
             if progress is not None:
-                res.seconds = time.perf_counter() - t0
+                _fill(res, eng, handles, t0)
                 progress(step + 1, cfg.steps, res)
     except KeyboardInterrupt:
         res.interrupted = True
     finally:
-        res.seconds = time.perf_counter() - t0
+        _fill(res, eng, handles, t0)
         st = ctx.kv_stats()
         res.kv = {k: v for k, v in st.as_dict().items()
                   if k in ("defrags", "moves", "cells_moved", "graphs", "slot_retries", "slot_failures", "defrag_seconds")}
         if st.defrag_seconds is not None and res.seconds > 0:
             res.kv["defrag_share"] = round(st.defrag_seconds / res.seconds, 4)
-        res.requests = {"arrived": arrived, "started": started, "completed": completed,
-                        "failed": res.failed_requests, "preempted": res.preempted, "active_at_end": len(active)}
         res.peak_fragmentation = round(max(frags), 4) if frags else 0.0
         res.mean_fragmentation = round(float(np.mean(frags)), 4) if frags else 0.0
         res.free_at_failures = round(float(np.mean(fail_free)), 4) if fail_free else None
-        ctx.close()
+        eng.close()
     occupancy = np.stack(maps) if maps else None
     return res, occupancy
 
 
-def draw_map(occupancy: np.ndarray, path, title: str = "") -> None:
-    """Draw the occupancy map (steps x cells) as a PNG: a colour per sequence, shared cells dark
-    grey, free cells white. Needs matplotlib (``pip install pyllama-kv[map]``)."""
+def _fill(res: StressResult, eng, handles: list, t0: float) -> None:
+    st = eng.stats
+    res.seconds = time.perf_counter() - t0
+    res.decode_calls = st.decode_calls
+    res.prompt_tokens = st.evaluated_tokens
+    res.gen_tokens = st.generated_tokens
+    res.reused_tokens = st.reused_tokens
+    res.slot_failures = st.slot_failures
+    res.failed_requests = st.finished["cache_full"]
+    res.preempted = st.preempted
+    res.requests = {"arrived": len(handles), "started": st.admitted, "completed": st.finished["length"],
+                    "failed": st.finished["cache_full"], "preempted": st.preempted, "active_at_end": eng.running,
+                    "waiting_at_end": eng.waiting}
+
+
+def draw_map(occupancy: np.ndarray, path, title: str = "") -> Path:
+    """Draw the occupancy map (steps x cells) as an image: a colour per sequence, shared cells dark
+    grey, free cells white; return the path written. The format is the suffix's (a path without one
+    gets ``.png``). The file is written whole or not at all (a temporary file renamed over it).
+    Needs matplotlib (``pip install pyllama-kv[map]``)."""
     try:
         import matplotlib
 
@@ -283,5 +224,24 @@ def draw_map(occupancy: np.ndarray, path, title: str = "") -> None:
     ax.set_ylabel("step")
     ax.set_title(title or "KV cache occupancy (white: free, grey: shared by a fork)")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                fig.savefig(f, format=path.suffix[1:].lower())
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would stick to the result
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    finally:
+        plt.close(fig)
+    return path

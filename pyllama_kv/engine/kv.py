@@ -1,0 +1,132 @@
+"""The scheduler's view of one KV cache: a small interface, each method with its contract (in the
+spirit of Ollama's ``kvcache.Cache``), and its implementation over a Context and a PrefixCache.
+
+The scheduler only ever talks to this interface, so its tests can run against a fake as well as
+the real context (tests/test_engine.py has one).
+"""
+from __future__ import annotations
+
+from typing import Hashable, Protocol, Sequence
+
+import numpy as np
+
+from ..context import Context
+from ..prefix import PrefixCache
+
+
+class KVCache(Protocol):
+    """What the scheduler needs of a KV cache. ``Seq`` handles are opaque and hashable."""
+
+    @property
+    def n_cells(self) -> int:
+        """Cells in the cache."""
+
+    @property
+    def n_seq_ids(self) -> int:
+        """Sequence ids for live sequences (idle cached prefixes excluded)."""
+
+    def free_cells(self) -> int:
+        """Cells no sequence holds now."""
+
+    def free_ids(self) -> int:
+        """Sequence ids that start() or fork() can take without evicting anything."""
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` an idle cached sequence holds (cells a start() would reuse)."""
+
+    def start(self, tokens: Sequence[int]) -> tuple[Hashable, int]:
+        """A new sequence for ``tokens``: a fork of the idle cached sequence with the longest common
+        prefix (at most ``len(tokens) - 1`` of them, so at least one token is left to decode), or an
+        empty sequence. Returns it and the number of tokens it already holds. Evicts other idle
+        cached sequences when no id is free. LlamaError when no id can be had."""
+
+    def fork(self, seq: Hashable) -> Hashable:
+        """A new sequence sharing every cell of ``seq`` (no decode), with ``seq``'s logits."""
+
+    def decode(self, batch: dict) -> dict:
+        """Append ``{seq: tokens}`` in one continuous-batching step; ``{seq: logits}`` (float32,
+        n_vocab) after each sequence's last token. Atomic: KVCacheFullError (no room, nothing
+        changed) or another LlamaError."""
+
+    def length(self, seq: Hashable) -> int:
+        """Positions ``seq`` holds."""
+
+    def finish(self, seq: Hashable, keep: bool) -> None:
+        """Done with ``seq``: kept as an idle cached sequence for later prefixes when ``keep`` (it may be
+        evicted any time), else closed. Its id is free for start()/fork() either way."""
+
+    def remember(self, seq: Hashable) -> None:
+        """Keep a copy of ``seq``'s current tokens as an idle cached prefix, if an id is free for it;
+        ``seq`` stays the caller's."""
+
+    def evict(self, keep_for: Sequence[int] | None = None) -> bool:
+        """Close the least recently used idle cached sequence (not the best match for ``keep_for``);
+        False when there is none."""
+
+
+class ContextKV:
+    """:class:`KVCache` over a :class:`~pyllama_kv.context.Context`: ``parallel`` ids for live
+    sequences, the rest of the context's ids for a :class:`~pyllama_kv.prefix.PrefixCache`."""
+
+    def __init__(self, ctx: Context, parallel: int, prefix_cache: int):
+        self.ctx = ctx
+        self.parallel = parallel
+        self.cache = PrefixCache(ctx, max_sequences=prefix_cache)
+        self._live = 0
+
+    @property
+    def n_cells(self) -> int:
+        return self.ctx.n_ctx
+
+    @property
+    def n_seq_ids(self) -> int:
+        return self.parallel
+
+    def free_cells(self) -> int:
+        return self.ctx._free_cells()
+
+    def free_ids(self) -> int:
+        return min(self.parallel - self._live, self.ctx.free_sequence_ids)
+
+    def cached_prefix(self, tokens) -> int:
+        return self.cache.longest(tokens)
+
+    def start(self, tokens):
+        seq, n = self.cache.fork_prefix(tokens)
+        self._live += 1
+        return seq, n
+
+    def fork(self, seq):
+        while True:
+            try:
+                child = seq.fork()
+                break
+            except Exception:
+                if not self.cache.evict():
+                    raise
+        self._live += 1
+        return child
+
+    def decode(self, batch: dict) -> dict:
+        return self.ctx.decode(batch)
+
+    def length(self, seq) -> int:
+        return len(seq)
+
+    def finish(self, seq, keep: bool) -> None:
+        self._live -= 1
+        if seq.closed:
+            return
+        if keep and len(seq) and self.cache.max_sequences > 0:
+            self.cache.release(seq, keep=True)
+        else:
+            seq.close()
+
+    def remember(self, seq) -> None:
+        self.cache.remember(seq)
+
+    def evict(self, keep_for=None) -> bool:
+        return self.cache.evict(keep_for=keep_for)
+
+    def logits_of(self, seq) -> np.ndarray:
+        return seq.logits()

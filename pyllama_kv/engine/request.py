@@ -1,0 +1,130 @@
+"""What a caller submits to the engine and what comes back: requests, events, handles."""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from ..config import SamplingParams
+
+#: why a continuation ended
+FINISH_REASONS = ("stop", "length", "eos", "cancelled", "cache_full", "error")
+
+
+@dataclass(frozen=True)
+class Event:
+    """A piece of one continuation's output: a text delta (never a split UTF-8 character, never
+    part of a stop string) and the tokens it came from. The last event of a continuation has a
+    ``finish_reason`` (and an ``error`` message for "error" and "cache_full")."""
+
+    request_id: int
+    index: int                     # which continuation (0 .. n-1)
+    text: str
+    tokens: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Completion:
+    """One finished continuation."""
+
+    index: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0        # tokens of the prompt
+    reused_tokens: int = 0        # of which served from cached cells (not evaluated)
+    completion_tokens: int = 0    # tokens generated, all continuations together
+
+
+class RequestHandle:
+    """The caller's side of a submitted request: iterate it for events (blocking), or wait for
+    :meth:`result`. Thread-safe; events are produced on the engine's thread."""
+
+    def __init__(self, rid: int, n: int, prompt_tokens: int, on_event: Callable[[Event], None] | None):
+        self.id = rid
+        self.n = n
+        self.usage = Usage(prompt_tokens=prompt_tokens)
+        self.completions = [Completion(index=i) for i in range(n)]
+        self.ttft: float | None = None            # seconds from submit to the first token
+        self.submitted_at = 0.0
+        self._on_event = on_event
+        self._events: "queue.SimpleQueue[Event | None]" = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._open = n
+        self._cancel: Callable[[], None] | None = None
+
+    # -- engine side -----------------------------------------------------------------------------
+
+    def _emit(self, ev: Event) -> None:
+        c = self.completions[ev.index]
+        c.text += ev.text
+        c.tokens.extend(ev.tokens)
+        if ev.finish_reason is not None:
+            c.finish_reason = ev.finish_reason
+            c.error = ev.error
+            self._open -= 1
+        self._events.put(ev)
+        if self._on_event is not None:
+            try:
+                self._on_event(ev)
+            except Exception:   # a consumer's bug must not stop the engine
+                pass
+        if self._open == 0:
+            self._events.put(None)
+            self._done.set()
+
+    # -- caller side -----------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating: the request finishes with "cancelled" and its cells are freed at the
+        engine's next step."""
+        if self._cancel is not None and not self.done:
+            self._cancel()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            ev = self._events.get()
+            if ev is None:
+                self._events.put(None)   # later iterations end at once
+                return
+            yield ev
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> list[Completion]:
+        """The completions, once every continuation has finished (TimeoutError after ``timeout``)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} has not finished")
+        return self.completions
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "running"
+        return f"<RequestHandle {self.id} n={self.n} {state}>"
+
+
+@dataclass
+class Request:
+    """A request as the engine holds it (built by Engine.submit)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    n: int
+    handle: RequestHandle
+    keep: bool = True
+    admitted: bool = False
+    cancelled: bool = False

@@ -1,0 +1,556 @@
+"""The generation engine: the one loop that serves many requests over one KV cache.
+
+Each :meth:`Engine.step` is one ``decode``: one token for every continuation that is generating,
+plus chunks of admitted prompts up to ``n_batch`` tokens (so a long prompt delays running streams
+by one chunk at most). The engine samples right after its own decode, streams text deltas, and
+finishes continuations by stop string, end-of-generation token, length, cancellation or a full
+cache.
+
+* **Prefix reuse.** A prompt starts as a fork of the idle cached sequence with the longest common
+  prefix (no recompute); prompts and finished conversations are kept as idle cached sequences, and
+  those are evicted before a live request has to wait for cells or ids.
+* **Admission.** A request enters when its prompt (less the reused prefix) and an output reserve
+  per continuation fit beside what running requests were promised, and sequence ids are free;
+  otherwise it waits in a bounded queue (submit raises QueueFullError when that is full). Only when
+  the cache fills beyond the reserves is a running continuation preempted: put back in front of
+  the queue with its tokens so far, and resumed (mostly from cached prefixes) when there is room.
+* **Threads.** ``submit`` and ``cancel`` are safe from any thread. Either call :meth:`step` yourself
+  (one thread), or :meth:`start` a loop thread.
+
+Slot failures (the vanilla build refusing a batch that fits in scattered free cells) fail the
+requests whose prompts were in that batch (finish "cache_full"), so the stress workload still shows
+what an unpatched library does.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Hashable, Iterable, Sequence
+
+import numpy as np
+
+from ..config import EngineConfig, SamplingParams
+from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
+from .detok import TextStream
+from .kv import ContextKV, KVCache
+from .request import FINISH_REASONS, Event, Request, RequestHandle
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_calls: int = 0
+    prompt_tokens: int = 0        # prompt tokens of admitted requests
+    evaluated_tokens: int = 0     # prompt tokens decoded (including resumed continuations)
+    reused_tokens: int = 0        # prompt tokens served from cached cells
+    generated_tokens: int = 0
+    submitted: int = 0
+    admitted: int = 0
+    finished: dict = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
+    preempted: int = 0
+    slot_failures: int = 0        # batches refused although the free cells sufficed (vanilla)
+    rejected: int = 0             # submits refused with QueueFullError
+    queue_peak: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Slot:
+    """One continuation: its sequence, the tokens still to decode, its sampler and text stream."""
+
+    __slots__ = ("req", "index", "seq", "pending", "tokens", "generated", "stream", "sampler", "close_sampler",
+                 "logits", "reserve", "forked", "admit_order", "last_token")
+
+    def __init__(self, req: Request, index: int, tokens: list[int], sampler, reserve: int, admit_order: int):
+        self.req = req
+        self.index = index
+        self.seq: Hashable | None = None
+        self.tokens = tokens            # everything this continuation holds or will hold
+        self.pending: list[int] = []    # the tail of ``tokens`` not decoded yet
+        self.generated = 0
+        self.stream = TextStream(req.stop)
+        self.sampler, self.close_sampler = sampler
+        self.logits: np.ndarray | None = None
+        self.reserve = reserve
+        self.forked = index > 0 or req.n == 1
+        self.admit_order = admit_order
+        self.last_token: int | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.pending) > 1 or (len(self.pending) == 1 and self.last_token is None)
+
+
+class Engine:
+    """Serve requests over one context (see the module docstring).
+
+    >>> eng = Engine(model, EngineConfig(n_ctx=4096, parallel=8))
+    >>> h = eng.submit(model.tokenize("Once upon a time"), max_tokens=32, params=GREEDY)
+    >>> eng.run_until_idle(); h.result()[0].text
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, *, kv: KVCache | None = None,
+                 n_vocab: int | None = None, token_piece: Callable[[int], bytes] | None = None,
+                 is_eog: Callable[[int], bool] | None = None, sampler_factory=None):
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self._own_ctx = None
+        if kv is None:
+            ctx = model.context(**config.context().context_kwargs())
+            self._own_ctx = ctx
+            kv = ContextKV(ctx, config.parallel, config.prefix_cache)
+        self.kv = kv
+        self.n_ctx = kv.n_cells
+        self.n_vocab = n_vocab if n_vocab is not None else model.n_vocab
+        self._piece = token_piece or (lambda t: model.token_to_piece(t))
+        self._is_eog = is_eog or model.is_eog
+        self._make_sampler = sampler_factory or self._default_sampler
+        self.stats = EngineStats()
+        self._ids = itertools.count(1)
+        self._admit_counter = itertools.count()
+        self._inbox: deque = deque()           # ("submit", Request) | ("cancel", Request)
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._resume: deque[_Slot] = deque()   # preempted continuations, served first
+        self._slots: list[_Slot] = []          # admitted, holding a sequence
+        self._n_waiting = 0                    # for the queue bound, counted at submit
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+        self._seed = itertools.count(int.from_bytes(os.urandom(4), "little"))
+
+    # -- submission (any thread) ----------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *, max_tokens: int = 256,
+               stop: Iterable[str] | str = (), n: int = 1, keep: bool | None = None,
+               on_event: Callable[[Event], None] | None = None) -> RequestHandle:
+        """Queue a request; its handle streams events. ``prompt`` is token ids (or text, tokenized
+        with BOS). ``n`` continuations are served by forking after the prompt. InvalidInputError for
+        bad values, QueueFullError when the admission queue is full."""
+        if self._closed:
+            raise InvalidInputError("the engine is closed")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError("params must be a SamplingParams")
+        if isinstance(prompt, str):
+            prompt = self.model.tokenize(prompt)
+        toks = self.model.check_tokens(prompt).tolist() if self.model is not None else [int(t) for t in prompt]
+        if not toks:
+            raise InvalidInputError("the prompt is empty")
+        if len(toks) >= self.n_ctx:
+            raise InvalidInputError(f"the prompt has {len(toks)} tokens; the context holds {self.n_ctx} "
+                                    "(and at least one more is needed to generate)")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.config.max_tokens:
+            raise InvalidInputError(f"max_tokens must be an integer in [1, {self.config.max_tokens}]")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.kv.n_seq_ids:
+            raise InvalidInputError(f"n must be an integer in [1, {self.kv.n_seq_ids}] (the engine's parallel)")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        if not all(isinstance(s, str) for s in stops) or len(stops) > 16:
+            raise InvalidInputError("stop must be a string or a list of at most 16 strings")
+        stops = tuple(s for s in stops if s)
+        keep = self.config.keep_finished if keep is None else bool(keep)
+        handle = RequestHandle(next(self._ids), n, len(toks), on_event)
+        handle.submitted_at = time.perf_counter()
+        req = Request(prompt=toks, params=params, max_tokens=max_tokens, stop=stops, n=n, handle=handle, keep=keep)
+        handle._cancel = lambda: self._post(("cancel", req))
+        with self._cv:
+            if self._n_waiting >= self.config.max_queue:
+                self.stats.rejected += 1
+                raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting): try again later")
+            self._n_waiting += 1
+            self.stats.submitted += 1
+            self.stats.queue_peak = max(self.stats.queue_peak, self._n_waiting)
+            self._inbox.append(("submit", req))
+            self._cv.notify_all()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Cancel a request (any thread); it finishes "cancelled" at the next step."""
+        handle.cancel()
+
+    def _post(self, item) -> None:
+        with self._cv:
+            self._inbox.append(item)
+            self._cv.notify_all()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        """Continuations holding a sequence."""
+        return len(self._slots)
+
+    @property
+    def waiting(self) -> int:
+        """Requests and preempted continuations waiting for admission."""
+        with self._cv:
+            return self._n_waiting + len(self._resume)
+
+    def has_work(self) -> bool:
+        return bool(self._slots or self._waiting or self._resume or self._inbox)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> int:
+        """One decode (see the module docstring); returns the tokens decoded (0 when idle)."""
+        self._drain_inbox()
+        self._admit()
+        batch, owners = self._build_batch()
+        if not batch:
+            return 0
+        self.stats.steps += 1
+        out = self._decode(batch, owners)
+        n = 0
+        for seq, logits in out.items():
+            slot = owners[seq]
+            took = len(batch[seq])
+            n += took
+            was_prefill = slot.prefilling
+            del slot.pending[:took]
+            if was_prefill:
+                self.stats.evaluated_tokens += took
+            if slot.pending:
+                continue   # a prompt chunk: more to come
+            slot.logits = logits
+            self._after_decode(slot)
+        return n
+
+    def run_until_idle(self, max_steps: int | None = None) -> int:
+        """Step until nothing runs or waits (or ``max_steps``); returns the steps taken."""
+        k = 0
+        while self.has_work() and (max_steps is None or k < max_steps):
+            self.step()
+            k += 1
+        return k
+
+    def start(self) -> None:
+        """Run the loop on a thread of its own (daemon) until :meth:`stop`."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="pyllama-kv-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self.has_work():
+                    self._cv.wait(0.5)
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:   # never let one bad step end the loop
+                self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+
+    def stop(self, cancel: bool = True, timeout: float | None = 30.0) -> None:
+        """Stop the loop thread: cancel what runs and waits (``cancel``), or finish it first."""
+        if not cancel:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.has_work() and (deadline is None or time.monotonic() < deadline):
+                if self._thread is None:
+                    self.step()
+                else:
+                    time.sleep(0.01)
+        else:
+            self._cancel_everything()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if cancel:
+            self._drain_inbox()
+            self._cancel_everything(now=True)
+
+    def close(self) -> None:
+        """Stop, cancel everything, and close the context the engine made."""
+        if self._closed:
+            return
+        self.stop(cancel=True)
+        self._closed = True
+        if self._own_ctx is not None:
+            self._own_ctx.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals: inbox, admission -------------------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, req in items:
+            if kind == "submit":
+                if req.cancelled:
+                    continue
+                self._waiting.append(req)
+            else:
+                self._cancel_request(req)
+
+    def _cancel_request(self, req: Request) -> None:
+        if req.cancelled or req.handle.done:
+            return
+        req.cancelled = True
+        if req in self._waiting:
+            self._waiting.remove(req)
+            self._dequeued()
+        elif not req.admitted:
+            # still in the inbox: it is skipped when drained
+            self._dequeued()
+        for slot in [s for s in self._resume if s.req is req]:
+            self._resume.remove(slot)
+            self._finish(slot, "cancelled", release=False)
+        for slot in [s for s in self._slots if s.req is req]:
+            self._finish(slot, "cancelled", keep=False)
+        # continuations never started (n > 1 before the fork) end too
+        self._end_unstarted(req, "cancelled")
+
+    def _end_unstarted(self, req: Request, reason: str, error: str | None = None) -> None:
+        for c in req.handle.completions:
+            if c.finish_reason is None and not any(s.req is req and s.index == c.index
+                                                   for s in itertools.chain(self._slots, self._resume)):
+                self._emit(req, c.index, "", (), reason, error)
+
+    def _dequeued(self) -> None:
+        with self._cv:
+            self._n_waiting -= 1
+
+    def _promised(self) -> int:
+        """Cells promised to admitted continuations: their prompt tokens still to decode, and what
+        is left of their output reserves."""
+        return sum(len(s.pending) + max(0, s.reserve - s.generated) for s in self._slots)
+
+    def _available(self) -> int:
+        return self.kv.free_cells() - self._promised()
+
+    def _admit(self) -> None:
+        # preempted continuations first, then requests in arrival order; stop at the first that
+        # does not fit (no overtaking: a big request is not starved by small ones)
+        while self._resume:
+            slot = self._resume[0]
+            if not self._fits(slot.tokens, 1, max(0, slot.reserve - slot.generated), slot.req.prompt):
+                return
+            self._resume.popleft()
+            self._place(slot, slot.tokens)
+        while self._waiting:
+            req = self._waiting[0]
+            reserve = min(req.max_tokens, self.config.output_reserve)
+            if not self._fits(req.prompt, req.n, reserve * req.n, req.prompt):
+                return
+            self._waiting.popleft()
+            self._dequeued()
+            req.admitted = True
+            self.stats.admitted += 1
+            self.stats.prompt_tokens += len(req.prompt)
+            order = next(self._admit_counter)
+            slot = _Slot(req, 0, list(req.prompt), self._make_sampler(req, 0), reserve, order)
+            self._place(slot, req.prompt)
+            req.handle.usage.reused_tokens += len(req.prompt) - len(slot.pending)
+            self.stats.reused_tokens += len(req.prompt) - len(slot.pending)
+
+    def _fits(self, tokens: list[int], n_ids: int, reserve: int, keep_for: list[int]) -> bool:
+        """Whether ``tokens`` (less a cached prefix) and ``reserve`` cells fit, and ``n_ids`` ids are free,
+        evicting idle cached prefixes to make room. With nothing running, a request that can never
+        meet its reserve is let in anyway (the reserve is a target, not a limit)."""
+        while True:
+            reused = self.kv.cached_prefix(tokens)
+            need = len(tokens) - min(reused, len(tokens) - 1) + reserve
+            ids_ok = self.kv.free_ids() >= n_ids + sum(s.req.n - 1 for s in self._slots if not s.forked)
+            room = self._available()
+            if ids_ok and (need <= room or (not self._slots and len(tokens) - reused < self.kv.free_cells())):
+                return True
+            if not self.kv.evict(keep_for=keep_for):
+                return False
+
+    def _place(self, slot: _Slot, tokens: list[int]) -> None:
+        seq, n = self.kv.start(tokens)
+        slot.seq = seq
+        slot.pending = list(tokens[n:])
+        self._slots.append(slot)
+
+    # -- internals: batch, decode, sampling ------------------------------------------------------
+
+    def _build_batch(self) -> tuple[dict, dict]:
+        batch: dict = {}
+        owners: dict = {}
+        budget = self.config.n_batch
+        gen = [s for s in self._slots if not s.prefilling and s.pending]
+        for s in gen:
+            batch[s.seq] = [s.pending[0]]
+            owners[s.seq] = s
+            budget -= 1
+        for s in sorted((s for s in self._slots if s.prefilling), key=lambda s: s.admit_order):
+            if budget <= 0:
+                break
+            take = min(budget, len(s.pending))
+            batch[s.seq] = s.pending[:take]
+            owners[s.seq] = s
+            budget -= take
+        return batch, owners
+
+    def _decode(self, batch: dict, owners: dict) -> dict:
+        while batch:
+            try:
+                self.stats.decode_calls += 1
+                return self.kv.decode(batch)
+            except KVCacheFullError as exc:
+                needed = sum(len(t) for t in batch.values())
+                if needed <= self.kv.free_cells():
+                    done = self._slot_failure(batch, owners, exc)
+                    if done is not None:
+                        return done
+                    continue
+                if self.kv.evict():
+                    continue
+                victim = self._victim(batch, owners)
+                batch.pop(victim.seq)
+                self._preempt(victim)
+            except LlamaError as exc:
+                # a failure that is not about room (compute error, abort): end what was in the batch
+                for seq in list(batch):
+                    self._finish(owners[seq], "error", error=str(exc), keep=False)
+                return {}
+        return {}
+
+    def _slot_failure(self, batch: dict, owners: dict, exc: Exception) -> dict | None:
+        """The library refused a batch that fits in the free cells (fragmentation, vanilla build):
+        the prompts in it fail (None: decode the rest again); a batch of generation tokens only is
+        decoded one sequence at a time, and those results are returned."""
+        self.stats.slot_failures += 1
+        prefill = [seq for seq in batch if owners[seq].prefilling]
+        msg = f"no KV cache slot although the free cells suffice (the cache is fragmented): {exc}"
+        if prefill:
+            for seq in prefill:
+                batch.pop(seq)
+                self._finish(owners[seq], "cache_full", error=msg, keep=False)
+            return None
+        # generation only: one sequence at a time; those that still fail end
+        results = {}
+        for seq in list(batch):
+            try:
+                self.stats.decode_calls += 1
+                results.update(self.kv.decode({seq: batch[seq]}))
+            except KVCacheFullError:
+                self.stats.slot_failures += 1
+                self._finish(owners[seq], "cache_full", error=msg, keep=False)
+        return results
+
+    def _victim(self, batch: dict, owners: dict) -> _Slot:
+        """The continuation to preempt: of the most recently admitted request, prompts first."""
+        cands = [owners[s] for s in batch]
+        return max(cands, key=lambda s: (s.admit_order, s.prefilling, s.index))
+
+    def _preempt(self, slot: _Slot) -> None:
+        self.stats.preempted += 1
+        # what it holds, plus what it has yet to decode, is redone on resume (mostly from cache)
+        self.kv.finish(slot.seq, keep=True)
+        slot.seq = None
+        slot.pending = []
+        self._slots.remove(slot)
+        self._resume.appendleft(slot)
+
+    def _after_decode(self, slot: _Slot) -> None:
+        req = slot.req
+        if not slot.forked:
+            # the prompt is in: remember it for later requests, then fork the other continuations
+            self.kv.remember(slot.seq)
+            slot.forked = True
+            for i in range(1, req.n):
+                child = _Slot(req, i, list(slot.tokens), self._make_sampler(req, i), slot.reserve, slot.admit_order)
+                child.seq = self.kv.fork(slot.seq)
+                child.logits = slot.logits
+                self._slots.append(child)
+                self._sample(child)
+        elif slot.last_token is None and slot.generated == 0:
+            self.kv.remember(slot.seq)
+        self._sample(slot)
+
+    def _sample(self, slot: _Slot) -> None:
+        req = slot.req
+        tok = slot.sampler(slot.logits)
+        slot.logits = None
+        if req.handle.ttft is None:
+            req.handle.ttft = time.perf_counter() - req.handle.submitted_at
+        if not req.params.ignore_eos and self._is_eog(tok):
+            self._finish(slot, "eos")
+            return
+        slot.generated += 1
+        self.stats.generated_tokens += 1
+        req.handle.usage.completion_tokens += 1
+        text, stopped = slot.stream.feed(self._piece(tok))
+        if stopped:
+            self._emit(req, slot.index, text, (tok,), None)
+            self._finish(slot, "stop")
+            return
+        if slot.generated >= req.max_tokens or len(slot.tokens) + 1 >= self.n_ctx:
+            self._emit(req, slot.index, text, (tok,), None)
+            self._finish(slot, "length")
+            return
+        if text:
+            self._emit(req, slot.index, text, (tok,), None)
+        else:
+            self._emit(req, slot.index, "", (tok,), None)
+        slot.tokens.append(tok)
+        slot.pending = [tok]
+        slot.last_token = tok
+
+    def _emit(self, req: Request, index: int, text: str, tokens: tuple, reason: str | None,
+              error: str | None = None) -> None:
+        if reason is not None:
+            self.stats.finished[reason] += 1
+        req.handle._emit(Event(req.handle.id, index, text, tuple(tokens), reason, error))
+
+    def _finish(self, slot: _Slot, reason: str, error: str | None = None, keep: bool | None = None,
+                release: bool = True) -> None:
+        req = slot.req
+        tail = slot.stream.flush() if reason in ("eos", "length") else ""
+        if release and slot.seq is not None:
+            self.kv.finish(slot.seq, keep=req.keep if keep is None else keep)
+        slot.seq = None
+        if slot in self._slots:
+            self._slots.remove(slot)
+        if slot.close_sampler is not None:
+            slot.close_sampler()
+            slot.close_sampler = None
+        self._emit(req, slot.index, tail, (), reason, error)
+        if not slot.forked:
+            # the prompt never completed: the other continuations end the same way
+            self._end_unstarted(req, reason, error)
+
+    def _cancel_everything(self, now: bool = False) -> None:
+        with self._cv:
+            reqs = [r for k, r in self._inbox if k == "submit"]
+        reqs += list(self._waiting) + list({id(s.req): s.req for s in itertools.chain(self._slots, self._resume)}.values())
+        for r in reqs:
+            if now:
+                self._cancel_request(r)
+            else:
+                r.handle.cancel()
+
+    def _fail_all(self, msg: str) -> None:
+        for slot in list(self._slots):
+            self._finish(slot, "error", error=msg, keep=False)
+
+    def _default_sampler(self, req: Request, index: int):
+        """(logits -> token, closer) for one continuation: greedy is an argmax in numpy, anything
+        else llama.cpp's sampler chain, seeded with the request's seed + the continuation's index."""
+        p = req.params
+        if p.greedy:
+            return (lambda logits: int(np.argmax(logits))), None
+        from ..sampling import Sampler
+
+        seed = (p.seed + index if p.seed is not None else next(self._seed)) & 0xFFFFFFFF
+        smp = Sampler(self.kv.ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p,   # type: ignore[attr-defined]
+                      min_p=p.min_p, seed=seed)
+        return smp.sample_logits, smp.close
