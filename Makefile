@@ -29,7 +29,7 @@ vendor: $(STAMP)
 # it runs on our patched library through LLAMA_CPP_LIB_PATH (tests/test_llama_cpp_python.py)
 $(LCP): | vendor
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		"$$($(BIN)/python -c 'from pyllama_kv import vendor as v; print(v.cached_archive(v.Pin.load()))')"
+		"$$($(BIN)/python -c 'from pyllama_kv.harness import vendor as v; print(v.cached_archive(v.Pin.load()))')"
 	@touch $@
 
 patch: vendor

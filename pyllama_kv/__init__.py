@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from ._ffi import library_info
+from ._native.ffi import library_info
 from .context import Context, KVStats
 from .errors import (DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError,
                      ModelLoadError)

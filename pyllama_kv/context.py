@@ -25,7 +25,8 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from . import _ffi, _signals
+from . import _signals
+from ._native import ffi as _ffi
 from .errors import DecodeError, InvalidInputError, KVCacheFullError, LlamaError
 
 ffi = _ffi.ffi

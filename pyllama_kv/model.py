@@ -8,7 +8,7 @@ from typing import Iterable, Sequence as _Seq
 
 import numpy as np
 
-from . import _ffi
+from ._native import ffi as _ffi
 from .errors import InvalidInputError, LlamaError, ModelLoadError
 
 ffi = _ffi.ffi
@@ -22,7 +22,7 @@ def _validate_gguf(path: Path) -> None:
     pyllama_kv.gguf_check.validate_gguf checks the structure, the architecture (llama only), every
     hyperparameter, tensor shape and type, and the vocabulary that the pinned loader and graph
     assert on or divide by, reading only the header and tensor table."""
-    from .gguf_check import validate_gguf
+    from .tools.gguf_check import validate_gguf
 
     validate_gguf(path)
 

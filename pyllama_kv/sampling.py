@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _ffi
+from ._native import ffi as _ffi
 from .config import SamplingParams
 from .errors import InvalidInputError
 

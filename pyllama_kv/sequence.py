@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _ffi
+from ._native import ffi as _ffi
 from . import state as _state
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
 

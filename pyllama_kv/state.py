@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _ffi
+from ._native import ffi as _ffi
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
 
 ffi = _ffi.ffi

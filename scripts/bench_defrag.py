@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyllama_kv as pk  # noqa: E402
-from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
+from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
 
 TYPE_BYTES = {"f16": 2, "f32": 4}
 

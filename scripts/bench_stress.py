@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyllama_kv as pk  # noqa: E402
-from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
-from pyllama_kv.workload import StressConfig, run_stress  # noqa: E402
+from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
+from pyllama_kv.tools.workload import StressConfig, run_stress  # noqa: E402
 
 from bench_defrag import machine  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """C-level reproducers of the KV-cache failures our patch series fixes. Prints JSON.
 
-Each case drives libllama directly through the raw cffi handle (pyllama_kv._ffi: no Python-side
+Each case drives libllama directly through the raw cffi handle (pyllama_kv._native.ffi: no Python-side
 validation, no high-level API), on a tiny random model made with the gguf package:
 
   slot          decode a batch that fits in the free cells while they are scattered in small holes
@@ -56,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cffi  # noqa: E402
 
-from pyllama_kv import _ffi  # noqa: E402
-from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
+from pyllama_kv._native import ffi as _ffi  # noqa: E402
+from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
 
 ffi = _ffi.ffi
 CASES = ("slot", "defrag-holes", "defrag-abort", "bad-token", "retry-abort", "view-shift", "shift-abort",

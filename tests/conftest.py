@@ -11,8 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pyllama_kv import build as _build  # noqa: E402
-from pyllama_kv.gguf_tools import make_tiny_model  # noqa: E402
+from pyllama_kv.harness import build as _build  # noqa: E402
+from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
 
 # an abort in a subprocess should not run gdb for a backtrace
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
@@ -93,5 +93,5 @@ def run_cli(args: list[str], timeout: int = 300, env: dict | None = None, input:
     e = dict(os.environ)
     e.update(env or {})
     e["GGML_NO_BACKTRACE"] = "1"
-    cmd = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "pyllama_kv.cli"]
+    cmd = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "pyllama_kv.cli.main"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT, input=input)

@@ -10,7 +10,7 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import run_py, write_unknown_arch_model
-from pyllama_kv.gguf_tools import make_tiny_model
+from pyllama_kv.tools.gguf import make_tiny_model
 
 F32_ATOL = 1e-4  # f32 cache, no flash attention: observed differences are ~5e-6 (summation order)
 
@@ -58,7 +58,7 @@ def test_library_info(patched_lib):
     assert info["path"] == patched_lib
     assert info["variant"] == "patched" and info["backend"] == "cpu"
     assert info["revision"].startswith("8733e0c")
-    from pyllama_kv import patch as P
+    from pyllama_kv.harness import patch as P
 
     assert info["patches"] == [p.name for p in P.series()] and info["has_stats"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, run_py
-from pyllama_kv import build as B
-from pyllama_kv import patch as P
+from pyllama_kv.harness import build as B
+from pyllama_kv.harness import patch as P
 
 
 def test_status_json_lists_both_builds():
@@ -60,7 +60,7 @@ def test_patched_exports_stats_vanilla_does_not(patched_lib, vanilla_lib):
 
 
 def test_binding_reports_the_stats_api_as_unavailable_on_vanilla(patched_lib, vanilla_lib):
-    code = ("import json, pyllama_kv._ffi as f; "
+    code = ("import json, pyllama_kv._native.ffi as f; "
             "print(json.dumps([f.load(p).has('llama_kv_self_stats') for p in ('patched', 'vanilla')]))")
     r = run_py(["-c", code])
     assert r.returncode == 0, r.stderr
@@ -132,7 +132,7 @@ def test_metal_is_refused_off_macos():
 def test_vanilla_build_is_made_from_the_pristine_pinned_tree(builds):
     """The vanilla variant's source is the vendor tree with the series reversed: it must be exactly
     the pinned upstream tree (fingerprint of the pin)."""
-    from pyllama_kv import vendor as V
+    from pyllama_kv.harness import vendor as V
 
     m = B.read_manifest(Path(builds[("vanilla", "cpu")]["dir"]))
     pin = V.Pin.load()

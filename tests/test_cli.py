@@ -16,7 +16,7 @@ from conftest import ENTRY_POINT, ROOT, run_cli, run_py, write_unknown_arch_mode
 
 
 def test_the_entry_point_is_installed():
-    # no skip when it is missing: run_cli would quietly fall back to `python -m pyllama_kv.cli`
+    # no skip when it is missing: run_cli would quietly fall back to `python -m pyllama_kv.cli.main`
     assert ENTRY_POINT.is_file(), f"the venv entry point {ENTRY_POINT} is missing: run `make setup` (pip install -e .)"
 
 
@@ -124,7 +124,7 @@ elif hook == "disk-full-map":  # the map cannot be saved after the workload ran
         raise OSError(errno.ENOSPC, "No space left on device")
     matplotlib.figure.Figure.savefig = savefig
 elif hook == "inspect-bug":  # an exception that is no error of pyllama_kv: a bug
-    import pyllama_kv.gguf_tools as _g
+    import pyllama_kv.tools.gguf as _g
     def inspect_gguf(*a, **k):
         raise KeyError("boom")
     _g.inspect_gguf = inspect_gguf
@@ -259,7 +259,7 @@ def test_stress_map_png(tiny_model, tmp_path):
 
 
 def test_map_without_matplotlib_is_a_clear_error(tiny_model, tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; from pyllama_kv.cli import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from pyllama_kv.cli.main import main; "
             f"sys.exit(main(['stress', {str(tiny_model)!r}, '--steps', '5', '--map', {str(tmp_path / 'm.png')!r}]))")
     r = run_py(["-c", code])
     assert r.returncode == 1
@@ -553,7 +553,8 @@ def test_ffi_load_raises_only_library_error(tiny_model, tmp_path, patched_lib):
     (tmp_path / "text.so").write_text("hello")
     code = f"""
 import os, pathlib, sys
-from pyllama_kv import Model, _ffi
+from pyllama_kv import Model
+from pyllama_kv._native import ffi as _ffi
 from pyllama_kv.errors import LibraryError
 not_llama = sorted(pathlib.Path({patched_lib!r}).parent.glob("libggml-base.so*"))[0]
 class BadPath(os.PathLike):

@@ -1,4 +1,4 @@
-"""Our cffi declarations (pyllama_kv/_ffi.py) checked against the real vendored llama.h by the C compiler.
+"""Our cffi declarations (pyllama_kv/_native/decl/*.h) checked against the real vendored llama.h by the C compiler.
 
 The generated C file includes llama.h and then
   * redeclares every function we declare: any difference in return or parameter types is a
@@ -20,7 +20,8 @@ import pycparser
 import pytest
 from pycparser import c_ast, c_generator
 
-from pyllama_kv import _ffi, _paths
+from pyllama_kv import _paths
+from pyllama_kv._native import ffi as _ffi
 
 PRELUDE = ("typedef int int32_t; typedef unsigned int uint32_t; typedef long int64_t; typedef unsigned long uint64_t;"
            "typedef signed char int8_t; typedef unsigned char uint8_t; typedef unsigned long size_t; typedef unsigned long uintptr_t; typedef _Bool bool;\n")

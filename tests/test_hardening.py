@@ -530,7 +530,7 @@ def test_releasing_twice_to_the_prefix_cache_is_refused(m2):
 def test_n_ctx_train_reads_as_unsigned(tmp_path):
     code = textwrap.dedent("""
         import sys, pyllama_kv as pk
-        from pyllama_kv.gguf_tools import make_tiny_model
+        from pyllama_kv.tools.gguf import make_tiny_model
         p = make_tiny_model(sys.argv[1], n_ctx_train=2**32 - 1)
         print(pk.Model(p, validate=False).n_ctx_train)
     """)

@@ -78,7 +78,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pyllama_kv as pk
-from pyllama_kv.gguf_tools import make_tiny_model
+from pyllama_kv.tools.gguf import make_tiny_model
 
 EXAMPLES = int(os.environ.get("PYLLAMA_KV_ORACLE_EXAMPLES", "50"))
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=int(os.environ.get("PYLLAMA_KV_ORACLE_STEPS", "30")),

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pyllama_kv import _paths
-from pyllama_kv import patch as P
-from pyllama_kv import vendor as V
+from pyllama_kv.harness import patch as P
+from pyllama_kv.harness import vendor as V
 
 PIN = V.Pin.load()
 

@@ -25,7 +25,7 @@ def test_readme_api_example_runs(tiny_model, tmp_path):
 
 
 def test_readme_lists_every_command():
-    from pyllama_kv.cli import build_parser
+    from pyllama_kv.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name in sub.choices:

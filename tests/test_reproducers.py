@@ -258,7 +258,7 @@ _SHIFT_MATRIX = r"""
 import json, sys
 import numpy as np
 import pyllama_kv as pk
-from pyllama_kv import _ffi
+from pyllama_kv._native import ffi as _ffi
 lib, t, models = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 for head, path in sorted(models.items()):
     m = pk.Model(path, lib=lib)
@@ -289,18 +289,18 @@ for head, path in sorted(models.items()):
 @pytest.fixture(scope="module")
 def shift_models(models) -> dict:
     """1 layer (a K-shift is exact), head size 16 (half a quantization block) and 64."""
-    from pyllama_kv.gguf_tools import make_tiny_model
+    from pyllama_kv.tools.gguf import make_tiny_model
 
     return {16: str(make_tiny_model(models / "shift-h16.gguf", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, seed=1)),
             64: str(make_tiny_model(models / "shift-h64.gguf", n_layer=1, n_embd=128, n_head=2, n_head_kv=1, seed=1))}
 
 
-@pytest.mark.parametrize("type_k", sorted(__import__("pyllama_kv._ffi", fromlist=["GGML_TYPES"]).GGML_TYPES))
+@pytest.mark.parametrize("type_k", sorted(__import__("pyllama_kv._native.ffi", fromlist=["GGML_TYPES"]).GGML_TYPES))
 def test_every_cache_type_shifts_or_is_refused(patched_lib, shift_models, type_k):
     """extend / remove(0, 1) / extend, for each head size and with flash attention off and on: the
     process never dies; f32 and f16 (and bf16, looser) match a fresh evaluation; a context is refused
     only for a quantized cache whose head size is not a whole number of blocks (32)."""
-    from pyllama_kv import _ffi
+    from pyllama_kv._native import ffi as _ffi
 
     r = run_py(["-c", _SHIFT_MATRIX, patched_lib, type_k, json.dumps(shift_models)], timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])

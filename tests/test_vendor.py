@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_kv import vendor as V
+from pyllama_kv.harness import vendor as V
 
 SUB = "pkg-1.0/vendor/llama.cpp"
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from . import _paths
+from .. import _paths
 
 MARKER = ".pyllama-kv-vendor.json"
 

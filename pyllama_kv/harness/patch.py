@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _paths
+from .. import _paths
 
 
 class PatchError(Exception):

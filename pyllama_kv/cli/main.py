@@ -45,7 +45,7 @@ def _print_json(obj) -> None:
 
 
 def cmd_vendor(args) -> int:
-    from . import vendor
+    from ..harness import vendor
 
     if args.fingerprint:
         pin = vendor.Pin.load()
@@ -67,7 +67,8 @@ def cmd_vendor(args) -> int:
 
 
 def cmd_patch(args) -> int:
-    from . import _paths, patch
+    from .. import _paths
+    from ..harness import patch
 
     tree = Path(args.tree) if args.tree else _paths.vendor_dir()
     if args.status:
@@ -106,7 +107,7 @@ def cmd_patch(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from . import build
+    from ..harness import build
 
     m = build.build(
         variant="vanilla" if args.vanilla else "patched",
@@ -126,7 +127,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from . import build
+    from ..harness import build
 
     st = build.status()
     if args.json:
@@ -156,7 +157,7 @@ def _setup_logging(debug: bool) -> None:
 
 
 def _open_model(path: str, lib: str | None):
-    from . import Model
+    from .. import Model
 
     return Model(path, lib=lib)
 
@@ -175,7 +176,7 @@ def _positive(name: str, v: int | None, minimum: int = 1) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from .gguf_tools import inspect_gguf
+    from ..tools.gguf import inspect_gguf
 
     _positive("--seqs", args.seqs)
     _positive("--ctx", args.ctx)
@@ -227,7 +228,7 @@ def _check_output_file(out: str, what: str) -> Path:
 
 
 def cmd_tiny_model(args) -> int:
-    from .gguf_tools import inspect_gguf, make_tiny_model
+    from ..tools.gguf import inspect_gguf, make_tiny_model
 
     for name in ("layers", "embd", "heads", "kv_heads", "ff", "ctx_train"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
@@ -361,8 +362,8 @@ def _generate(args, model, ctx, toks: list[int], seed: int) -> int:
     when Ctrl-C stops it (during the prompt or the generation): exit 130 then."""
     import time
 
-    from . import Sampler
-    from .errors import KVCacheFullError
+    from .. import Sampler
+    from ..errors import KVCacheFullError
 
     N = args.parallel
     stream = _Streamer(N, out=sys.stdout) if not args.json else None
@@ -543,7 +544,7 @@ def _check_map_path(out: str) -> Path:
 
 def _stress_once(model_path: str, lib: str, cfg, label: str, progress: bool):
     """Run the workload once; return the result dict and the occupancy map (when cfg.record_map)."""
-    from .workload import run_stress
+    from ..tools.workload import run_stress
 
     _set_phase(f"loading the model ({label})")
     model = _open_model(model_path, lib)
@@ -558,7 +559,7 @@ def _stress_once(model_path: str, lib: str, cfg, label: str, progress: bool):
 
 
 def _stress_config(args):
-    from .workload import StressConfig
+    from ..tools.workload import StressConfig
 
     _positive("--seqs", args.seqs)
     _positive("--ctx", args.ctx)
@@ -569,7 +570,7 @@ def _stress_config(args):
 
 
 def cmd_stress(args) -> int:
-    from .workload import draw_map
+    from ..tools.workload import draw_map
 
     _setup_logging(args.debug)
     cfg = _stress_config(args)
@@ -609,8 +610,8 @@ def cmd_stress(args) -> int:
 def cmd_demo(args) -> int:
     import dataclasses
 
-    from . import _paths
-    from .gguf_tools import make_tiny_model
+    from .. import _paths
+    from ..tools.gguf import make_tiny_model
 
     _setup_logging(args.debug)
     mdir = _paths.cache_dir() / "models"
@@ -670,10 +671,10 @@ def cmd_demo(args) -> int:
 
 
 def _version_text() -> str:
-    from . import __version__
+    from .. import __version__
 
     try:
-        from .vendor import Pin
+        from ..harness.vendor import Pin
 
         rev = Pin.load().revision[:12]
     except Exception:  # no checkout around: the package alone
@@ -824,11 +825,11 @@ def _error_types() -> tuple[type, ...]:
     """The exceptions that are a user's error, not a bug: every error class of pyllama_kv, and OSError
     and ValueError (a file that cannot be read or written, a value out of range)."""
     try:
-        from .build import BuildError
-        from .errors import LlamaError
-        from .gguf_tools import GGUFFileError
-        from .patch import PatchError
-        from .vendor import VendorError
+        from ..harness.build import BuildError
+        from ..errors import LlamaError
+        from ..tools.gguf import GGUFFileError
+        from ..harness.patch import PatchError
+        from ..harness.vendor import VendorError
     except ImportError:  # pragma: no cover - a broken installation: report what we can
         return (CLIError, OSError, ValueError)
     return (CLIError, VendorError, PatchError, BuildError, LlamaError, GGUFFileError, OSError, ValueError)

@@ -58,7 +58,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1

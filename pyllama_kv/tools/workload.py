@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 _GREEDY_FULL_LENGTH = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -119,8 +119,8 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     """Run the workload on ``model`` (its library decides patched or vanilla); return the result and,
     with ``cfg.record_map``, the occupancy map (steps x cells, int16: -1 free, -2 shared, else a
     sequence id)."""
-    from .config import EngineConfig
-    from .engine import Engine
+    from ..config import EngineConfig
+    from ..engine import Engine
 
     parallel = 1 if cfg.sequential else cfg.n_seqs
     ecfg = EngineConfig(n_ctx=cfg.n_ctx, parallel=parallel, prefix_cache=max(cfg.n_prefixes, 1),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 from .gguf_check import ARRAY as _ARRAY
 from .gguf_check import STRING as _STRING
 from .gguf_check import _INTEGER_TYPES, GGUFFileError, check_gguf_header, ggml_type_name, read_gguf_header

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import _paths
+from .. import _paths
+from .._native.locate import find_builds, read_manifest, registry_dir
 from . import patch as _patch
 from . import vendor as _vendor
 
@@ -124,25 +125,18 @@ def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
 # manifests
 
 
-def read_manifest(d: Path) -> dict | None:
+def register(manifest: dict) -> None:
+    """Record a build in the registry (~/.cache/pyllama-kv/builds/), where the runtime finds it from
+    any directory (pyllama_kv._native.locate). Best effort: an unwritable cache only loses that."""
+    reg = registry_dir()
     try:
-        m = json.loads((d / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return m if isinstance(m, dict) else None
-
-
-def find_builds(root: Path | None = None) -> list[dict]:
-    """Every build with a manifest and an existing library (reads files only)."""
-    out = []
-    broot = _paths.build_root(root)
-    if not broot.is_dir():
-        return out
-    for d in sorted(broot.iterdir()):
-        m = read_manifest(d) if d.is_dir() else None
-        if m and Path(m.get("lib", "")).is_file():
-            out.append(m)
-    return out
+        reg.mkdir(parents=True, exist_ok=True)
+        f = reg / f"{manifest['variant']}-{manifest['backend']}.json"
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, f)
+    except (OSError, KeyError):
+        pass
 
 
 def _patch_records(variant: str, patches: list) -> list[dict]:
@@ -256,6 +250,7 @@ def build(
         m = read_manifest(bdir)
         assert m is not None
         log(f"{variant}-{backend}: up to date ({m['lib']})")
+        register(m)
         return m
 
     t0 = time.monotonic()
@@ -301,6 +296,7 @@ def build(
     if cuda_info:
         manifest["cuda"] = cuda_info
     (bdir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    register(manifest)
     log(f"{variant}-{backend}: built {lib} in {manifest['build_seconds']}s")
     return manifest
 

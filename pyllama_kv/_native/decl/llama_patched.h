@@ -1,0 +1,4 @@
+/* pyllama_kv's declarations from the pinned llama.h: functions only our patch series adds.
+ * Read by pyllama_kv/_native/ffi.py with cffi in ABI mode; tests/test_ffi_header.py compiles them
+ * against the vendored llama.h, so any drift fails a test. Diff this file against llama.h on a rebase. */
+struct llama_kv_stats llama_kv_self_stats(const struct llama_context * ctx);

@@ -1,0 +1,212 @@
+"""The one place where C meets Python: cffi declarations (ABI mode) and library loading.
+
+Every C type and function pyllama_kv uses is declared in ``decl/*.h``, copied from the pinned
+``llama.h`` (and ``ggml.h`` for the few types it needs). ``tests/test_ffi_header.py`` compiles these
+declarations against the vendored header, so drift is a test failure, not a crash.
+
+Loading is ABI mode (``dlopen``), so the same package runs on the patched or the vanilla build.
+Which library: ``PYLLAMA_KV_LIB`` (a path to a libllama) if set, else the patched build found
+through the build manifests (locate.py; CPU first). Functions the loaded library lacks (the stats
+API in a vanilla build) are reported by :meth:`Library.has` instead of failing at import.
+
+llama.cpp's log goes to the Python logger ``pyllama_kv.llama`` (a NullHandler is attached to
+``pyllama_kv``, so nothing prints unless the application configures logging).
+"""
+from __future__ import annotations
+
+import _thread
+import collections
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+import cffi
+
+from .locate import _one_line, resolve
+from ..errors import InvalidInputError, LibraryError
+
+DECL_DIR = Path(__file__).resolve().parent / "decl"
+
+
+def _decl(name: str) -> str:
+    """The declarations of decl/NAME, without their C comments."""
+    text = re.sub(r"/\*.*?\*/", "", (DECL_DIR / name).read_text(), flags=re.S)
+    return re.sub(r"//[^\n]*", "", text).lstrip("\n")
+
+
+# C types. Struct layouts must match llama.h exactly (checked by tests/test_ffi_header.py).
+TYPES_CDEF = _decl("llama_types.h")
+
+# Functions present in every build of the pinned revision.
+FUNCS_CDEF = _decl("llama_funcs.h")
+
+# Functions only our patched build exports (patches/0004-kv-stats-api.patch).
+PATCHED_FUNCS_CDEF = _decl("llama_patched.h")
+
+ffi = cffi.FFI()
+ffi.cdef(TYPES_CDEF)
+ffi.cdef(FUNCS_CDEF)
+ffi.cdef(PATCHED_FUNCS_CDEF)
+
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+QUANTIZED_TYPES = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"}
+
+log = logging.getLogger("pyllama_kv.llama")
+logging.getLogger("pyllama_kv").addHandler(logging.NullHandler())
+
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+
+
+# every function of FUNCS_CDEF: a library must export them all to be loaded (checked at load, so that a
+# wrong library is a LibraryError naming the file, not an AttributeError in the middle of a call)
+REQUIRED_FUNCS: tuple[str, ...] = tuple(
+    m.group(1) for m in (re.search(r"(\w+)\s*\(", decl) for decl in FUNCS_CDEF.split(";")) if m
+)
+
+
+class Library:
+    """A loaded libllama: the cffi handle ``lib`` plus what we know about the build."""
+
+    def __init__(self, path: Path, info: dict):
+        self.path = path
+        self.info = info
+        try:
+            self.lib = ffi.dlopen(str(path))
+        except (OSError, ValueError) as exc:
+            # cffi's message: "cannot load library 'P': P: REASON.  Additionally, ctypes.util...": keep REASON
+            reason = _one_line(exc).split(" Additionally, ")[0]
+            reason = reason.replace(f"cannot load library '{path}': ", "").replace(f"{path}: ", "")
+            raise LibraryError(f"cannot load {path}: {reason}") from None
+        # a library that loads but is not a libllama of the pinned revision (libz, an older llama.cpp)
+        # would otherwise fail later with AttributeError at the first missing function
+        missing = [name for name in REQUIRED_FUNCS if not self._exports(name)]
+        if missing:
+            try:
+                ffi.dlclose(self.lib)
+            except Exception:  # pragma: no cover - nothing more to free
+                pass
+            more = f" (and {len(missing) - 1} more of the {len(REQUIRED_FUNCS)} functions pyllama_kv needs)" \
+                if len(missing) > 1 else ""
+            raise LibraryError(f"{path} is not a usable libllama: it does not export {missing[0]}{more}")
+        self._has: dict[str, bool] = {}
+        self.lock = threading.RLock()
+        self._pending = ""
+        self._pending_level = logging.INFO
+        # recent error lines, so that a NULL from C can be explained in the exception
+        self.recent_errors: collections.deque[str] = collections.deque(maxlen=8)
+        self._log_cb = ffi.callback("void(enum ggml_log_level, const char *, void *)", self._on_log)
+        self.lib.llama_log_set(self._log_cb, ffi.NULL)
+        self.lib.llama_backend_init()
+        self.info["has_stats"] = self.has("llama_kv_self_stats")
+        if self.info.get("variant") in (None, "unknown"):
+            self.info["variant"] = "patched" if self.info["has_stats"] else "vanilla"
+
+    def _exports(self, name: str) -> bool:
+        try:
+            getattr(self.lib, name)
+            return True
+        except AttributeError:
+            return False
+
+    def has(self, name: str) -> bool:
+        """Whether the loaded library exports ``name`` (e.g. the patched-only stats API)."""
+        if name not in self._has:
+            self._has[name] = self._exports(name)
+        return self._has[name]
+
+    @property
+    def patched(self) -> bool:
+        return bool(self.info.get("has_stats"))
+
+    def _on_log(self, level, text, _user) -> None:
+        try:
+            msg = ffi.string(text).decode("utf-8", "replace") if text != ffi.NULL else ""
+            if level == 5:  # CONT: continues the previous message
+                lvl = self._pending_level
+            else:
+                lvl = _LEVELS.get(level, logging.INFO)
+                if self._pending:
+                    self._emit(self._pending_level, self._pending)
+                    self._pending = ""
+                self._pending_level = lvl
+            self._pending += msg
+            if self._pending.endswith("\n"):
+                self._emit(lvl, self._pending.rstrip("\n"))
+                self._pending = ""
+        except KeyboardInterrupt:
+            # Ctrl-C landed in this callback: it cannot be raised into C, so hand it back to the main
+            # thread as a new SIGINT (it goes through the handler, so a critical section defers it)
+            _thread.interrupt_main()
+        except BaseException:  # never raise into C
+            pass
+
+    def _emit(self, lvl: int, msg: str) -> None:
+        if lvl >= logging.ERROR:
+            self.recent_errors.append(msg.strip())
+        if log.isEnabledFor(lvl):
+            log.log(lvl, "%s", msg)
+
+    def last_error(self) -> str:
+        """The most specific recent error line of llama.cpp (the first of the last failure), without
+        the C function name prefix."""
+        if not self.recent_errors:
+            return ""
+        msg = self.recent_errors[0]
+        return re.sub(r"^[a-z_][a-z0-9_]*: ", "", msg)
+
+    def clear_errors(self) -> None:
+        self.recent_errors.clear()
+
+
+class CResource:
+    """Mixin for objects owning a C resource: ``close()`` frees it; ``with`` and garbage collection
+    call ``close()`` too."""
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # A copy would share the C pointer and free it twice: refused (share the object itself).
+    def __copy__(self):
+        raise InvalidInputError(f"a {type(self).__name__} owns a C resource and cannot be copied: share the object")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        raise InvalidInputError(f"a {type(self).__name__} owns a C resource and cannot be pickled")
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_libs: dict[str, Library] = {}
+_libs_lock = threading.Lock()
+
+
+def load(lib: str | os.PathLike | None = None) -> Library:
+    """The loaded library for ``lib`` (see :func:`resolve`); loaded once per path per process."""
+    path, info = resolve(lib)
+    key = str(path)
+    with _libs_lock:
+        if key not in _libs:
+            _libs[key] = Library(path, info)
+        return _libs[key]
+
+
+def library_info(lib: str | os.PathLike | None = None) -> dict:
+    """path, variant, revision, patches applied and backend of the library the API would use."""
+    loaded = load(lib)
+    out = dict(loaded.info)
+    out["system_info"] = ffi.string(loaded.lib.llama_print_system_info()).decode("utf-8", "replace")
+    return out

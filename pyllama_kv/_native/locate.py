@@ -1,0 +1,135 @@
+"""Where the libllama to load is: read-only, no harness import, nothing run.
+
+In order: the ``lib`` argument (a path, ``"patched"`` or ``"vanilla"``), else ``$PYLLAMA_KV_LIB``,
+else the patched build. Builds are found through their ``manifest.json``:
+
+* under ``build/`` of the checkout this package lives in (``$PYLLAMA_KV_ROOT`` overrides it), and
+* in the registry of builds, ``~/.cache/pyllama-kv/builds/*.json`` (``$PYLLAMA_KV_CACHE`` moves it):
+  ``pyllama-kv build`` records every build there, so a program started from any directory, or an
+  installed package outside the checkout, finds a library built earlier.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .. import _paths
+from ..errors import LibraryError
+
+
+def _one_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def read_manifest(path: Path) -> dict | None:
+    """A build manifest (a directory holding manifest.json, or the JSON file itself), or None."""
+    f = path / "manifest.json" if path.is_dir() else path
+    try:
+        m = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def registry_dir() -> Path:
+    """Where ``pyllama-kv build`` records the builds it made (one JSON manifest each)."""
+    return _paths.cache_dir() / "builds"
+
+
+def find_builds(root: Path | None = None, registry: bool = True) -> list[dict]:
+    """Every build with a manifest and an existing library: the checkout's first, then the
+    registry's (each library once)."""
+    out: list[dict] = []
+    seen: set[str] = set()
+    dirs: list[Path] = []
+    broot = _paths.build_root(root)
+    if broot.is_dir():
+        dirs += [d for d in sorted(broot.iterdir()) if d.is_dir()]
+    if registry and registry_dir().is_dir():
+        dirs += sorted(registry_dir().glob("*.json"))
+    for d in dirs:
+        m = read_manifest(d)
+        try:
+            lib = Path(m["lib"]) if m else None
+            if lib is None or not lib.is_file():
+                continue
+            key = str(lib.resolve())
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError):
+            continue
+        if key not in seen:
+            seen.add(key)
+            out.append(m)
+    return out
+
+
+def _manifest_builds() -> list[dict]:
+    # reading manifests only (no subprocess): the API never runs anything
+    try:
+        return find_builds(_paths.project_root())
+    except (OSError, ValueError, TypeError):  # an unreadable build dir or a damaged manifest
+        return []
+
+
+def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
+    """Path and build info of the library to load.
+
+    ``lib`` may be a path, ``"patched"`` or ``"vanilla"`` (the CPU build of that variant, else any
+    backend), or None: ``$PYLLAMA_KV_LIB``, else the patched build.
+    """
+    if lib is None:
+        lib = os.environ.get("PYLLAMA_KV_LIB") or "patched"
+    if isinstance(lib, (bytes, os.PathLike)):
+        try:
+            lib = os.fsdecode(lib)
+        except (TypeError, ValueError) as exc:
+            raise LibraryError(f"lib must be a path, 'patched' or 'vanilla': {_one_line(exc)}") from None
+    if not isinstance(lib, str):
+        raise LibraryError(f"lib must be a path, 'patched', 'vanilla' or None, not {type(lib).__name__}")
+    name = lib
+    if not name.strip():
+        raise LibraryError("lib is an empty string: give a path to a libllama, 'patched' or 'vanilla'")
+    if "\0" in name:
+        raise LibraryError(f"library path {name!r} contains a NUL byte")
+    builds = _manifest_builds()
+    if name in ("patched", "vanilla"):
+        cands = [b for b in builds if b.get("variant") == name]
+        cands.sort(key=lambda b: (b.get("backend") != "cpu", b.get("backend", "")))
+        if not cands:
+            raise LibraryError(
+                f"no {name} build of libllama found under {_paths.build_root()} or in {registry_dir()}: run `make setup` "
+                f"(or `pyllama-kv build{' --vanilla' if name == 'vanilla' else ''}`), or set PYLLAMA_KV_LIB"
+            )
+        b = cands[0]
+        return Path(b["lib"]).resolve(), _info_from_manifest(b)
+    try:
+        path = Path(name).expanduser()
+    except RuntimeError:  # "~user" of an unknown user
+        path = Path(name)
+    try:
+        if path.is_dir():
+            raise LibraryError(f"library {path} is a directory, not a libllama file")
+        if not path.is_file():
+            raise LibraryError(f"library {path} does not exist" if not path.exists() else
+                               f"library {path} is not a regular file")
+        path = path.resolve()
+    except (OSError, ValueError, RuntimeError) as exc:  # a NUL byte, a symlink loop, a name too long
+        raise LibraryError(f"library {name!r}: {_one_line(exc)}") from None
+    for b in builds:
+        try:
+            if Path(b["lib"]).resolve() == path:
+                return path, _info_from_manifest(b)
+        except (OSError, ValueError, RuntimeError, TypeError, KeyError):
+            continue
+    return path, {"path": str(path), "variant": "unknown", "revision": None, "patches": [], "backend": None}
+
+
+def _info_from_manifest(b: dict) -> dict:
+    return {
+        "path": str(Path(b["lib"]).resolve()),
+        "variant": b.get("variant"),
+        "revision": b.get("revision"),
+        "patches": [p.get("name") for p in (b.get("patches") or []) if isinstance(p, dict)],
+        "backend": b.get("backend"),
+        "built_at": b.get("built_at"),
+    }

@@ -1,0 +1,1 @@
+"""GGUF helpers (tiny models, inspect, validation) and the seeded server-like workload."""
