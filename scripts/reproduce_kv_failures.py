@@ -39,6 +39,9 @@ validation, no high-level API), on a tiny random model made with the gguf packag
                 vanilla: uncaught std::out_of_range terminates the process;
                 patched: INT32_MIN (tokenize, token_to_piece, detokenize), NULL, NAN, ..., logged
 
+  stale-restore a failed decode, a defrag that moves another sequence into the failed batch's cells,
+                a second failed decode: vanilla empties the moved cells again; patched does not (0010)
+
 Run a case that may abort in a subprocess (the tests do). Usage:
   python scripts/reproduce_kv_failures.py --lib vanilla --case slot --json
 """
@@ -52,16 +55,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cffi
 
-import cffi  # noqa: E402
-
-from pyllama_kv._native import ffi as _ffi  # noqa: E402
-from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
+from pyllama_kv._native import ffi as _ffi
+from pyllama_kv.tools.gguf import make_tiny_model
 
 ffi = _ffi.ffi
 CASES = ("slot", "defrag-holes", "defrag-abort", "bad-token", "retry-abort", "view-shift", "shift-abort",
-         "state-after-shift", "defrag-abort-graph", "shift-bf16", "quant-head", "c-api-throw")
+         "state-after-shift", "defrag-abort-graph", "shift-bf16", "quant-head", "c-api-throw", "stale-restore")
 TYPE_F32, TYPE_F16, TYPE_Q8_0, TYPE_BF16 = (_ffi.GGML_TYPES[t] for t in ("f32", "f16", "q8_0", "bf16"))
 
 
@@ -164,7 +165,8 @@ def case_defrag_holes(lib: str, model_dir: Path) -> dict:
     r.L.llama_kv_self_defrag(r.ctx)
     r.L.llama_kv_self_update(r.ctx)
     max_nodes = max(65536, 5 * (9 * n_layer + 3))
-    return {"case": "defrag-holes", "n_layer": n_layer, "max_moves_per_graph": (max_nodes - 2 * n_layer) // (6 * n_layer),
+    max_moves_per_graph = (max_nodes - 2 * n_layer) // (6 * n_layer)
+    return {"case": "defrag-holes", "n_layer": n_layer, "max_moves_per_graph": max_moves_per_graph,
             "before": before, "after": r.cache(), "stats": r.stats()}
 
 
@@ -299,6 +301,33 @@ def case_defrag_abort_graph(lib: str, model_dir: Path) -> dict:
             "stats": r.stats()}
 
 
+def case_stale_restore(lib: str, model_dir: Path) -> dict:
+    """Two failed decodes with a defrag between them: the second must not clear the first one's
+    (already rolled back) cells, where the defrag has since moved another sequence."""
+    mp = make_tiny_model(model_dir / "tiny-1l.gguf", n_layer=1, seed=1)
+    r = Raw(lib, mp, n_ctx=64, n_batch=16, n_ubatch=16, n_seq_max=5, type_k=TYPE_F32, type_v=TYPE_F32)
+    toks = {s: [(1 + s + 7 * i) % 200 + 1 for i in range(10)] for s in range(4)}
+    for s in (0, 1, 2):                                   # x, y, w: cells 0..9, 10..19, 20..29
+        assert r.decode([(t, i, s) for i, t in enumerate(toks[s])]) == 0
+    r.L.llama_kv_self_seq_rm(r.ctx, 1, -1, -1)            # y leaves a hole at 10..19
+    cb = _abort_always()
+    r.L.llama_set_abort_callback(r.ctx, cb, ffi.NULL)
+    rc_first = r.decode([(t, i, 3) for i, t in enumerate(toks[3])])   # z lands in the hole, aborted
+    r.L.llama_set_abort_callback(r.ctx, ffi.NULL, ffi.NULL)
+    r.L.llama_kv_self_defrag(r.ctx)
+    r.L.llama_kv_self_update(r.ctx)                       # w moves into 10..19
+    w_after_defrag = r.positions(2)
+    r.L.llama_set_abort_callback(r.ctx, cb, ffi.NULL)
+    rc_second = r.decode([(5, 10, 0)])                    # x: aborted again
+    r.L.llama_set_abort_callback(r.ctx, ffi.NULL, ffi.NULL)
+    w_after = r.positions(2)
+    rc = r.decode([(42, 10, 2)])
+    got = r.logits()
+    want = r.fresh(toks[2] + [42], 4)
+    return {"case": "stale-restore", "rc_first": rc_first, "rc_second": rc_second,
+            "w_after_defrag": w_after_defrag, "w_after": w_after, "rc": rc, "max_abs_diff_vs_fresh": _max_diff(got, want)}
+
+
 def case_shift_bf16(lib: str, model_dir: Path) -> dict:
     mp = make_tiny_model(model_dir / "tiny-1l.gguf", n_layer=1, seed=1)
     r = Raw(lib, mp, n_ctx=128, n_batch=128, n_ubatch=128, n_seq_max=2, type_k=TYPE_BF16, type_v=TYPE_F16)
@@ -379,7 +408,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fns = {"slot": case_slot, "defrag-holes": case_defrag_holes, "defrag-abort": case_defrag_abort,
            "bad-token": case_bad_token, "retry-abort": case_retry_abort, "view-shift": case_view_shift,
-           "state-after-shift": case_state_after_shift, "shift-abort": case_shift_abort,
+           "state-after-shift": case_state_after_shift, "shift-abort": case_shift_abort, "stale-restore": case_stale_restore,
            "defrag-abort-graph": case_defrag_abort_graph,
            "shift-bf16": case_shift_bf16, "quant-head": case_quant_head, "c-api-throw": case_c_api_throw}
     cases = CASES if args.case == "all" else (args.case,)

@@ -537,3 +537,24 @@ def test_n_ctx_train_reads_as_unsigned(tmp_path):
     r = run_py(["-c", code, str(tmp_path / "big.gguf")])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == str(2**32 - 1)
+
+
+def test_two_failed_decodes_with_a_defrag_between_keep_other_sequences(m1):
+    """A rolled-back batch must be forgotten: a defrag moves w into its old cells, and the next
+    failed decode must not empty them (patch 0010; found by an adversarial fuzz)."""
+    with m1.context(n_ctx=64, n_seq_max=4, n_batch=16, n_ubatch=16, **F32) as ctx:
+        x, y, w = ctx.new_sequence(), ctx.new_sequence(), ctx.new_sequence()
+        for i, s in enumerate((x, y, w)):
+            s.extend(toks(10, 50 + i))
+        y.close()
+        z = ctx.new_sequence()
+        ctx.abort_callback = lambda: True
+        with pytest.raises(pk.DecodeError):
+            z.extend(toks(10, 60))
+        ctx.abort_callback = None
+        ctx.defrag()
+        ctx.abort_callback = lambda: True
+        with pytest.raises(pk.DecodeError):
+            x.extend([5])
+        ctx.abort_callback = None
+        assert_exact(ctx, [x, w])

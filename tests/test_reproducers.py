@@ -168,6 +168,25 @@ def test_aborted_decode_keeps_the_shift_patched():
     assert c["max_abs_diff_vs_fresh"] < 1e-4
 
 
+# -- a rolled-back batch forgets its cells (patch 0010) ------------------------------------------
+
+
+def test_second_failed_decode_empties_moved_cells_vanilla():
+    r, c = _run("vanilla", "stale-restore")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert c["rc_first"] == 2 and c["rc_second"] == 2
+    assert c["w_after_defrag"] == list(range(10)) and c["w_after"] == []
+    assert c["max_abs_diff_vs_fresh"] > 1.0
+
+
+def test_second_failed_decode_leaves_other_sequences_patched():
+    r, c = _run("patched", "stale-restore")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert c["rc_first"] == 2 and c["rc_second"] == 2
+    assert c["w_after"] == list(range(10))
+    assert c["max_abs_diff_vs_fresh"] < 1e-4
+
+
 @pytest.fixture(scope="module")
 def defrag_abort():
     return {"vanilla": _run("vanilla", "defrag-abort-graph"),
