@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Literal
 
 try:   # the C functions, without the enum conversions of the signal module's wrappers (hot path)
     from _signal import getsignal as _getsignal, signal as _setsignal
@@ -28,8 +29,10 @@ def _hold(signum, frame) -> None:
 
 
 def interrupt_pending() -> bool:
-    """Whether a SIGINT arrived during the current critical section."""
-    return _pending is not None
+    """Whether a SIGINT held back in the current critical section will raise KeyboardInterrupt when
+    delivered (the default handler): then a long decode may stop early. A SIGINT for a handler of the
+    application's own (a graceful shutdown, say) never aborts a decode; it is delivered after it."""
+    return _pending is not None and _saved is signal.default_int_handler
 
 
 class defer_sigint:
@@ -37,7 +40,7 @@ class defer_sigint:
 
     __slots__ = ("active",)
 
-    def __enter__(self) -> "defer_sigint":
+    def __enter__(self) -> defer_sigint:
         global _depth, _saved
         self.active = threading.current_thread() is threading.main_thread()
         if not self.active:
@@ -53,7 +56,7 @@ class defer_sigint:
         _depth += 1
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> Literal[False]:
         global _depth, _pending, _saved
         if not self.active:
             return False

@@ -558,3 +558,34 @@ def test_two_failed_decodes_with_a_defrag_between_keep_other_sequences(m1):
             x.extend([5])
         ctx.abort_callback = None
         assert_exact(ctx, [x, w])
+
+
+SIGINT_OWN_HANDLER = """
+import json, os, signal, sys, threading, time, pyllama_kv as pk
+m = pk.Model(sys.argv[1])
+ctx = m.context(n_ctx=2048, n_seq_max=1, n_batch=2048, n_ubatch=512)
+got = []
+signal.signal(signal.SIGINT, lambda *a: got.append("handled"))
+ok = fails = 0
+for k in range(20):
+    s = ctx.new_sequence()
+    t = threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGINT))
+    t.start()
+    try:
+        s.extend(list(range(3, 600)))
+        ok += 1
+    except pk.LlamaError:
+        fails += 1
+    t.join()
+    s.close()
+print(json.dumps({"ok": ok, "fails": fails, "handled": len(got)}))
+"""
+
+
+def test_ctrl_c_for_an_application_handler_never_fails_a_decode(tiny_model):
+    """A SIGINT whose handler does not raise (a graceful shutdown) is delivered after the decode and
+    never aborts it."""
+    r = run_py(["-c", SIGINT_OWN_HANDLER, str(tiny_model)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["fails"] == 0 and out["ok"] == 20 and out["handled"] == 20, out

@@ -66,6 +66,14 @@ REQUIRED_FUNCS: tuple[str, ...] = tuple(
 )
 
 
+def _callback_error(exc_type, exc_value, tb) -> None:
+    """cffi's onerror for our callbacks: an exception raised before the callback's own try block (a
+    Ctrl-C whose Python handler ran at the callback's entry) cannot go into C; a KeyboardInterrupt
+    is handed back to the main thread as a new SIGINT, anything else is dropped."""
+    if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+        _thread.interrupt_main()
+
+
 class Library:
     """A loaded libllama: the cffi handle ``lib`` plus what we know about the build."""
 
@@ -96,7 +104,8 @@ class Library:
         self._pending_level = logging.INFO
         # recent error lines, so that a NULL from C can be explained in the exception
         self.recent_errors: collections.deque[str] = collections.deque(maxlen=8)
-        self._log_cb = ffi.callback("void(enum ggml_log_level, const char *, void *)", self._on_log)
+        self._log_cb = ffi.callback("void(enum ggml_log_level, const char *, void *)", self._on_log,
+                                    onerror=_callback_error)
         self.lib.llama_log_set(self._log_cb, ffi.NULL)
         self.lib.llama_backend_init()
         self.info["has_stats"] = self.has("llama_kv_self_stats")
