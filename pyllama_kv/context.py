@@ -14,22 +14,45 @@ Contract (what every method guarantees):
 * **Vanilla builds.** The API runs on the unpatched library too (for comparisons): stats counters
   are ``None``, ``remove`` re-evaluates instead of K-shifting, and ``defrag`` refuses when the
   vanilla library would abort the process (see patches/0003).
+
+Package interface. sequence.py, state.py, prefix.py, sampling.py and engine/ use a context only
+through its public methods and these single-underscore ones (not public API, but the documented way in;
+nothing else in the package reads a Context's attributes):
+
+* ``_critical()``: ``with ctx._critical():`` the lock, Ctrl-C held back, re-entry from a callback refused.
+  Every call below needs it held.
+* ``_check_open()``, ``_own(seq)``: InvalidInputError for a closed context / a sequence not open in it.
+* ``_release(seq_id)``: free an id and its cells (Sequence.close).
+* ``_free_cells()``: cells no sequence holds.
+* ``_spare_id``: the extra sequence id, never given out, for building a tail before swapping it in.
+* ``_seq_copy(src, dst, p0, p1)``, ``_seq_remove(seq_id, p0, p1)``, ``_seq_shift(seq_id, p0, p1, delta)``:
+  raw cell operations (-1: open end); a shift stays pending until the next update or decode.
+* ``_forget_logits(seq_id)``, ``_move_logits(src, dst)``: what a sampler may take from the latest decode.
+* ``_shared_in(seq_id, lo, hi)``, ``_exclusive_cells(seq_id, lo)``: cell sharing, from the view.
+* ``_raw_decode(plan)``: decode validated [(seq_id, tokens, first_pos)], atomic (see its docstring).
+* ``_uninterruptible()``: ``with`` it, decodes ignore the abort callback and Ctrl-C (a repair must finish).
+* ``_c_update()``: apply pending shifts and a scheduled defrag, to completion.
+* ``_read_seq_state(seq_id)`` / ``_write_seq_state(data, seq_id)``: llama.cpp's state of one sequence.
+
+All C calls go through ``self._native`` (:class:`pyllama_kv._native.kv.NativeContext`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
 from . import _signals
-from ._native import ffi as _ffi
+from ._native import kv as _kv
 from .errors import DecodeError, InvalidInputError, KVCacheFullError, LlamaError
-
-ffi = _ffi.ffi
+from .model import Model
+from .sequence import Sequence as _Sequence, SequenceState as _SequenceState
 
 
 @dataclass(frozen=True)
@@ -90,7 +113,7 @@ class _Critical:
 
     __slots__ = ("ctx", "sig")
 
-    def __init__(self, ctx: "Context"):
+    def __init__(self, ctx: Context):
         self.ctx = ctx
 
     def __enter__(self) -> None:
@@ -101,15 +124,16 @@ class _Critical:
             raise InvalidInputError(
                 "the context is inside llama_decode: it cannot be used from its own abort callback "
                 "(or log handler) on the decoding thread")
+        ctx._depth += 1
         self.sig = _signals.defer_sigint()
         self.sig.__enter__()
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         try:
+            self.ctx._depth -= 1
             self.ctx._lock.release()
         finally:
             self.sig.__exit__(*exc)   # delivers a held-back Ctrl-C, now that the state is whole
-        return False
 
 
 def _default_threads() -> int:
@@ -121,34 +145,7 @@ def _default_threads() -> int:
     return max(1, n)
 
 
-class _Batch:
-    """Reusable llama_batch arrays of capacity n_batch, filled through numpy views."""
-
-    def __init__(self, cap: int):
-        self.cap = cap
-        self.token = ffi.new("llama_token[]", cap)
-        self.pos = ffi.new("llama_pos[]", cap)
-        self.n_seq_id = ffi.new("int32_t[]", cap)
-        self.sid = ffi.new("llama_seq_id[]", cap)
-        self.sidp = ffi.new("llama_seq_id *[]", cap)
-        self.out = ffi.new("int8_t[]", cap)
-        self.np_token = np.frombuffer(ffi.buffer(self.token), dtype=np.int32)
-        self.np_pos = np.frombuffer(ffi.buffer(self.pos), dtype=np.int32)
-        self.np_sid = np.frombuffer(ffi.buffer(self.sid), dtype=np.int32)
-        self.np_out = np.frombuffer(ffi.buffer(self.out), dtype=np.int8)
-        np.frombuffer(ffi.buffer(self.n_seq_id), dtype=np.int32)[:] = 1
-        base = int(ffi.cast("uintptr_t", self.sid))
-        np.frombuffer(ffi.buffer(self.sidp), dtype=np.uintp)[:] = base + 4 * np.arange(cap, dtype=np.uintp)
-        self.batch = ffi.new("llama_batch *")
-        self.batch.token = self.token
-        self.batch.embd = ffi.NULL
-        self.batch.pos = self.pos
-        self.batch.n_seq_id = self.n_seq_id
-        self.batch.seq_id = self.sidp
-        self.batch.logits = self.out
-
-
-class Context(_ffi.CResource):
+class Context(_kv.CResource):
     """A context over a :class:`~pyllama_kv.model.Model` with a KV cache of ``n_ctx`` cells.
 
     >>> with model.context(n_ctx=2048, n_seq_max=8) as ctx:
@@ -158,15 +155,14 @@ class Context(_ffi.CResource):
     ...     out = ctx.decode({a: [5], b: [7]})            # one llama_decode for both
     ...     ctx.kv_stats()
 
-    ``n_threads`` defaults to the cores this process may use (llama.cpp's own default is 4); ``defrag_thold`` (llama.cpp's automatic defrag
-    threshold, off by default) may be set. ``flash_attn`` is needed for a quantized V cache.
+    ``n_threads`` defaults to the cores this process may use (llama.cpp's own default is 4);
+    ``defrag_thold`` (llama.cpp's automatic defrag threshold, off by default) may be set.
+    ``flash_attn`` is needed for a quantized V cache.
     """
 
     def __init__(self, model, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512, n_ubatch: int = 512,
                  flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16",
                  n_threads: int | None = None, defrag_thold: float | None = None):
-        from .model import Model
-
         if not isinstance(model, Model):
             raise InvalidInputError("model must be a pyllama_kv.Model")
         model._check_open()
@@ -181,18 +177,19 @@ class Context(_ffi.CResource):
         n_batch = min(n_batch, n_ctx)
         n_ubatch = min(n_ubatch, n_batch)
         if n_ctx > model.n_ctx_train:
-            raise InvalidInputError(f"n_ctx={n_ctx} is larger than the model supports (n_ctx_train={model.n_ctx_train})")
+            raise InvalidInputError(
+                f"n_ctx={n_ctx} is larger than the model supports (n_ctx_train={model.n_ctx_train})")
         if n_seq_max > n_ctx:
             raise InvalidInputError(f"n_seq_max={n_seq_max} is larger than n_ctx={n_ctx}")
         if n_seq_max > 256:
             raise InvalidInputError("n_seq_max must be <= 256")
         for name, t in (("type_k", type_k), ("type_v", type_v)):
-            if not isinstance(t, str) or t not in _ffi.GGML_TYPES:
-                raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(_ffi.GGML_TYPES)}")
-        if type_v in _ffi.QUANTIZED_TYPES and not flash_attn:
+            if not isinstance(t, str) or t not in _kv.GGML_TYPES:
+                raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(_kv.GGML_TYPES)}")
+        if type_v in _kv.QUANTIZED_TYPES and not flash_attn:
             raise InvalidInputError(f"a quantized V cache (type_v={type_v!r}) needs flash_attn=True")
         for name, t, hd in (("type_k", type_k, model.head_dim_k), ("type_v", type_v, model.head_dim_v)):
-            if t in _ffi.QUANTIZED_TYPES and hd % 32:
+            if t in _kv.QUANTIZED_TYPES and hd % 32:
                 raise InvalidInputError(
                     f"{name}={t!r} needs a head size that is a multiple of its block size 32; this model's is {hd}")
         if n_threads is not None:
@@ -209,81 +206,92 @@ class Context(_ffi.CResource):
                                     "inside llama_decode (see patches/0003): use the patched build")
         self.model = model
         self._libobj = model._lib
-        L = self._L = model._lib.lib
-        p = L.llama_context_default_params()
-        p.n_ctx = n_ctx
-        p.n_batch = n_batch
-        p.n_ubatch = n_ubatch
-        # one id more than asked for: a spare sequence under which a tail is re-evaluated and
-        # swapped in only on success (copy-on-write and exact removal stay atomic)
-        p.n_seq_max = n_seq_max + 1
-        p.flash_attn = bool(flash_attn)
-        p.type_k = _ffi.GGML_TYPES[type_k]
-        p.type_v = _ffi.GGML_TYPES[type_v]
-        p.no_perf = True
         # llama.cpp's default is a fixed 4 threads; more threads than cores makes ggml's spinning
         # barriers crawl (a defrag graph of many small copies ran ~30x slower on 2 cores)
         n_threads = n_threads or _default_threads()
-        p.n_threads = n_threads
-        p.n_threads_batch = n_threads
         self.n_threads = n_threads
-        if defrag_thold is not None:
-            p.defrag_thold = float(defrag_thold)
         self._lock = threading.RLock()
         self._busy = False        # inside a C call that may call back into Python (decode, update)
+        self._depth = 0           # nesting of critical sections on the thread holding the lock
         self._no_abort = False    # a maintenance decode that must complete (abort callback ignored)
         self._abort_exc: BaseException | None = None
         self._shift_pending = False   # a K-shift (seq_add) not yet applied by an update
         with model._lock:   # the model cannot be closed while a context of it is being made
             model._check_open()
-            with self._libobj.lock:
-                self._libobj.clear_errors()
-                ptr = L.llama_init_from_model(model._ptr, p)
-                err = self._libobj.last_error()
-            if ptr == ffi.NULL:
+            assert model._native is not None
+            # one id more than asked for: a spare sequence under which a tail is re-evaluated and
+            # swapped in only on success (copy-on-write and exact removal stay atomic)
+            native, err = _kv.NativeContext.create(
+                self._libobj, model._native, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                n_seq_max=n_seq_max + 1, flash_attn=bool(flash_attn), type_k=_kv.GGML_TYPES[type_k],
+                type_v=_kv.GGML_TYPES[type_v], n_threads=n_threads, defrag_thold=defrag_thold)
+            if native is None:
                 raise LlamaError("llama.cpp could not create the context" + (f": {err}" if err else ""))
-            self._ptr = ptr
+            self._native = native
             model._contexts.add(self)
-        self.n_ctx: int = int(L.llama_n_ctx(ptr))          # may be padded up (256 with flash attention)
-        self.n_batch: int = int(L.llama_n_batch(ptr))
-        self.n_ubatch: int = int(L.llama_n_ubatch(ptr))
+        # n_ctx may be padded up (256 with flash attention)
+        self.n_ctx, self.n_batch, self.n_ubatch = native.sizes()
         self.n_seq_max: int = n_seq_max
         self._spare_id: int = n_seq_max
         self.flash_attn = bool(flash_attn)
         self.type_k, self.type_v = type_k, type_v
-        self.can_shift: bool = bool(L.llama_kv_self_can_shift(ptr)) and model.rope_type != -1
+        self.can_shift: bool = native.can_shift() and model.rope_type != -1
         self.patched: bool = self._libobj.patched
-        self._batch = _Batch(self.n_batch)
-        self._view_p = ffi.new("struct llama_kv_cache_view *", L.llama_kv_cache_view_init(ptr, self.n_seq_max + 1))
+        self._batch = _kv.NativeBatch(self.n_batch)
         self._free_ids = list(range(self.n_seq_max))
-        self._seqs: dict[int, object] = {}
+        self._seqs: dict[int, _Sequence] = {}
         self._decode_serial = 0
         self._last_out: dict[int, tuple[int, int]] = {}  # seq id -> (decode serial, batch index) of its logits
         self._abort_fn: Callable[[], bool] | None = None
-        self._abort_cb = ffi.callback("bool(void *)", self._on_abort_poll)
+        native.set_abort_poll(self._on_abort_poll)
         self._abort_installed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
+    _native: _kv.NativeContext | None = None   # None until made and once closed
+
     @property
     def closed(self) -> bool:
-        return self._ptr is None
+        return self._native is None
+
+    # raw C access for tests and scripts that go behind the API's back (not used by the package)
+    @property
+    def _ptr(self):
+        """The raw ``llama_context *`` (None once closed)."""
+        n = self._native
+        return None if n is None else n.ptr
+
+    @property
+    def _L(self):
+        """The cffi library the context's C calls go through (a benchmark may replace it)."""
+        assert self._native is not None
+        return self._native.L
+
+    @_L.setter
+    def _L(self, lib) -> None:
+        assert self._native is not None
+        self._native.L = lib
 
     def close(self) -> None:
         """Free the context and its KV cache; its sequences become closed. Refused (InvalidInputError)
         from the context's own abort callback, while its decode runs."""
-        if getattr(self, "_ptr", None) is None:
+        if getattr(self, "_native", None) is None:
             return
         with self._critical():
-            if self._ptr is None:
+            native = self._native
+            if native is None:
                 return
+            if self._depth > 1:
+                # a log handler or callback running inside another call of this context: freeing it
+                # here would pull the context out from under that call
+                raise InvalidInputError("the context cannot be closed from inside one of its own calls "
+                                        "(a callback or log handler)")
             for s in list(self._seqs.values()):
                 s._closed = True
             self._seqs.clear()
             self._last_out.clear()
-            self._L.llama_kv_cache_view_free(self._view_p)
-            self._L.llama_free(self._ptr)
-            self._ptr = None
+            self._native = None
+            native.free()
             self.model._contexts.discard(self)
 
     def _critical(self) -> _Critical:
@@ -297,7 +305,7 @@ class Context(_ffi.CResource):
                 f"{'patched' if self.patched else 'vanilla'}>")
 
     def _check_open(self) -> None:
-        if self._ptr is None:
+        if self._native is None:
             raise InvalidInputError("the context is closed")
 
     @property
@@ -312,9 +320,10 @@ class Context(_ffi.CResource):
         with self._critical():
             self._check_open()
             if not self._free_ids:
-                raise LlamaError(f"all {self.n_seq_max} sequences are in use: close one first (n_seq_max={self.n_seq_max})")
+                raise LlamaError(
+                    f"all {self.n_seq_max} sequences are in use: close one first (n_seq_max={self.n_seq_max})")
             sid = self._free_ids.pop(0)
-            self._L.llama_kv_self_seq_rm(self._ptr, sid, -1, -1)  # defensive: the id starts empty
+            self._seq_remove(sid, -1, -1)  # defensive: the id starts empty
             s = _Sequence(self, sid)
             self._seqs[sid] = s
             return s
@@ -339,7 +348,8 @@ class Context(_ffi.CResource):
             raise InvalidInputError(f"sequence {seq.id} is closed")
 
     def _release(self, sid: int) -> None:
-        self._L.llama_kv_self_seq_rm(self._ptr, sid, -1, -1)
+        """Free sequence id ``sid`` and its cells (package interface)."""
+        self._seq_remove(sid, -1, -1)
         self._seqs.pop(sid, None)
         self._last_out.pop(sid, None)   # a new sequence with this id must not sample stale logits
         self._free_ids.append(sid)
@@ -347,7 +357,61 @@ class Context(_ffi.CResource):
 
     def _free_cells(self) -> int:
         """Cells no sequence holds (cheap: no view is read)."""
-        return self.n_ctx - int(self._L.llama_kv_self_used_cells(self._ptr))
+        assert self._native is not None
+        return self.n_ctx - self._native.used_cells()
+
+    # -- package interface: raw cell operations (the caller holds _critical and validated) --------
+
+    def _seq_remove(self, sid: int, p0: int, p1: int) -> None:
+        """Drop the cells of ``sid`` with position in [p0, p1) (-1: open end); no shift."""
+        assert self._native is not None
+        self._native.seq_rm(sid, p0, p1)
+
+    def _seq_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Let ``dst`` also hold ``src``'s cells with position in [p0, p1) (-1: open end)."""
+        assert self._native is not None
+        self._native.seq_cp(src, dst, p0, p1)
+
+    def _seq_shift(self, sid: int, p0: int, p1: int, delta: int) -> None:
+        """Shift positions [p0, p1) of ``sid`` by ``delta`` (a K-shift, applied before the next
+        decode or view read)."""
+        assert self._native is not None
+        self._native.seq_add(sid, p0, p1, delta)
+        self._shift_pending = True
+
+    def _forget_logits(self, sid: int) -> None:
+        """``sid`` no longer has logits from the latest decode (its tokens changed)."""
+        self._last_out.pop(sid, None)
+
+    def _move_logits(self, src: int, dst: int) -> None:
+        """The latest-decode logits of ``src`` become ``dst``'s (a tail built under the spare id)."""
+        self._last_out[dst] = self._last_out.pop(src, (0, 0))
+
+    @contextlib.contextmanager
+    def _uninterruptible(self) -> Iterator[None]:
+        """``with ctx._uninterruptible():`` decodes inside ignore the abort callback and Ctrl-C."""
+        prev = self._no_abort
+        self._no_abort = True
+        try:
+            yield
+        finally:
+            self._no_abort = prev
+
+    def _read_seq_state(self, sid: int) -> bytes:
+        """llama.cpp's state of sequence ``sid`` (LlamaError when it cannot be read whole)."""
+        assert self._native is not None
+        n = self._native.state_seq_size(sid)
+        if n == 0:
+            raise LlamaError(f"llama.cpp could not size the state of sequence {sid}")
+        got, data = self._native.state_seq_get(sid, n)
+        if got != n:
+            raise LlamaError(f"llama.cpp wrote {got} bytes of the state of sequence {sid}, expected {n}")
+        return data
+
+    def _write_seq_state(self, data: bytes, sid: int) -> int:
+        """Write a checked state into the empty sequence ``sid``: the bytes llama.cpp read (0: no slot)."""
+        assert self._native is not None
+        return self._native.state_seq_set(data, sid)
 
 
     def import_sequence(self, state):
@@ -406,19 +470,19 @@ class Context(_ffi.CResource):
 
     def _set_abort(self, on: bool) -> None:
         if on != self._abort_installed:
-            if on:
-                self._L.llama_set_abort_callback(self._ptr, self._abort_cb, ffi.NULL)
-            else:
-                self._L.llama_set_abort_callback(self._ptr, ffi.NULL, ffi.NULL)
+            assert self._native is not None
+            self._native.enable_abort(on)
             self._abort_installed = on
 
     def _c_decode(self, batch, n_tokens: int) -> int:
         """One llama_decode with the abort callback installed when it has something to poll."""
         self._set_abort(self._abort_fn is not None or n_tokens >= _POLL_TOKENS)
         self._abort_exc = None
+        native = self._native
+        assert native is not None
         self._busy = True
         try:
-            return self._L.llama_decode(self._ptr, batch)
+            return native.decode(batch, n_tokens)
         finally:
             self._busy = False
 
@@ -426,14 +490,16 @@ class Context(_ffi.CResource):
         """llama_kv_self_update: apply pending K-shifts and a scheduled defrag, to completion. The
         abort callback is not obeyed here: maintenance either completes or, interrupted, would
         leave cells and K/V disagreeing (llama.cpp drops an aborted shift's deltas)."""
+        assert self._native is not None
+        prev = self._no_abort
         self._busy = True
         self._no_abort = True
         try:
-            self._L.llama_kv_self_update(self._ptr)
+            self._native.update()
             self._shift_pending = False
         finally:
             self._busy = False
-            self._no_abort = False
+            self._no_abort = prev
 
     def _apply_shifts(self) -> None:
         """Apply a pending K-shift now, so that cell positions read from the view are exact and a
@@ -441,11 +507,12 @@ class Context(_ffi.CResource):
         if self._shift_pending:
             self._c_update()
 
-    def _raw_decode(self, plan: list[tuple[int, np.ndarray, int]]) -> list[np.ndarray | None]:
+    def _raw_decode(self, plan: list[tuple[int, list[int] | np.ndarray, int]]) -> list[np.ndarray | None]:
         """Decode ``plan`` = [(seq_id, tokens, first_pos)] (validated) in as few llama_decode calls as
         n_batch allows, with one output (the last token) per entry. On failure every entry's new
         positions are removed and the mapped exception is raised."""
-        L = self._L
+        native = self._native
+        assert native is not None
         b = self._batch
         cap = b.cap
         results: list[np.ndarray | None] = [None] * len(plan)
@@ -454,7 +521,7 @@ class Context(_ffi.CResource):
         chunks: list[list[tuple[int, int, int, int]]] = []  # (entry, lo, hi, pos0) per piece
         cur: list[tuple[int, int, int, int]] = []
         room = cap
-        for e, (sid, toks, pos0) in enumerate(plan):
+        for e, (_sid, toks, pos0) in enumerate(plan):
             lo = 0
             while lo < len(toks):
                 take = min(room, len(toks) - lo)
@@ -492,23 +559,20 @@ class Context(_ffi.CResource):
                     b.np_out[[bidx for _, bidx in outs]] = 1
                 else:  # a chunk that ends no entry: llama.cpp still wants one output
                     b.np_out[n - 1] = 1
-                b.batch.n_tokens = n
-                rc = self._c_decode(b.batch[0], n)
+                rc = self._c_decode(b, n)
                 self._decode_serial += 1
                 if rc != 0:
                     raise self._decode_error(rc)
                 if outs:
-                    ptr = L.llama_get_logits(self._ptr)
                     # one copy for all rows of this call; each sequence gets a row of it
-                    rows = np.frombuffer(ffi.buffer(ptr, len(outs) * n_vocab * 4), dtype=np.float32)
-                    rows = rows.reshape(len(outs), n_vocab).copy()
+                    rows = native.logits(len(outs), n_vocab)
                     for i, (e, bidx) in enumerate(outs):
                         results[e] = rows[i]
                         self._last_out[plan[e][0]] = (self._decode_serial, bidx)
         except BaseException:
             # llama_decode restored its own partial cells; remove what earlier chunks added
-            for sid, toks, pos0 in plan:
-                L.llama_kv_self_seq_rm(self._ptr, sid, pos0, -1)
+            for sid, _toks, pos0 in plan:
+                native.seq_rm(sid, pos0, -1)
             raise
         return results
 
@@ -525,7 +589,7 @@ class Context(_ffi.CResource):
             self._abort_exc = None
             if exc is not None:
                 if not isinstance(exc, Exception):   # KeyboardInterrupt, SystemExit: re-raised as is
-                    return exc   # type: ignore[return-value]
+                    return exc
                 err_ = DecodeError(f"decode aborted: the abort callback raised {type(exc).__name__}: {exc}; "
                                    "nothing was changed")
                 err_.__cause__ = exc
@@ -537,7 +601,7 @@ class Context(_ffi.CResource):
             return InvalidInputError(f"llama_decode rejected the batch: {err or 'invalid input'}")
         return DecodeError(f"llama_decode failed with code {rc}" + (f": {err}" if err else ""))
 
-    def decode(self, batch: Mapping[object, Iterable[int]]) -> dict:
+    def decode(self, batch: Mapping[_Sequence, Iterable[int]]) -> dict[_Sequence, np.ndarray]:
         """Append tokens to several sequences at once: ``{seq: tokens}`` -> ``{seq: logits}``.
 
         One ``llama_decode`` call for the whole batch (more only when it holds more than ``n_batch``
@@ -550,7 +614,7 @@ class Context(_ffi.CResource):
                 raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
             # first run every piece of caller code (the mapping's iteration, token iterables), then
             # check the state they may have changed: nothing the checks saw can change after them
-            items = []
+            items: list[tuple[_Sequence, list[int]]] = []
             n_vocab = self.model.n_vocab
             for seq, toks in list(batch.items()):
                 if type(seq) is not _Sequence or seq._ctx is not self or seq._closed:
@@ -562,7 +626,7 @@ class Context(_ffi.CResource):
             if not items:
                 raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
             self._check_open()
-            plan = []
+            plan: list[tuple[int, list[int] | np.ndarray, int]] = []
             seqs = []
             seen: set[int] = set()
             total = 0
@@ -577,7 +641,8 @@ class Context(_ffi.CResource):
                 n_new = len(arr)
                 if len(seq._tokens) + n_new > self.n_ctx:
                     raise KVCacheFullError(
-                        f"sequence {seq.id} would hold {len(seq._tokens) + n_new} positions, more than n_ctx={self.n_ctx}")
+                        f"sequence {seq.id} would hold {len(seq._tokens) + n_new} positions, "
+                        f"more than n_ctx={self.n_ctx}")
                 plan.append((seq.id, arr, len(seq._tokens)))
                 seqs.append(seq)
                 total += n_new
@@ -585,9 +650,10 @@ class Context(_ffi.CResource):
             if total > free:
                 raise KVCacheFullError(f"the batch needs {total} cells but only {free} of {self.n_ctx} are free")
             results = self._raw_decode(plan)
-            out = {}
-            for seq, (sid, arr, _), logits in zip(seqs, plan, results):
-                seq._tokens.extend(arr)
+            out: dict[_Sequence, np.ndarray] = {}
+            for seq, (_sid, new, _), logits in zip(seqs, plan, results):
+                assert logits is not None   # every entry ends in the batch: it has an output
+                seq._tokens.extend(new)
                 seq._logits = logits
                 out[seq] = logits
             return out
@@ -613,7 +679,8 @@ class Context(_ffi.CResource):
                         f"end of the cache: {n_used} used cells + n_ubatch {self.n_ubatch} > n_ctx {self.n_ctx}); "
                         "use the patched build"
                     )
-            self._L.llama_kv_self_defrag(self._ptr)
+            assert self._native is not None
+            self._native.defrag()
             self._c_update()
             return self.kv_stats()
 
@@ -621,7 +688,8 @@ class Context(_ffi.CResource):
         """Empty the cache; every open sequence becomes empty (its id stays reserved)."""
         with self._critical():
             self._check_open()
-            self._L.llama_kv_self_clear(self._ptr)
+            assert self._native is not None
+            self._native.clear()
             self._last_out.clear()
             for s in self._seqs.values():
                 s._tokens.clear()
@@ -630,12 +698,8 @@ class Context(_ffi.CResource):
     # -- inspection -----------------------------------------------------------------------------
 
     def _read_view(self) -> tuple[np.ndarray, np.ndarray]:
-        self._L.llama_kv_cache_view_update(self._ptr, self._view_p)
-        v = self._view_p
-        n = v.n_cells
-        pos = np.frombuffer(ffi.buffer(v.cells, n * 4), dtype=np.int32).copy()
-        seqs = np.frombuffer(ffi.buffer(v.cells_sequences, n * v.n_seq_max * 4), dtype=np.int32)
-        return pos, seqs.reshape(n, v.n_seq_max).copy()
+        assert self._native is not None
+        return self._native.view()
 
     def kv_view(self) -> tuple[np.ndarray, np.ndarray]:
         """(pos, seqs): per cell its position (-1 when free) and the ids of the sequences holding it,
@@ -666,7 +730,8 @@ class Context(_ffi.CResource):
             _, seqs = self._read_view()
             counters = None
             if self.patched:
-                counters = self._L.llama_kv_self_stats(self._ptr)
+                assert self._native is not None
+                counters = self._native.stats()
         free = seqs[:, 0] < 0
         n = int(free.size)
         n_free = int(free.sum())
@@ -679,12 +744,12 @@ class Context(_ffi.CResource):
             ends = np.flatnonzero(d == -1)
             largest = int((ends - starts).max())
             holes = int((ends < n).sum())  # runs followed by a used cell
-        extra = {}
+        extra: dict[str, Any] = {}
         if counters is not None:
-            extra = dict(defrags=int(counters.n_defrags), moves=int(counters.n_defrag_moves),
-                         cells_moved=int(counters.n_defrag_cells), graphs=int(counters.n_defrag_graphs),
-                         slot_retries=int(counters.n_slot_retries), slot_failures=int(counters.n_slot_failures),
-                         defrag_seconds=int(counters.t_defrag_us) / 1e6)
+            extra = dict(defrags=counters["n_defrags"], moves=counters["n_defrag_moves"],
+                         cells_moved=counters["n_defrag_cells"], graphs=counters["n_defrag_graphs"],
+                         slot_retries=counters["n_slot_retries"], slot_failures=counters["n_slot_failures"],
+                         defrag_seconds=counters["t_defrag_us"] / 1e6)
         frag = 0.0 if n_free == 0 else 1.0 - largest / n_free
         return KVStats(n_cells=n, used_cells=n - n_free, free_cells=n_free, holes=holes,
                        largest_free_block=largest, fragmentation=round(frag, 6), **extra)
@@ -704,5 +769,3 @@ class Context(_ffi.CResource):
         mine = (seqs == sid).any(axis=1) & (pos >= lo)
         return int((mine & ((seqs >= 0).sum(axis=1) == 1)).sum())
 
-
-from .sequence import Sequence as _Sequence, SequenceState as _SequenceState  # noqa: E402  (sequence.py needs no import of this module)

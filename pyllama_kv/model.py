@@ -1,17 +1,22 @@
-"""A loaded GGUF model: vocabulary, sizes, tokenization, and the factory for contexts."""
+"""A loaded GGUF model: vocabulary, sizes, tokenization, and the factory for contexts.
+
+Package interface (used by context.py and sampling.py, not public): ``Model._native`` (the
+:class:`~pyllama_kv._native.kv.NativeModel`, None once closed), ``Model._lib`` (the loaded library),
+``Model._lock`` (taken after a context's lock, never before), ``Model._contexts`` (the open contexts,
+closed first by :meth:`Model.close`) and ``Model._check_open()``.
+"""
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable, Sequence as _Seq
 from pathlib import Path
-from typing import Iterable, Sequence as _Seq
 
 import numpy as np
 
-from ._native import ffi as _ffi
+from ._native import kv as _kv
 from .errors import InvalidInputError, LlamaError, ModelLoadError
 
-ffi = _ffi.ffi
 INT32_MAX = 2**31 - 1
 # what the vocabulary functions return when llama.cpp threw an exception (patch 0005)
 C_EXCEPTION = -(2**31)
@@ -27,7 +32,7 @@ def _validate_gguf(path: Path) -> None:
     validate_gguf(path)
 
 
-class Model(_ffi.CResource):
+class Model(_kv.CResource):
     """A GGUF model loaded into llama.cpp.
 
     >>> model = Model("tiny.gguf")            # ModelLoadError on a missing/corrupt/unsupported file
@@ -47,47 +52,42 @@ class Model(_ffi.CResource):
         self.path = Path(path)
         if "\0" in str(self.path):
             raise ModelLoadError("the model path contains a NUL byte")
+        for name, v in (("validate", validate), ("use_mmap", use_mmap)):
+            if not isinstance(v, bool):
+                raise InvalidInputError(f"{name} must be a bool, got {type(v).__name__}")
         if validate:
             _validate_gguf(self.path)
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
-        self._lib = _ffi.load(lib)
-        L = self._lib.lib
-        params = L.llama_model_default_params()
-        params.n_gpu_layers = 2**31 - 1 if n_gpu_layers == -1 else n_gpu_layers
-        params.use_mmap = bool(use_mmap)
-        with self._lib.lock:
-            self._lib.clear_errors()
-            ptr = L.llama_model_load_from_file(os.fsencode(self.path), params)
-            err = self._lib.last_error()
-        if ptr == ffi.NULL:
+        self._lib = _kv.load_library(lib)
+        native, err = _kv.NativeModel.load(self._lib, os.fsencode(self.path),
+                                           2**31 - 1 if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap))
+        if native is None:
             raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
-        self._ptr = ptr
+        self._native: _kv.NativeModel | None = native
         self._lock = threading.RLock()
         # the identity a saved sequence state is checked against (the file as loaded now)
         from . import state as _state
 
         _state.model_fingerprint(self)
         self._contexts: set = set()
-        self._vocab = L.llama_model_get_vocab(ptr)
-        self.n_vocab: int = L.llama_vocab_n_tokens(self._vocab)
-        self.n_layer: int = L.llama_model_n_layer(ptr)
-        self.n_ctx_train: int = L.llama_model_n_ctx_train(ptr) & 0xFFFFFFFF   # a uint32 in the file
-        self.n_embd: int = L.llama_model_n_embd(ptr)
-        self.n_head: int = L.llama_model_n_head(ptr)
-        self.n_head_kv: int = L.llama_model_n_head_kv(ptr)
+        info = native.info()
+        self.n_vocab: int = info.n_vocab
+        self.n_layer: int = info.n_layer
+        self.n_ctx_train: int = info.n_ctx_train   # a uint32 in the file
+        self.n_embd: int = info.n_embd
+        self.n_head: int = info.n_head
+        self.n_head_kv: int = info.n_head_kv
         self.head_dim_k: int = self._head_dim("key_length")    # K and V head sizes (a quantized
         self.head_dim_v: int = self._head_dim("value_length")  # cache needs whole blocks)
-        self.bos: int = L.llama_vocab_bos(self._vocab)
-        self.eos: int = L.llama_vocab_eos(self._vocab)
-        self.add_bos: bool = bool(L.llama_vocab_get_add_bos(self._vocab))
-        self.rope_type: int = int(L.llama_model_rope_type(ptr))
-        self.has_encoder: bool = bool(L.llama_model_has_encoder(ptr))
-        buf = ffi.new("char[256]")
-        L.llama_model_desc(ptr, buf, 256)
-        self.desc: str = ffi.string(buf).decode("utf-8", "replace")
-        self.size: int = int(L.llama_model_size(ptr))
-        self.n_params: int = int(L.llama_model_n_params(ptr))
+        self.bos: int = info.bos
+        self.eos: int = info.eos
+        self.add_bos: bool = info.add_bos
+        self.rope_type: int = info.rope_type
+        self.has_encoder: bool = info.has_encoder
+        self.desc: str = info.desc
+        self.size: int = info.size
+        self.n_params: int = info.n_params
         self.n_gpu_layers = n_gpu_layers
 
     def _head_dim(self, key: str) -> int:
@@ -102,7 +102,13 @@ class Model(_ffi.CResource):
 
     @property
     def closed(self) -> bool:
-        return self._ptr is None
+        return self._native is None
+
+    @property
+    def _ptr(self):
+        """The raw ``llama_model *`` (None once closed): for tests and scripts that call C directly."""
+        n = self._native
+        return None if n is None else n.ptr
 
     @property
     def library(self) -> dict:
@@ -113,16 +119,17 @@ class Model(_ffi.CResource):
         """Free the model. Open contexts are closed first (each under its own lock, so a context
         that is decoding finishes first; from a context's abort callback this raises
         InvalidInputError and the model stays open)."""
-        if getattr(self, "_ptr", None) is None:
+        if getattr(self, "_native", None) is None:
             return
         while True:
             with self._lock:
-                if self._ptr is None:
+                native = self._native
+                if native is None:
                     return
                 ctxs = list(self._contexts)
                 if not ctxs:
-                    self._lib.lib.llama_model_free(self._ptr)
-                    self._ptr = None
+                    self._native = None
+                    native.free()
                     return
             for c in ctxs:   # outside the model lock: a context's lock is always taken first
                 c.close()
@@ -132,7 +139,7 @@ class Model(_ffi.CResource):
         return f"<pyllama_kv.Model {self.path.name}: {state}>"
 
     def _check_open(self) -> None:
-        if self._ptr is None:
+        if self._native is None:
             raise InvalidInputError("the model is closed")
 
     # -- vocabulary -----------------------------------------------------------------------------
@@ -140,6 +147,8 @@ class Model(_ffi.CResource):
     def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         """Token ids of ``text`` (str, or UTF-8 bytes); ``add_bos`` adds the BOS token if the model
         uses one. Text the vocabulary cannot represent raises InvalidInputError."""
+        if not isinstance(add_bos, bool) or not isinstance(special, bool):
+            raise InvalidInputError("add_bos and special must be bools")
         if isinstance(text, str):
             data = text.encode("utf-8", "surrogatepass")
         elif isinstance(text, (bytes, bytearray, memoryview)):
@@ -151,15 +160,15 @@ class Model(_ffi.CResource):
         n_max = len(data) + 8
         with self._lock:
             self._check_open()
-            L = self._lib.lib
+            native = self._native
+            assert native is not None
             for _ in range(2):
-                buf = ffi.new("llama_token[]", n_max)
-                self._lib.clear_errors()
-                n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, bool(add_bos), bool(special))
+                n, toks = native.tokenize(data, n_max, bool(add_bos), bool(special))
                 if n >= 0:
-                    return list(ffi.unpack(buf, n))
+                    return toks
                 if n == C_EXCEPTION:
-                    raise InvalidInputError(f"the vocabulary cannot tokenize this text: {self._lib.last_error() or 'llama.cpp failed'}")
+                    why = self._lib.last_error() or "llama.cpp failed"
+                    raise InvalidInputError(f"the vocabulary cannot tokenize this text: {why}")
                 n_max = -n
         raise LlamaError("llama_tokenize failed")  # pragma: no cover
 
@@ -195,14 +204,14 @@ class Model(_ffi.CResource):
         t = self._token_id(token)
         with self._lock:
             self._check_open()
-            buf = ffi.new("char[64]")
-            n = self._lib.lib.llama_token_to_piece(self._vocab, t, buf, 64, 0, bool(special))
+            native = self._native
+            assert native is not None
+            n, piece = native.token_to_piece(t, 64, bool(special))
             if n < 0 and n != C_EXCEPTION:
-                buf = ffi.new("char[]", -n)
-                n = self._lib.lib.llama_token_to_piece(self._vocab, t, buf, -n, 0, bool(special))
+                n, piece = native.token_to_piece(t, -n, bool(special))
             if n < 0:
                 raise LlamaError(f"llama_token_to_piece failed for token {t}: {self._lib.last_error()}")
-            return ffi.unpack(buf, n)
+            return piece
 
     def detokenize(self, tokens: _Seq[int], special: bool = False) -> str:
         """Text of ``tokens`` (invalid UTF-8 is replaced). Ids are validated first."""
@@ -212,15 +221,15 @@ class Model(_ffi.CResource):
         if arr.size > INT32_MAX // 64:
             raise InvalidInputError(f"{arr.size} tokens are too many to detokenize at once")
         arr = np.ascontiguousarray(arr)
-        cbuf = ffi.from_buffer("llama_token[]", arr)
         n_max = max(64, arr.size * 16)
         with self._lock:
             self._check_open()
+            native = self._native
+            assert native is not None
             for _ in range(2):
-                out = ffi.new("char[]", n_max)
-                n = self._lib.lib.llama_detokenize(self._vocab, cbuf, arr.size, out, n_max, not special, bool(special))
+                n, out = native.detokenize(arr, n_max, not special, bool(special))
                 if n >= 0:
-                    return ffi.unpack(out, n).decode("utf-8", "replace")
+                    return out.decode("utf-8", "replace")
                 if n == C_EXCEPTION:
                     break
                 n_max = -n
@@ -231,7 +240,8 @@ class Model(_ffi.CResource):
         t = self._token_id(token)
         with self._lock:
             self._check_open()
-            return bool(self._lib.lib.llama_vocab_is_eog(self._vocab, t))
+            assert self._native is not None
+            return self._native.is_eog(t)
 
     def meta(self, key: str) -> str | None:
         """A metadata value of the GGUF file as a string (None if absent; arrays are abridged by
@@ -244,15 +254,16 @@ class Model(_ffi.CResource):
         size = 4096
         with self._lock:
             self._check_open()
+            native = self._native
+            assert native is not None
             for _ in range(2):
-                buf = ffi.new("char[]", size)
-                n = self._lib.lib.llama_model_meta_val_str(self._ptr, k, buf, size)
+                n, val = native.meta(k, size)
                 if n < 0:
                     return None
                 if n < size:
-                    return ffi.unpack(buf, n).decode("utf-8", "replace")
+                    return val.decode("utf-8", "replace")
                 size = n + 1
-        return ffi.string(buf).decode("utf-8", "replace")  # pragma: no cover
+        return val.decode("utf-8", "replace")  # pragma: no cover
 
     # -- contexts -------------------------------------------------------------------------------
 

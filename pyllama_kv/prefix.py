@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .context import Context
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
+from .sequence import Sequence
 
 
 @dataclass
@@ -36,16 +38,18 @@ class PrefixCache:
     them up. Thread-safe through the context's lock.
     """
 
-    def __init__(self, ctx, max_sequences: int = 4):
-        from .context import Context
-
+    def __init__(self, ctx, max_sequences: int | None = None):
         if not isinstance(ctx, Context):
             raise InvalidInputError(f"PrefixCache needs a pyllama_kv.Context, got {type(ctx).__name__}")
-        if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 0:
-            raise InvalidInputError("max_sequences must be an integer >= 0")
+        ctx._check_open()
+        if max_sequences is None:
+            max_sequences = min(4, ctx.n_seq_max)
+        if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) \
+                or not 0 <= max_sequences <= ctx.n_seq_max:
+            raise InvalidInputError(f"max_sequences must be an integer in [0, n_seq_max={ctx.n_seq_max}]")
         self.ctx = ctx
         self.max_sequences = max_sequences
-        self._idle: "OrderedDict[int, object]" = OrderedDict()  # seq id -> Sequence, LRU first
+        self._idle: OrderedDict[int, Sequence] = OrderedDict()  # seq id -> Sequence, LRU first
         self.stats = PrefixCacheStats()
         self.last_reused = 0
 
@@ -201,7 +205,7 @@ class PrefixCache:
                     pass  # no free id: the prompt simply is not cached
             return seq
 
-    def release(self, seq, keep: bool = True) -> None:
+    def release(self, seq: Sequence, keep: bool = True) -> None:
         """Give a finished sequence back: cached for later prefixes (``keep``) or closed."""
         with self.ctx._critical():
             self.ctx._own(seq)

@@ -8,6 +8,9 @@ the position of a shared cell for *every* sequence in it, so when a removal woul
 cells, this sequence drops its claim on the tail and re-evaluates it into cells of its own
 (copy-on-write). Cost: the tokens after the removed range are decoded again; the sibling pays
 nothing. Removals whose tail is private use llama.cpp's K-shift (no decode at all).
+
+A sequence reaches its context only through the context's package interface (see the docstring of
+pyllama_kv.context); it makes no C call itself.
 """
 from __future__ import annotations
 
@@ -15,11 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._native import ffi as _ffi
 from . import state as _state
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
-
-ffi = _ffi.ffi
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Sequence:
     def __repr__(self) -> str:
         return f"<pyllama_kv.Sequence id={self.id} len={len(self._tokens)}{' closed' if self._closed else ''}>"
 
-    def __enter__(self) -> "Sequence":
+    def __enter__(self) -> Sequence:
         return self
 
     def __copy__(self):
@@ -130,7 +130,7 @@ class Sequence:
 
     # -- prefix copies --------------------------------------------------------------------------
 
-    def fork(self, n: int | None = None) -> "Sequence":
+    def fork(self, n: int | None = None) -> Sequence:
         """A new sequence sharing this one's first ``n`` positions (default: all). No recompute:
         the cells are shared, not copied. LlamaError when no sequence id is free."""
         ctx = self._ctx
@@ -139,7 +139,7 @@ class Sequence:
             n = len(self._tokens) if n is None else _index("n", n, 0, len(self._tokens))
             child = ctx.new_sequence()
             if n > 0:
-                ctx._L.llama_kv_self_seq_cp(ctx._ptr, self.id, child.id, 0, n)
+                ctx._seq_copy(self.id, child.id, 0, n)
             child._tokens = self._tokens[:n]
             if n == len(self._tokens) and self._logits is not None:
                 child._logits = self._logits.copy()
@@ -155,10 +155,10 @@ class Sequence:
             n = _index("n", n, 0, len(self._tokens))
             if n == len(self._tokens):
                 return
-            ctx._L.llama_kv_self_seq_rm(ctx._ptr, self.id, n, -1)
+            ctx._seq_remove(self.id, n, -1)
             del self._tokens[n:]
             self._logits = None
-            ctx._last_out.pop(self.id, None)   # a sampler must not use the logits of the longer sequence
+            ctx._forget_logits(self.id)   # a sampler must not use the logits of the longer sequence
 
     def remove(self, start: int, end: int, recompute: bool = False) -> None:
         """Drop positions [start, end) and shift the later ones down by ``end - start``.
@@ -187,13 +187,11 @@ class Sequence:
             if not shift_ok:
                 self._rebuild_tail(start, tail)
                 return
-            L = ctx._L
-            L.llama_kv_self_seq_rm(ctx._ptr, self.id, start, end)
-            L.llama_kv_self_seq_add(ctx._ptr, self.id, end, -1, -(end - start))
-            ctx._shift_pending = True
+            ctx._seq_remove(self.id, start, end)
+            ctx._seq_shift(self.id, end, -1, -(end - start))
             del self._tokens[start:end]
             self._logits = None
-            ctx._last_out.pop(self.id, None)
+            ctx._forget_logits(self.id)
 
     def shift_out(self, n_keep: int, n_discard: int) -> None:
         """Context shift for generation loops: keep the first ``n_keep`` positions, drop the next
@@ -202,7 +200,8 @@ class Sequence:
         with ctx._critical():
             self._check()
             if not ctx.can_shift:
-                raise LlamaError("this model/context cannot shift its KV cache (no RoPE, or a cache type without K-shift)")
+                raise LlamaError(
+                    "this model/context cannot shift its KV cache (no RoPE, or a cache type without K-shift)")
             n = len(self._tokens)
             n_keep = _index("n_keep", n_keep, 0, n)
             n_discard = _index("n_discard", n_discard, 0, n - n_keep)
@@ -220,7 +219,6 @@ class Sequence:
         (KVCacheFullError, nothing changed).
         """
         ctx = self._ctx
-        L = ctx._L
         sid = self.id
         if tail.size == 0:
             self.truncate(start)
@@ -228,20 +226,20 @@ class Sequence:
         free = ctx._free_cells()
         if free >= tail.size:
             tmp = ctx._spare_id
-            L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
+            ctx._seq_remove(tmp, -1, -1)
             try:
                 if start > 0:
-                    L.llama_kv_self_seq_cp(ctx._ptr, sid, tmp, 0, start)
+                    ctx._seq_copy(sid, tmp, 0, start)
                 (logits,) = ctx._raw_decode([(tmp, tail, start)])
             except BaseException:
-                L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
-                ctx._last_out.pop(tmp, None)
+                ctx._seq_remove(tmp, -1, -1)
+                ctx._forget_logits(tmp)
                 raise
             # swap: our cells become the spare sequence's
-            L.llama_kv_self_seq_rm(ctx._ptr, sid, -1, -1)
-            L.llama_kv_self_seq_cp(ctx._ptr, tmp, sid, -1, -1)
-            L.llama_kv_self_seq_rm(ctx._ptr, tmp, -1, -1)
-            ctx._last_out[sid] = ctx._last_out.pop(tmp, (0, 0))
+            ctx._seq_remove(sid, -1, -1)
+            ctx._seq_copy(tmp, sid, -1, -1)
+            ctx._seq_remove(tmp, -1, -1)
+            ctx._move_logits(tmp, sid)
         else:
             exclusive = ctx._exclusive_cells(sid, start)
             if not ctx.patched or free + exclusive < tail.size:
@@ -251,15 +249,13 @@ class Sequence:
                     f"re-evaluating {tail.size} tokens of sequence {sid} needs {tail.size} free cells; {free} are "
                     f"free{why}")
             old = np.asarray(self._tokens[start:], dtype=np.int32)
-            L.llama_kv_self_seq_rm(ctx._ptr, sid, start, -1)
-            ctx._no_abort = True
-            try:
-                (logits,) = ctx._raw_decode([(sid, tail, start)])
-            except LlamaError:
-                self._restore_tail(start, old)
-                raise
-            finally:
-                ctx._no_abort = False
+            ctx._seq_remove(sid, start, -1)
+            with ctx._uninterruptible():
+                try:
+                    (logits,) = ctx._raw_decode([(sid, tail, start)])
+                except LlamaError:
+                    self._restore_tail(start, old)
+                    raise
         del self._tokens[start:]
         self._tokens.extend(int(t) for t in tail)
         self._logits = logits
@@ -268,22 +264,20 @@ class Sequence:
         """Best effort after an in-place re-evaluation failed for a reason no check foresees (a
         compute error): decode the old tail again, else truncate and say so."""
         ctx = self._ctx
-        ctx._no_abort = True
-        try:
-            if old.size:
-                ctx._raw_decode([(self.id, old, start)])
-        except LlamaError as exc:
-            del self._tokens[start:]
-            self._logits = None
-            ctx._last_out.pop(self.id, None)
-            raise LlamaError(f"sequence {self.id} could not be restored after a failed re-evaluation and was "
-                             f"truncated to {start} tokens: {exc}") from exc
-        finally:
-            ctx._no_abort = False
+        with ctx._uninterruptible():
+            try:
+                if old.size:
+                    ctx._raw_decode([(self.id, old, start)])
+            except LlamaError as exc:
+                del self._tokens[start:]
+                self._logits = None
+                ctx._forget_logits(self.id)
+                raise LlamaError(f"sequence {self.id} could not be restored after a failed re-evaluation and was "
+                                 f"truncated to {start} tokens: {exc}") from exc
 
     # -- saving and restoring -------------------------------------------------------------------
 
-    def export_state(self) -> "SequenceState":
+    def export_state(self) -> SequenceState:
         """A copy of this sequence's cells (K/V data and positions) and tokens, to restore later into
         this context or another context of the same model and cache types with :meth:`Context.import_sequence`.
 

@@ -34,14 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._native import ffi as _ffi
+from ._native.kv import GGML_TYPES
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
 
-ffi = _ffi.ffi
-_alloc = ffi.new_allocator(should_clear_after_alloc=False)
-
 _DIGEST_TAG = b"pyllama-kv sequence state v1\0"
-_TYPE_NAMES = {v: k for k, v in _ffi.GGML_TYPES.items()}
+_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 
 
 def _tname(t: int) -> str:
@@ -138,7 +135,7 @@ def parse(data: bytes, max_cells: int, expect: Layout | None = None) -> ParsedSt
     if expect is not None and n_layer != len(expect.layers):
         raise InvalidInputError(f"the state has {n_layer} layers, this context's model has {len(expect.layers)}")
 
-    def check(il: int, what: str, got: int, want: int, name=str) -> None:
+    def check(il: int, what: str, got: int, want: int | None, name=str) -> None:
         if expect is not None and got != want:
             raise InvalidInputError(f"layer {il}: the state's {what} is {name(got)}, this context's is {name(want)}")
 
@@ -210,15 +207,7 @@ def apply_pending_kv_updates(ctx) -> None:
 
 
 def _read_c_state(ctx, seq_id: int) -> bytes:
-    L = ctx._L
-    n = int(L.llama_state_seq_get_size(ctx._ptr, seq_id))
-    if n == 0:
-        raise LlamaError(f"llama.cpp could not size the state of sequence {seq_id}")
-    buf = _alloc("uint8_t[]", n)
-    got = int(L.llama_state_seq_get_data(ctx._ptr, buf, n, seq_id))
-    if got != n:
-        raise LlamaError(f"llama.cpp wrote {got} bytes of the state of sequence {seq_id}, expected {n}")
-    return ffi.buffer(buf, n)[:]
+    return ctx._read_seq_state(seq_id)
 
 
 def context_layout(ctx, empty_seq_id: int) -> Layout:
@@ -229,7 +218,7 @@ def context_layout(ctx, empty_seq_id: int) -> Layout:
     except InvalidInputError as exc:
         raise LlamaError(f"llama.cpp's empty sequence state is not in the expected format: {exc}") from None
     ly = p.layout
-    want_k, want_v = _ffi.GGML_TYPES[ctx.type_k], _ffi.GGML_TYPES[ctx.type_v]
+    want_k, want_v = GGML_TYPES[ctx.type_k], GGML_TYPES[ctx.type_v]
     if any(x.k_type != want_k or x.v_type != want_v for x in ly.layers):
         raise LlamaError("llama.cpp's state headers disagree with the context's cache types")
     return ly
@@ -238,7 +227,7 @@ def context_layout(ctx, empty_seq_id: int) -> Layout:
 # -- model fingerprint --------------------------------------------------------------------------
 
 _SAMPLE = 1024  # bytes hashed at the start, middle and end of each tensor's data
-_fingerprints: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _fp_lock = threading.Lock()
 
 # GGUF value types -> struct format (8: string, 9: array)
@@ -439,9 +428,9 @@ def import_into(ctx, seq, state) -> None:
     if st.largest_free_block < p.cell_count:
         raise KVCacheFullError(f"could not restore {p.cell_count} cells: they need one contiguous block, the "
                                f"largest free block is {st.largest_free_block} of {st.free_cells} free cells")
-    got = int(ctx._L.llama_state_seq_set_data(ctx._ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq.id))
+    got = ctx._write_seq_state(data, seq.id)
     if got != len(data):
-        ctx._L.llama_kv_self_seq_rm(ctx._ptr, seq.id, -1, -1)
+        ctx._seq_remove(seq.id, -1, -1)
         if got == 0:
             raise KVCacheFullError(f"llama.cpp found no slot for {p.cell_count} cells")
         raise LlamaError(f"llama.cpp read {got} of the {len(data)} bytes of a checked state")

@@ -589,3 +589,44 @@ def test_ctrl_c_for_an_application_handler_never_fails_a_decode(tiny_model):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["fails"] == 0 and out["ok"] == 20 and out["handled"] == 20, out
+
+
+def test_more_arguments_are_invalid_input(m2, tiny_model):
+    with m2.context(n_ctx=64, n_seq_max=2) as ctx:
+        smp = pk.Sampler(ctx, temp=0.5)
+        for bad in ("abc", [1j] * m2.n_vocab, ["1"] * m2.n_vocab, np.zeros(3)):
+            with pytest.raises(pk.InvalidInputError):
+                smp.sample_logits(bad)
+        for n in (-1, 2**70, 3):
+            with pytest.raises(pk.InvalidInputError):
+                pk.PrefixCache(ctx, max_sequences=n)
+        smp.close()
+    with pytest.raises(pk.InvalidInputError):
+        pk.PrefixCache(ctx)                       # closed
+    for kw in (dict(validate="no"), dict(use_mmap=1)):
+        with pytest.raises(pk.InvalidInputError):
+            pk.Model(tiny_model, **kw)
+    with pytest.raises(pk.InvalidInputError):
+        m2.tokenize("x", add_bos="x")
+
+
+LOG_HANDLER_CLOSES = """
+import logging, sys, pyllama_kv as pk
+m = pk.Model(sys.argv[1])
+c = m.context(n_ctx=64, n_seq_max=4)
+class H(logging.Handler):
+    def emit(self, rec):
+        try:
+            c.close()
+        except pk.InvalidInputError:
+            pass
+lg = logging.getLogger("pyllama_kv.llama"); lg.setLevel(logging.DEBUG); lg.addHandler(H())
+s = c.new_sequence(); s.extend(list(range(1, 40)))
+c.defrag()
+print("alive", c.closed)
+"""
+
+
+def test_a_log_handler_cannot_close_the_context_under_a_call(tiny_model):
+    r = run_py(["-c", LOG_HANDLER_CLOSES, str(tiny_model)])
+    assert r.returncode == 0 and r.stdout.startswith("alive"), (r.returncode, r.stderr[-2000:])

@@ -362,6 +362,6 @@ def test_export_refuses_a_cache_that_breaks_the_sequence_invariant(model):
     with f32ctx(model) as ctx:
         a = ctx.new_sequence()
         a.extend(toks(10))
-        ctx._L.llama_kv_self_seq_rm(ctx._ptr, a.id, 3, 4)  # behind the API's back: position 3 gone
+        ctx._seq_remove(a.id, 3, 4)  # behind the API's back (package interface): position 3 gone
         with pytest.raises(pk.LlamaError, match="positions"):
             a.export_state()

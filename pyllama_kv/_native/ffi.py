@@ -24,8 +24,8 @@ from pathlib import Path
 
 import cffi
 
-from .locate import _one_line, resolve
 from ..errors import InvalidInputError, LibraryError
+from .locate import _one_line, resolve
 
 DECL_DIR = Path(__file__).resolve().parent / "decl"
 

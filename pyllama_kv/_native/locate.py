@@ -57,7 +57,7 @@ def find_builds(root: Path | None = None, registry: bool = True) -> list[dict]:
             key = str(lib.resolve())
         except (OSError, ValueError, TypeError, KeyError, RuntimeError):
             continue
-        if key not in seen:
+        if m is not None and key not in seen:
             seen.add(key)
             out.append(m)
     return out
@@ -97,7 +97,8 @@ def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
         cands.sort(key=lambda b: (b.get("backend") != "cpu", b.get("backend", "")))
         if not cands:
             raise LibraryError(
-                f"no {name} build of libllama found under {_paths.build_root()} or in {registry_dir()}: run `make setup` "
+                f"no {name} build of libllama found under {_paths.build_root()} or in {registry_dir()}: "
+                "run `make setup` "
                 f"(or `pyllama-kv build{' --vanilla' if name == 'vanilla' else ''}`), or set PYLLAMA_KV_LIB"
             )
         b = cands[0]

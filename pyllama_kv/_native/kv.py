@@ -1,0 +1,359 @@
+"""The one thin layer that calls llama.cpp: every ``llama_*`` function the API uses, one method each.
+
+The classes here own the C pointers (a model, a context, a sampler chain, the batch arrays) and
+convert between cffi and Python/numpy. They validate nothing and decide nothing: the API modules
+(model.py, context.py, sequence.py, sampling.py, state.py) check every argument before calling in,
+and map return codes to exceptions. Nothing outside ``_native`` touches ``ffi`` or a ``llama_*``
+function.
+
+``NativeContext.L`` is the cffi library its calls go through; a benchmark may replace it with a
+wrapper that times ``llama_decode`` (scripts/bench_binding.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from .ffi import GGML_TYPES, QUANTIZED_TYPES, CResource, Library, _callback_error, ffi, library_info, load
+
+__all__ = ["GGML_TYPES", "QUANTIZED_TYPES", "CResource", "Library", "library_info", "load_library",
+           "ModelInfo", "NativeModel", "NativeBatch", "NativeContext", "NativeSampler"]
+
+_alloc = ffi.new_allocator(should_clear_after_alloc=False)
+
+
+def load_library(lib=None) -> Library:
+    """The loaded libllama for ``lib`` (a path, "patched", "vanilla" or None: see ffi.load)."""
+    return load(lib)
+
+
+class ModelInfo(NamedTuple):
+    """The sizes and vocabulary constants of a loaded model, as llama.cpp reports them."""
+
+    n_vocab: int
+    n_layer: int
+    n_ctx_train: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    bos: int
+    eos: int
+    add_bos: bool
+    rope_type: int
+    has_encoder: bool
+    desc: str
+    size: int
+    n_params: int
+
+
+class NativeModel:
+    """A ``llama_model *`` and its vocabulary pointer."""
+
+    __slots__ = ("lib", "L", "ptr", "vocab")
+
+    def __init__(self, lib: Library, ptr: Any):
+        self.lib = lib
+        self.L = lib.lib
+        self.ptr = ptr
+        self.vocab = self.L.llama_model_get_vocab(ptr)
+
+    @classmethod
+    def load(cls, lib: Library, path: bytes, n_gpu_layers: int, use_mmap: bool) -> tuple[NativeModel | None, str]:
+        """llama_model_load_from_file: (the model, "") or (None, llama.cpp's last error line)."""
+        L = lib.lib
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_mmap = bool(use_mmap)
+        with lib.lock:
+            lib.clear_errors()
+            ptr = L.llama_model_load_from_file(path, params)
+            err = lib.last_error()
+        if ptr == ffi.NULL:
+            return None, err
+        return cls(lib, ptr), ""
+
+    def free(self) -> None:
+        """llama_model_free."""
+        self.L.llama_model_free(self.ptr)
+        self.ptr = None
+
+    def info(self) -> ModelInfo:
+        """The llama_model_* size getters and llama_vocab_* constants, in one record."""
+        L, p, v = self.L, self.ptr, self.vocab
+        buf = ffi.new("char[256]")
+        L.llama_model_desc(p, buf, 256)
+        return ModelInfo(
+            n_vocab=int(L.llama_vocab_n_tokens(v)), n_layer=int(L.llama_model_n_layer(p)),
+            n_ctx_train=int(L.llama_model_n_ctx_train(p)) & 0xFFFFFFFF,   # a uint32 in the file
+            n_embd=int(L.llama_model_n_embd(p)), n_head=int(L.llama_model_n_head(p)),
+            n_head_kv=int(L.llama_model_n_head_kv(p)), bos=int(L.llama_vocab_bos(v)), eos=int(L.llama_vocab_eos(v)),
+            add_bos=bool(L.llama_vocab_get_add_bos(v)), rope_type=int(L.llama_model_rope_type(p)),
+            has_encoder=bool(L.llama_model_has_encoder(p)), desc=ffi.string(buf).decode("utf-8", "replace"),
+            size=int(L.llama_model_size(p)), n_params=int(L.llama_model_n_params(p)))
+
+    def tokenize(self, data: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int]]:
+        """llama_tokenize into a buffer of n_max: (n, tokens); n < 0 when -n tokens are needed."""
+        buf = ffi.new("llama_token[]", n_max)
+        self.lib.clear_errors()
+        n = self.L.llama_tokenize(self.vocab, data, len(data), buf, n_max, bool(add_bos), bool(special))
+        return n, (list(ffi.unpack(buf, n)) if n >= 0 else [])
+
+    def token_to_piece(self, token: int, cap: int, special: bool) -> tuple[int, bytes]:
+        """llama_token_to_piece into a buffer of cap bytes: (n, bytes); n < 0 when -n bytes are needed."""
+        buf = ffi.new("char[]", cap)
+        n = self.L.llama_token_to_piece(self.vocab, token, buf, cap, 0, bool(special))
+        return n, (ffi.unpack(buf, n) if n >= 0 else b"")
+
+    def detokenize(self, tokens: np.ndarray, n_max: int, remove_special: bool,
+                   unparse_special: bool) -> tuple[int, bytes]:
+        """llama_detokenize of a contiguous int32 array: (n, bytes); n < 0 when -n bytes are needed."""
+        cbuf = ffi.from_buffer("llama_token[]", tokens)
+        out = ffi.new("char[]", n_max)
+        n = self.L.llama_detokenize(self.vocab, cbuf, tokens.size, out, n_max, bool(remove_special),
+                                    bool(unparse_special))
+        return n, (ffi.unpack(out, n) if n >= 0 else b"")
+
+    def is_eog(self, token: int) -> bool:
+        """llama_vocab_is_eog."""
+        return bool(self.L.llama_vocab_is_eog(self.vocab, token))
+
+    def meta(self, key: bytes, size: int) -> tuple[int, bytes]:
+        """llama_model_meta_val_str into size bytes: (n, the value, cut to size - 1 bytes); n < 0: absent."""
+        buf = ffi.new("char[]", size)
+        n = self.L.llama_model_meta_val_str(self.ptr, key, buf, size)
+        return n, (ffi.unpack(buf, min(n, size - 1)) if n >= 0 else b"")
+
+
+class NativeBatch:
+    """Reusable llama_batch arrays of capacity ``cap``, filled through the numpy views ``np_token``,
+    ``np_pos``, ``np_sid`` and ``np_out`` (one sequence id per token: ``n_seq_id`` is all 1)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.token = ffi.new("llama_token[]", cap)
+        self.pos = ffi.new("llama_pos[]", cap)
+        self.n_seq_id = ffi.new("int32_t[]", cap)
+        self.sid = ffi.new("llama_seq_id[]", cap)
+        self.sidp = ffi.new("llama_seq_id *[]", cap)
+        self.out = ffi.new("int8_t[]", cap)
+        self.np_token = np.frombuffer(ffi.buffer(self.token), dtype=np.int32)
+        self.np_pos = np.frombuffer(ffi.buffer(self.pos), dtype=np.int32)
+        self.np_sid = np.frombuffer(ffi.buffer(self.sid), dtype=np.int32)
+        self.np_out = np.frombuffer(ffi.buffer(self.out), dtype=np.int8)
+        np.frombuffer(ffi.buffer(self.n_seq_id), dtype=np.int32)[:] = 1
+        base = int(ffi.cast("uintptr_t", self.sid))
+        np.frombuffer(ffi.buffer(self.sidp), dtype=np.uintp)[:] = base + 4 * np.arange(cap, dtype=np.uintp)
+        self.batch = ffi.new("llama_batch *")
+        self.batch.token = self.token
+        self.batch.embd = ffi.NULL
+        self.batch.pos = self.pos
+        self.batch.n_seq_id = self.n_seq_id
+        self.batch.seq_id = self.sidp
+        self.batch.logits = self.out
+
+
+class NativeContext:
+    """A ``llama_context *`` with its KV cache view (for ``view_seq_max`` sequence ids)."""
+
+    def __init__(self, lib: Library, ptr: Any, view_seq_max: int):
+        self.lib = lib
+        self.L = lib.lib
+        self.ptr = ptr
+        self._view = ffi.new("struct llama_kv_cache_view *", self.L.llama_kv_cache_view_init(ptr, view_seq_max))
+        self._abort_cb: Any = None
+
+    @classmethod
+    def create(cls, lib: Library, model: NativeModel, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
+               flash_attn: bool, type_k: int, type_v: int, n_threads: int,
+               defrag_thold: float | None) -> tuple[NativeContext | None, str]:
+        """llama_init_from_model: (the context, "") or (None, llama.cpp's last error line)."""
+        L = lib.lib
+        p = L.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = n_ubatch
+        p.n_seq_max = n_seq_max
+        p.flash_attn = bool(flash_attn)
+        p.type_k = type_k
+        p.type_v = type_v
+        p.no_perf = True
+        p.n_threads = n_threads
+        p.n_threads_batch = n_threads
+        if defrag_thold is not None:
+            p.defrag_thold = float(defrag_thold)
+        with lib.lock:
+            lib.clear_errors()
+            ptr = L.llama_init_from_model(model.ptr, p)
+            err = lib.last_error()
+        if ptr == ffi.NULL:
+            return None, err
+        return cls(lib, ptr, n_seq_max), ""
+
+    def free(self) -> None:
+        """llama_kv_cache_view_free and llama_free."""
+        self.L.llama_kv_cache_view_free(self._view)
+        self.L.llama_free(self.ptr)
+        self.ptr = None
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(llama_n_ctx, llama_n_batch, llama_n_ubatch)."""
+        L, p = self.L, self.ptr
+        return int(L.llama_n_ctx(p)), int(L.llama_n_batch(p)), int(L.llama_n_ubatch(p))
+
+    def can_shift(self) -> bool:
+        """llama_kv_self_can_shift."""
+        return bool(self.L.llama_kv_self_can_shift(self.ptr))
+
+    # -- decoding
+
+    def decode(self, batch: NativeBatch, n_tokens: int) -> int:
+        """llama_decode of the first n_tokens entries of ``batch``: its return code."""
+        b = batch.batch
+        b.n_tokens = n_tokens
+        return self.L.llama_decode(self.ptr, b[0])
+
+    def logits(self, n_rows: int, n_vocab: int) -> np.ndarray:
+        """A copy of the first n_rows output rows of llama_get_logits, float32 (n_rows, n_vocab)."""
+        ptr = self.L.llama_get_logits(self.ptr)
+        rows = np.frombuffer(ffi.buffer(ptr, n_rows * n_vocab * 4), dtype=np.float32)
+        return rows.reshape(n_rows, n_vocab).copy()
+
+    def set_abort_poll(self, poll: Callable[[Any], bool]) -> None:
+        """Make ``poll(user_data)`` (never raising) the abort callback that enable_abort installs; a
+        Ctrl-C that lands before poll's own handler runs is handed back to the main thread."""
+        self._abort_cb = ffi.callback("bool(void *)", poll, onerror=_callback_error)
+
+    def enable_abort(self, on: bool) -> None:
+        """llama_set_abort_callback: the poll of set_abort_poll when ``on``, else none."""
+        if on:
+            self.L.llama_set_abort_callback(self.ptr, self._abort_cb, ffi.NULL)
+        else:
+            self.L.llama_set_abort_callback(self.ptr, ffi.NULL, ffi.NULL)
+
+    # -- the KV cache
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """llama_kv_self_seq_rm: drop the cells of seq_id with position in [p0, p1) (-1: open end)."""
+        return bool(self.L.llama_kv_self_seq_rm(self.ptr, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """llama_kv_self_seq_cp: dst also holds src's cells with position in [p0, p1)."""
+        self.L.llama_kv_self_seq_cp(self.ptr, src, dst, p0, p1)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """llama_kv_self_seq_add: shift positions [p0, p1) of seq_id by delta (applied by update)."""
+        self.L.llama_kv_self_seq_add(self.ptr, seq_id, p0, p1, delta)
+
+    def clear(self) -> None:
+        """llama_kv_self_clear."""
+        self.L.llama_kv_self_clear(self.ptr)
+
+    def defrag(self) -> None:
+        """llama_kv_self_defrag: schedule a defrag (run by update)."""
+        self.L.llama_kv_self_defrag(self.ptr)
+
+    def update(self) -> None:
+        """llama_kv_self_update: apply pending shifts and a scheduled defrag."""
+        self.L.llama_kv_self_update(self.ptr)
+
+    def used_cells(self) -> int:
+        """llama_kv_self_used_cells."""
+        return int(self.L.llama_kv_self_used_cells(self.ptr))
+
+    def view(self) -> tuple[np.ndarray, np.ndarray]:
+        """llama_kv_cache_view_update, read: (pos (n_cells,), seqs (n_cells, view_seq_max)), int32 copies."""
+        self.L.llama_kv_cache_view_update(self.ptr, self._view)
+        v = self._view
+        n = v.n_cells
+        pos = np.frombuffer(ffi.buffer(v.cells, n * 4), dtype=np.int32).copy()
+        seqs = np.frombuffer(ffi.buffer(v.cells_sequences, n * v.n_seq_max * 4), dtype=np.int32)
+        return pos, seqs.reshape(n, v.n_seq_max).copy()
+
+    def stats(self) -> dict[str, int]:
+        """llama_kv_self_stats (patched build only): its fields by their C names."""
+        s = self.L.llama_kv_self_stats(self.ptr)
+        return {k: int(getattr(s, k)) for k in ("n_cells", "used_cells", "n_defrags", "n_defrag_moves",
+                                                 "n_defrag_cells", "n_defrag_graphs", "n_slot_retries",
+                                                 "n_slot_failures", "t_defrag_us")}
+
+    # -- sequence states
+
+    def state_seq_size(self, seq_id: int) -> int:
+        """llama_state_seq_get_size."""
+        return int(self.L.llama_state_seq_get_size(self.ptr, seq_id))
+
+    def state_seq_get(self, seq_id: int, size: int) -> tuple[int, bytes]:
+        """llama_state_seq_get_data into size bytes: (bytes written, the buffer)."""
+        buf = _alloc("uint8_t[]", size)
+        got = int(self.L.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
+        return got, ffi.buffer(buf, size)[:]
+
+    def state_seq_set(self, data: bytes, seq_id: int) -> int:
+        """llama_state_seq_set_data: the bytes read (0 on failure)."""
+        return int(self.L.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
+
+
+class NativeSampler:
+    """A llama.cpp sampler chain and a reusable candidate array of n_vocab entries."""
+
+    _CAND = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+    def __init__(self, lib: Library, n_vocab: int):
+        """llama_sampler_chain_init (empty chain; add samplers with the add_* methods)."""
+        self.L = lib.lib
+        self.n_vocab = n_vocab
+        self.ptr = self.L.llama_sampler_chain_init(self.L.llama_sampler_chain_default_params())
+        self._cand = ffi.new("llama_token_data[]", n_vocab)
+        self._cand_np = np.frombuffer(ffi.buffer(self._cand), dtype=self._CAND)
+        self._arr = ffi.new("llama_token_data_array *")
+
+    def add_greedy(self) -> None:
+        """llama_sampler_init_greedy, added to the chain."""
+        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_greedy())
+
+    def add_top_k(self, k: int) -> None:
+        """llama_sampler_init_top_k, added to the chain."""
+        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_top_k(k))
+
+    def add_top_p(self, p: float, min_keep: int) -> None:
+        """llama_sampler_init_top_p, added to the chain."""
+        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_top_p(p, min_keep))
+
+    def add_min_p(self, p: float, min_keep: int) -> None:
+        """llama_sampler_init_min_p, added to the chain."""
+        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_min_p(p, min_keep))
+
+    def add_temp(self, t: float) -> None:
+        """llama_sampler_init_temp, added to the chain."""
+        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_temp(t))
+
+    def add_dist(self, seed: int) -> None:
+        """llama_sampler_init_dist, added to the chain."""
+        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_dist(seed))
+
+    def apply(self, logits: np.ndarray) -> int:
+        """llama_sampler_apply over n_vocab float32 logits: the selected token id, or -1 if none."""
+        c = self._cand_np
+        n = self.n_vocab
+        c["id"] = np.arange(n, dtype=np.int32)
+        c["logit"] = logits
+        c["p"] = 0.0
+        a = self._arr
+        a.data = self._cand
+        a.size = n
+        a.selected = -1
+        a.sorted = False
+        self.L.llama_sampler_apply(self.ptr, a)
+        if not 0 <= a.selected < a.size:
+            return -1
+        return int(a.data[a.selected].id)
+
+    def accept(self, token: int) -> None:
+        """llama_sampler_accept."""
+        self.L.llama_sampler_accept(self.ptr, token)
+
+    def free(self) -> None:
+        """llama_sampler_free."""
+        self.L.llama_sampler_free(self.ptr)
+        self.ptr = None
