@@ -31,3 +31,8 @@ class DecodeError(LlamaError):
 
 class QueueFullError(LlamaError):
     """The engine's admission queue is full: try again later (a server answers 429)."""
+
+
+class HarnessError(Exception):
+    """Base class of the build harness's errors (fetching, patching and building llama.cpp:
+    VendorError, PatchError, BuildError). Not raised by the runtime API."""

@@ -5,14 +5,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
 from conftest import ENTRY_POINT, ROOT, run_cli, run_py, write_unknown_arch_model
-
 
 
 def test_the_entry_point_is_installed():
@@ -210,6 +208,20 @@ def test_run_greedy_matches_the_api(tiny_model):
         assert b"".join(m.token_to_piece(t) for t in out).decode("utf-8", "replace") == text
 
 
+
+def test_run_parallel_greedy_forks_equal_a_single_run(tiny_model):
+    # --parallel 4 is one engine request with n=4, forked after the prompt: greedy on an f32 cache,
+    # the 4 continuations are the single run's, token for token
+    args = ["run", str(tiny_model), "-p", "the cache of the model", "-n", "24", "--temp", "0",
+            "--type-k", "f32", "--type-v", "f32", "--json"]
+    r1, r4 = run_cli(args), run_cli(args + ["--parallel", "4"])
+    assert r1.returncode == 0 and r4.returncode == 0, r1.stderr + r4.stderr
+    one, four = json.loads(r1.stdout)["outputs"], json.loads(r4.stdout)["outputs"]
+    assert len(one) == 1 and len(four) == 4 and one[0]["tokens"] > 0
+    single = (one[0]["text"], one[0]["tokens"], one[0]["stop"])
+    assert [(o["text"], o["tokens"], o["stop"]) for o in four] == [single] * 4
+    assert json.loads(r4.stdout)["reused_tokens"] == 3 * 6
+
 @pytest.fixture(scope="module")
 def stress_pair(tiny_model):
     res = {}
@@ -406,7 +418,8 @@ def test_ctrl_c_while_loading_or_evaluating_the_prompt(tiny_model, tmp_path, pha
     else:
         assert any(ln.startswith("prompt ") and "interrupted" in ln for ln in lines), stderr
         assert any(ln.startswith("generation  0 tokens") and "stop: interrupted" in ln for ln in lines), stderr
-        assert any(ln.startswith("KV cache") and "[interrupted while evaluating the prompt]" in ln for ln in lines), stderr
+        assert any(ln.startswith("KV cache") and "[interrupted while evaluating the prompt]" in ln
+                   for ln in lines), stderr
 
 
 def test_ctrl_c_in_the_demo_shows_what_ran(tmp_path):
@@ -536,7 +549,8 @@ def test_lib_that_is_not_libllama_is_one_line(tiny_model, tmp_path, patched_lib)
     text = tmp_path / "text.so"
     text.write_text("not a library")
     m = str(tiny_model)
-    libs = [(str(not_llama[0]), "is not a usable libllama: it does not export llama_"), (str(tmp_path), "is a directory"), (str(text), "cannot load"),
+    libs = [(str(not_llama[0]), "is not a usable libllama: it does not export llama_"),
+            (str(tmp_path), "is a directory"), (str(text), "cannot load"),
             (str(tmp_path / "nope.so"), "does not exist"), ("", "empty")]
     for lib, msg in libs:
         for args in (["run", m, "-p", "x", "--lib", lib], ["stress", m, "--steps", "2", "--lib", lib]):

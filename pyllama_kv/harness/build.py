@@ -23,14 +23,13 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from .. import _paths
-from .._native.locate import find_builds, read_manifest, registry_dir
-from . import patch as _patch
-from . import vendor as _vendor
+from .._native.locate import find_builds, read_manifest, registry_dir  # noqa: F401  (find_builds: re-exported)
+from ..errors import HarnessError
+from . import patch as _patch, vendor as _vendor
 
 VARIANTS = ("patched", "vanilla")
 BACKENDS = ("cpu", "cuda", "metal")
@@ -43,7 +42,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class BuildError(Exception):
+class BuildError(HarnessError):
     """The build could not be configured or compiled; the message says why and what to do."""
 
 
@@ -85,7 +84,8 @@ def _find_cuda() -> dict:
                      r / "lib" / f"{platform.machine()}-linux-gnu"]
     header = next((d / "cublas_v2.h" for d in inc_dirs if (d / "cublas_v2.h").is_file()), None)
     lib = next((p for d in lib_dirs if d.is_dir() for p in sorted(d.glob("libcublas.so*"))), None)
-    missing = [what for what, got in (("cublas_v2.h (headers)", header), ("libcublas.so (library)", lib)) if got is None]
+    found = (("cublas_v2.h (headers)", header), ("libcublas.so (library)", lib))
+    missing = [what for what, got in found if got is None]
     if missing:
         raise BuildError(
             f"--backend cuda: found nvcc at {nvcc}, but cuBLAS is missing: {', '.join(missing)}. "
@@ -328,7 +328,8 @@ def status(root: Path | None = None) -> dict:
             applied = st.applied
             out["vendor"]["state"] = ("conflict" if st.conflict else
                                       "patched" if st.complete else
-                                      "pristine" if st.n_applied == 0 else f"partly patched ({st.n_applied}/{len(patches)})")
+                                      "pristine" if st.n_applied == 0 else
+                                      f"partly patched ({st.n_applied}/{len(patches)})")
             if st.conflict:
                 out["vendor"]["conflict"] = {"patch": st.conflict, "detail": st.detail}
         except _patch.PatchError as exc:

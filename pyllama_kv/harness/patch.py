@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import _paths
+from ..errors import HarnessError
 
 
-class PatchError(Exception):
+class PatchError(HarnessError):
     """A patch does not apply (or reverse). The tree was not changed."""
 
     def __init__(self, message: str, patch: str | None = None, detail: str = ""):
@@ -48,7 +49,7 @@ class Patch:
 
     def files(self) -> list[str]:
         """Paths (relative to the tree) that this patch touches."""
-        out = []
+        out: list[str] = []
         for line in self.path.read_text(errors="replace").splitlines():
             m = re.match(r"^diff --git a/(\S+) b/(\S+)", line)
             if m:
@@ -102,7 +103,7 @@ class _Scratch:
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "_Scratch":
+    def __enter__(self) -> _Scratch:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -157,7 +158,8 @@ def _apply_all(tree: Path, todo: list[Patch], reverse: bool) -> None:
         for p in todo:
             proc = _git_apply(s.root, p, *args)
             if proc.returncode != 0:
-                raise PatchError(f"patch {p.name} does not {verb} cleanly; the tree was not changed", p.name, _detail(proc))
+                raise PatchError(f"patch {p.name} does not {verb} cleanly; the tree was not changed", p.name,
+                                 _detail(proc))
     done: list[Patch] = []
     for p in todo:
         proc = _git_apply(tree, p, *args)

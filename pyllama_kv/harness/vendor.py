@@ -29,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from .. import _paths
+from ..errors import HarnessError
 
 MARKER = ".pyllama-kv-vendor.json"
 
@@ -39,7 +40,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class VendorError(Exception):
+class VendorError(HarnessError):
     """The pinned source could not be fetched, verified or unpacked. Nothing was changed."""
 
 
@@ -56,7 +57,7 @@ class Pin:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def load(cls, path: Path | None = None) -> "Pin":
+    def load(cls, path: Path | None = None) -> Pin:
         path = path or _paths.pin_path()
         try:
             data = json.loads(Path(path).read_text())
@@ -231,7 +232,8 @@ def safe_extract(archive: Path, subdir: str, target: Path) -> int:
                 elif m.islnk():
                     link_rel = _member_rel(m.linkname, prefix)
                     if link_rel is None:
-                        raise VendorError(f"unsafe link in archive: {m.name!r} -> {m.linkname!r} points outside the tree")
+                        raise VendorError(f"unsafe link in archive: {m.name!r} -> {m.linkname!r} "
+                                          "points outside the tree")
                     _check_rel(link_rel, m.linkname)
                     hardlinks.append((rel, link_rel))
                 else:
@@ -239,10 +241,10 @@ def safe_extract(archive: Path, subdir: str, target: Path) -> int:
         except (tarfile.TarError, EOFError, zlib.error) as exc:
             raise VendorError(f"{archive} is truncated or corrupt: {exc}") from exc
     for rel, link_rel in hardlinks:
-        src = target / link_rel
-        if not src.is_file():
+        link_src = target / link_rel
+        if not link_src.is_file():
             raise VendorError(f"hard link {rel!r} -> {link_rel!r}: target is missing from the archive")
-        shutil.copy2(src, target / rel)
+        shutil.copy2(link_src, target / rel)
         n_files += 1
     # no symlink may resolve outside the tree, even through another link
     real_target = target.resolve()
@@ -251,7 +253,8 @@ def safe_extract(archive: Path, subdir: str, target: Path) -> int:
             try:
                 p.resolve().relative_to(real_target)
             except ValueError:
-                raise VendorError(f"unsafe link in archive: {p.relative_to(target)} resolves outside the tree") from None
+                raise VendorError(f"unsafe link in archive: {p.relative_to(target)} "
+                                  "resolves outside the tree") from None
     if n_files == 0:
         raise VendorError(f"{archive} has no files under {prefix or '/'}")
     return n_files
@@ -397,7 +400,8 @@ def vendor(
         if source.is_dir():
             head = _git_head(source)
             if head is not None and head != pin.revision:
-                raise VendorError(f"--source {source} is a git checkout of {head[:12]}, not the pinned {pin.revision[:12]}")
+                raise VendorError(f"--source {source} is a git checkout of {head[:12]}, "
+                                  f"not the pinned {pin.revision[:12]}")
             log(f"copying {source} into {dest} ...")
             n = install_tree(None, "", dest, fp, marker, source_dir=source)
         else:

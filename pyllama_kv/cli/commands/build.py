@@ -1,0 +1,31 @@
+"""`pyllama-kv build`: build libllama, patched or vanilla."""
+from __future__ import annotations
+
+from ..render import log, print_json
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("build", description="Build libllama with CMake into build/<variant>-<backend>/ "
+                                                   "(reused when up to date).")
+    s.add_argument("--vanilla", action="store_true", help="build the same revision without our patches")
+    s.add_argument("--backend", choices=["cpu", "cuda", "metal"], default=None,
+                   help="compute backend (default: metal on macOS, cpu elsewhere)")
+    s.add_argument("--cuda-arch", metavar="ARCHS",
+                   help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native)")
+    s.add_argument("--tools", action="store_true", help="also build llama.cpp's llama-batched-bench (for benchmarks)")
+    s.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: all cores)")
+    s.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    s.add_argument("--cmake-arg", action="append", metavar="-DX=Y", help="extra CMake argument (repeatable)")
+    s.add_argument("--json", action="store_true", help="print the build manifest as JSON")
+
+
+def run(args) -> int:
+    from ...harness import build
+
+    m = build.build(variant="vanilla" if args.vanilla else "patched", backend=args.backend, tools=args.tools,
+                    cuda_arch=args.cuda_arch, jobs=args.jobs, force=args.force, extra_cmake=args.cmake_arg, log=log)
+    if args.json:
+        print_json(m)
+    else:
+        print(m["lib"])
+    return 0

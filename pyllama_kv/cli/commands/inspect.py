@@ -1,0 +1,52 @@
+"""`pyllama-kv inspect`: what a GGUF file holds, and what its KV cache costs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import options
+from ..common import CLIError, positive
+from ..render import human_bytes, print_json
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("inspect", description="Read a GGUF file's header with the gguf package (weights are "
+                                                     "not loaded) and report its architecture, sizes, tensors, "
+                                                     "vocabulary, and the KV cache bytes per token and in total for "
+                                                     "a context.")
+    s.add_argument("model", help="GGUF model file")
+    options.add(s, "n_ctx", "type_k", "type_v", defaults={"n_ctx": None},
+                helps={"n_ctx": "context cells for the KV total (default: n_ctx_train)"})
+    s.add_argument("--seqs", type=int, default=1, help="sequences sharing the cache (default 1)")
+    s.add_argument("--json", action="store_true", help="print as JSON")
+
+
+def run(args) -> int:
+    from ...tools.gguf import inspect_gguf
+
+    positive("--seqs", args.seqs)
+    positive("--ctx", args.n_ctx)
+    if Path(args.model).is_dir():
+        raise CLIError(f"{args.model} is a directory, not a GGUF file")
+    info = inspect_gguf(args.model, n_ctx=args.n_ctx, n_seqs=args.seqs, type_k=args.type_k, type_v=args.type_v)
+    if args.json:
+        print_json(info)
+        return 0
+    t = info["tensors"]
+    print(f"file          {info['path']} ({human_bytes(info['file_bytes'])}, GGUF v{info['gguf_version']})")
+    print(f"architecture  {info['architecture']}" + (f"  ({info['name']})" if info.get("name") else ""))
+    print(f"layers        {info['n_layer']}   n_embd {info['n_embd']}   heads {info['n_head']} "
+          f"(kv {info['n_head_kv']})   n_ff {info['n_ff']}   n_ctx_train {info['n_ctx_train']}")
+    types = ", ".join(f"{k} x{v}" for k, v in sorted(t["types"].items()))
+    print(f"tensors       {t['count']} ({types}), {t['params']:,} parameters, {human_bytes(t['bytes'])}")
+    v = info["vocab"]
+    print(f"vocabulary    {v['model']}, {v['size']} tokens (bos {v['bos']}, eos {v['eos']})")
+    val = info.get("validation") or {}
+    print(f"validation    {'ok' if val.get('ok') else 'refused: ' + str(val.get('error'))}")
+    kv = info.get("kv_cache")
+    if kv:
+        print(f"KV cache      {human_bytes(kv['bytes_per_token'])} per token "
+              f"(K {kv['type_k']}: {human_bytes(kv['bytes_per_token_k'])}, "
+              f"V {kv['type_v']}: {human_bytes(kv['bytes_per_token_v'])})")
+        print(f"              {human_bytes(kv['bytes_total'])} for n_ctx {kv['n_ctx']} cells, shared by "
+              f"{kv['n_seqs']} sequence(s): {kv['cells_per_seq']} cells each on average")
+    return 0

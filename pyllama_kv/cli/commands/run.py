@@ -1,0 +1,253 @@
+"""`pyllama-kv run`: N continuations of one prompt, served by the generation engine.
+
+The prompt is one request with ``n=--parallel`` continuations: the engine evaluates it once, forks
+it N-1 times and decodes all continuations together, one token each per step. This command only
+submits the request and renders the engine's events: streamed text (``[i]``-prefixed for N>1) and
+a summary (prompt and generation tokens/s, reused tokens, KV cache stats), also when Ctrl-C stops it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import options
+from ..common import EXIT_INTERRUPTED, CLIError, check_ctx, open_model, positive, set_phase, setup_logging
+from ..render import Streamer, log, print_json
+
+DEFAULT_N_PREDICT = 64
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("run", description="Evaluate the prompt once, fork it into N sequences (prefix copies: "
+                                                 "no recompute), then decode all sequences together, one batch per "
+                                                 "step. Streams the text (prefixed by sequence for N>1) and ends with "
+                                                 "a summary.")
+    s.add_argument("model", help="GGUF model file")
+    s.add_argument("-p", "--prompt", help="the prompt text")
+    s.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin); stdin is read when piped")
+    s.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
+                   help="tokens to generate per sequence (default %(default)s)")
+    options.add(s, "parallel", "n_ctx", "temperature", "top_k", "top_p", "min_p", "seed",
+                defaults={"parallel": 1, "n_ctx": None},
+                helps={"n_ctx": "KV cache cells (default: min({ctx}, the model's n_ctx_train))".format(
+                    ctx=options.field_default(options.EngineConfig, "n_ctx"))})
+    s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
+    options.add(s, "n_threads", "type_k", "type_v")
+    s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
+
+
+@dataclass
+class RunSpec:
+    """What `run` does, independent of argparse (the demo builds one directly)."""
+
+    model: str
+    prompt: bytes
+    params: object                 # SamplingParams, with its seed drawn (reported in the summary)
+    n_predict: int = DEFAULT_N_PREDICT
+    parallel: int = 1
+    n_ctx: int | None = None       # None: min(EngineConfig's n_ctx, the model's n_ctx_train)
+    n_threads: int | None = None
+    type_k: str = "f16"
+    type_v: str = "f16"
+    lib: str | None = None
+    json: bool = False
+
+
+def read_prompt(prompt: str | None, file: str | None) -> bytes:
+    """The prompt as bytes: tokenized as given, so a prompt that is not UTF-8 (in argv, a file or on
+    stdin) is not an error."""
+    if prompt is not None and file is not None:
+        raise CLIError("give the prompt with -p or -f, not both")
+    if prompt is not None:
+        return os.fsencode(prompt)  # the bytes of argv, undoing Python's surrogateescape
+    stdin = getattr(sys.stdin, "buffer", None)
+    if file is not None:
+        if file == "-":
+            if stdin is None:
+                raise CLIError("-f -: there is no stdin to read the prompt from")
+            return stdin.read()
+        path = Path(file)
+        if path.is_dir():
+            raise CLIError(f"cannot read the prompt file: {path} is a directory")
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise CLIError(f"cannot read the prompt file: {exc}") from None
+    if stdin is not None and not sys.stdin.isatty():
+        return stdin.read()
+    raise CLIError("no prompt: use -p TEXT, -f FILE, or pipe the prompt on stdin")
+
+
+def run(args) -> int:
+    import random
+
+    setup_logging(args.debug)
+    positive("--parallel", args.parallel)
+    positive("-n", args.n_predict, 0)
+    positive("--ctx", args.n_ctx)
+    positive("-t", args.n_threads)
+    params = options.sampling(args, seed=random.randrange(2**31))
+    set_phase("reading the prompt")
+    prompt = read_prompt(args.prompt, args.file)
+    return generate(RunSpec(model=args.model, prompt=prompt, params=params, n_predict=args.n_predict,
+                            parallel=args.parallel, n_ctx=args.n_ctx, n_threads=args.n_threads,
+                            type_k=args.type_k, type_v=args.type_v, lib=args.lib, json=args.json))
+
+
+def engine_config(spec: RunSpec, n_ctx: int):
+    """The engine for one request of ``spec.parallel`` continuations: as many sequence ids, no prefix
+    cache (nothing comes after), finished continuations not kept."""
+    from ...config import EngineConfig
+
+    n_batch = max(options.field_default(EngineConfig, "n_batch"), spec.parallel)
+    return options.build(EngineConfig, n_ctx=n_ctx, parallel=spec.parallel, prefix_cache=0, n_batch=n_batch,
+                         n_threads=spec.n_threads, type_k=spec.type_k, type_v=spec.type_v, max_queue=1,
+                         max_tokens=max(1, spec.n_predict), keep_finished=False)
+
+
+def generate(spec: RunSpec) -> int:
+    """Load the model, serve the request, print the outputs and the summary. Exit code 130 when
+    Ctrl-C stopped it (after the summary of what was done)."""
+    if spec.parallel > 255:
+        raise CLIError(f"--parallel must be at most 255, got {spec.parallel}")
+    set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
+    model = open_model(spec.model, spec.lib)
+    try:
+        check_ctx(model, spec.n_ctx)
+        n_ctx = spec.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
+        set_phase("tokenizing the prompt")
+        toks = model.tokenize(spec.prompt)
+        if len(toks) >= n_ctx:
+            raise CLIError(f"the prompt has {len(toks)} tokens, which does not fit in --ctx {n_ctx}")
+        cfg = engine_config(spec, n_ctx)
+        set_phase("creating the context")
+        ctx = model.context(**cfg.context().context_kwargs())
+        try:
+            return _serve(spec, model, ctx, cfg, toks)
+        finally:
+            ctx.close()
+    finally:
+        model.close()
+
+
+def _holding_kv(ctx, cfg):
+    """The engine's view of ``ctx``, except that finished continuations keep their cells until the
+    summary has read the cache (one request: nothing waits for them); ``release()`` lets them go."""
+    from ...engine import ContextKV
+
+    class HoldingKV(ContextKV):
+        def __init__(self, *a) -> None:
+            super().__init__(*a)
+            self.held: list = []
+
+        def finish(self, seq, keep: bool) -> None:
+            self.held.append((seq, keep))
+
+        def release(self) -> None:
+            held, self.held = self.held, []
+            for seq, keep in held:
+                super().finish(seq, keep)
+
+    return HoldingKV(ctx, cfg.parallel, cfg.prefix_cache)
+
+
+def _serve(spec: RunSpec, model, ctx, cfg, toks: list[int]) -> int:
+    """Submit, step the engine until the request is done, render its events; the summary also when
+    Ctrl-C stops it (during the prompt or the generation): exit 130 then."""
+    from ...engine import Engine
+
+    n = spec.parallel
+    stream = Streamer(n, out=sys.stdout) if not spec.json else None
+    kv = _holding_kv(ctx, cfg)
+    eng = Engine(model, cfg, kv=kv)
+    t_prompt = t_gen = 0.0
+    t0 = t_gen0 = time.perf_counter()
+    prompt_done = False
+    events: list = []   # filled by the engine during a step, rendered here after it
+
+    interrupted = None   # what Ctrl-C interrupted
+    set_phase("evaluating the prompt")
+    try:
+        h = eng.submit(toks, spec.params, max_tokens=max(1, spec.n_predict), n=n, keep=False,  # type: ignore[arg-type]
+                       on_event=events.append)
+        try:
+            while not h.done:
+                eng.step()
+                if events and not prompt_done:   # the first tokens: the prompt is in
+                    prompt_done = True
+                    t_gen0 = time.perf_counter()
+                    t_prompt = t_gen0 - t0
+                    set_phase("generating")
+                batch, events[:] = events[:], []
+                if stream is not None and spec.n_predict > 0:
+                    for ev in batch:
+                        stream.add(ev.index, ev.text)
+            t_gen = time.perf_counter() - t_gen0
+        except KeyboardInterrupt:
+            if prompt_done:
+                interrupted = "generating"
+                t_gen = time.perf_counter() - t_gen0
+            else:
+                interrupted = "evaluating the prompt"
+                t_prompt = time.perf_counter() - t0
+        set_phase("printing the summary")
+        if stream is not None:
+            stream.finish()
+        st = ctx.kv_stats()
+        comps = h.completions   # before close(): that cancels what Ctrl-C left running
+        counts = [min(len(c.tokens), spec.n_predict) for c in comps]
+        texts = [c.text if spec.n_predict > 0 else "" for c in comps]
+        stop = [c.finish_reason or "interrupted" for c in comps]
+    finally:
+        try:
+            eng.close()
+            kv.release()
+        except Exception:
+            if interrupted is None:   # after Ctrl-C mid-step, the summary matters more than the cleanup
+                raise
+    gen_total = sum(counts)
+    params = spec.params
+    summary = {
+        "model": str(spec.model),
+        "library": model.library.get("variant"),
+        "seed": getattr(params, "seed", None),
+        "parallel": n,
+        "threads": ctx.n_threads,
+        "prompt_tokens": len(toks),
+        "prompt_seconds": round(t_prompt, 4),
+        "prompt_tokens_per_s": round(len(toks) / t_prompt, 1) if t_prompt > 0 and prompt_done else None,
+        "generated_tokens": gen_total,
+        "generation_seconds": round(t_gen, 4),
+        "generation_tokens_per_s": round(gen_total / t_gen, 1) if t_gen > 0 else None,
+        "reused_tokens": len(toks) * (n - 1) if prompt_done else 0,
+        "interrupted": interrupted is not None,
+        "interrupted_while": interrupted,
+        "kv": st.as_dict(),
+    }
+    if spec.json:
+        summary["outputs"] = [{"seq": i, "text": texts[i], "tokens": counts[i], "stop": stop[i]} for i in range(n)]
+        print_json(summary)
+    else:
+        _print_summary(summary, st, stop)
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _print_summary(s: dict, st, stop: list[str]) -> None:
+    n = s["parallel"]
+    log("")
+    if s["interrupted_while"] != "evaluating the prompt":
+        log(f"prompt      {s['prompt_tokens']} tokens in {s['prompt_seconds'] * 1000:.1f} ms "
+            f"({s['prompt_tokens_per_s']} tok/s), evaluated once and shared by {n} sequence(s): "
+            f"{s['reused_tokens']} tokens reused")
+    else:
+        log(f"prompt      {s['prompt_tokens']} tokens: interrupted after {s['prompt_seconds'] * 1000:.1f} ms, "
+            "before it was evaluated")
+    log(f"generation  {s['generated_tokens']} tokens in {s['generation_seconds'] * 1000:.1f} ms "
+        f"({s['generation_tokens_per_s']} tok/s), {n} sequence(s) per decode; stop: {', '.join(sorted(set(stop)))}")
+    where = s["interrupted_while"]
+    log(f"KV cache    {st.used_cells}/{st.n_cells} cells used, largest free block {st.largest_free_block}, "
+        f"defrags {st.defrags if st.defrags is not None else 'n/a (vanilla)'}, seed {s['seed']}, "
+        f"threads {s['threads']}" + (f"  [interrupted while {where}]" if where else ""))

@@ -1,0 +1,30 @@
+"""`pyllama-kv status`: the pinned revision, the vendor tree, the patches and the builds."""
+from __future__ import annotations
+
+from ..render import print_json
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("status", description="Show the pinned revision, the vendor tree's state, which "
+                                                    "patches are applied, and each build with its library path.")
+    s.add_argument("--json", action="store_true", help="print as JSON")
+
+
+def run(args) -> int:
+    from ...harness import build
+
+    st = build.status()
+    if args.json:
+        print_json(st)
+        return 0
+    v = st["vendor"]
+    print(f"llama.cpp revision  {st['revision']}  ({st['pin']['source']}, "
+          f"cached: {'yes' if st['pin']['cached'] else 'no'})")
+    print(f"vendor tree         {v['path']}: {v['state']}")
+    for p in st["patches"]:
+        print(f"  {'[x]' if p['applied'] else '[ ]'} {p['name']}")
+    if not st["builds"]:
+        print("builds              none (run `pyllama-kv build`)")
+    for b in st["builds"]:
+        print(f"build {b['variant']}-{b['backend']:<6} {b['lib']}" + (f"  (stale: {b['stale']})" if b["stale"] else ""))
+    return 0

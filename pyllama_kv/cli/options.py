@@ -1,0 +1,134 @@
+"""The options of ContextConfig, SamplingParams and EngineConfig (pyllama_kv.config), defined once and
+mapped onto argparse flags, and the parsed flags mapped back into the dataclasses.
+
+A flag's default is its dataclass field's default (a command may override it, e.g. ``run`` makes one
+continuation by default), and its help text shows that default. ``dest`` is the field's name, so
+``from_args(SamplingParams, args)`` picks the fields a command has flags for; the dataclass then
+validates them, and its error is reported with the flag's name instead of the field's.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable, TypeVar
+
+from ..config import ContextConfig, EngineConfig, SamplingParams, default_threads
+from ..errors import InvalidInputError
+from .common import CLIError
+
+T = TypeVar("T")
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name``."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            raise KeyError(f"{cls.__name__}.{name} has no default")
+    raise KeyError(f"{cls.__name__} has no field {name}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option: the dataclass field it sets, its flags, its help ("{default}" is the default)."""
+
+    cls: type
+    field: str
+    flags: tuple[str, ...]
+    help: str
+    type: Callable[[str], Any] | None = int
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def default(self) -> Any:
+        return field_default(self.cls, self.field)
+
+    @property
+    def name(self) -> str:
+        return self.flags[-1]
+
+
+def _threads_help() -> str:
+    return f"CPU threads (default: every core this process may use, {default_threads()} here)"
+
+
+#: every option of the config dataclasses that a command exposes, keyed by field name
+FLAGS: dict[str, Flag] = {f.field: f for f in (
+    # SamplingParams: how one request draws tokens
+    Flag(SamplingParams, "temperature", ("--temp",), "temperature; 0 (or less) is greedy (default {default})", float,
+         metavar="TEMP"),
+    Flag(SamplingParams, "top_k", ("--top-k",), "top-k sampling, 0 disables (default {default})"),
+    Flag(SamplingParams, "top_p", ("--top-p",), "top-p sampling, 1 disables (default {default})", float),
+    Flag(SamplingParams, "min_p", ("--min-p",), "min-p sampling, 0 disables (default {default})", float),
+    Flag(SamplingParams, "seed", ("--seed",), "sampling seed; continuation i uses seed+i (default: random)"),
+    # ContextConfig: one KV cache
+    Flag(ContextConfig, "n_ctx", ("--ctx",), "KV cache cells (default {default})", metavar="N"),
+    Flag(ContextConfig, "n_threads", ("-t", "--threads"), "", metavar="N"),
+    Flag(ContextConfig, "type_k", ("--type-k",), "K cache type (default {default})", str, metavar="TYPE"),
+    Flag(ContextConfig, "type_v", ("--type-v",), "V cache type (default {default})", str, metavar="TYPE"),
+    Flag(ContextConfig, "n_batch", ("--batch",), "tokens per decode (default {default})", metavar="N"),
+    # EngineConfig: the generation engine
+    Flag(EngineConfig, "parallel", ("--parallel",), "continuations generated at once (default {default})",
+         metavar="N"),
+)}
+
+
+def add(parser: argparse.ArgumentParser, *names: str, defaults: dict[str, Any] | None = None,
+        helps: dict[str, str] | None = None) -> None:
+    """Add the flags of the fields ``names`` to ``parser``. ``defaults`` overrides a field's
+    default for this command; ``helps`` its help text (which may use "{default}" too)."""
+    defaults = defaults or {}
+    helps = helps or {}
+    for name in names:
+        f = FLAGS[name]
+        default = defaults.get(name, f.default)
+        text = helps.get(name) or (f.help if name != "n_threads" else _threads_help())
+        text = text.format(default=default)
+        kw: dict[str, Any] = {"dest": f.field, "default": default, "help": text}
+        if f.type is not None:
+            kw["type"] = f.type
+        if f.metavar:
+            kw["metavar"] = f.metavar
+        if f.choices:
+            kw["choices"] = f.choices
+        parser.add_argument(*f.flags, **kw)
+
+
+def values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of ``cls`` that ``args`` has flags for, as keyword arguments."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+
+
+def build(cls: Callable[..., T], **kwargs: Any) -> T:
+    """``cls(**kwargs)``, with a validation error worded with the flags' names (one CLIError line)."""
+    try:
+        return cls(**kwargs)
+    except InvalidInputError as exc:
+        msg = str(exc)
+        for f in FLAGS.values():
+            if msg.startswith(f.field) and msg[len(f.field):len(f.field) + 1] in ("=", " ", ""):
+                msg = f.name + msg[len(f.field):]
+                break
+        raise CLIError(msg) from None
+
+
+def from_args(cls: Callable[..., T], args: argparse.Namespace, **overrides: Any) -> T:
+    """A ``cls`` (ContextConfig, SamplingParams, EngineConfig) from the parsed flags, plus ``overrides``."""
+    kw = values(cls, args)  # type: ignore[arg-type]
+    kw.update(overrides)
+    return build(cls, **kw)
+
+
+def sampling(args: argparse.Namespace, seed: int | None = None) -> SamplingParams:
+    """SamplingParams from the flags: a temperature <= 0 is greedy, and a negative or missing seed
+    is ``seed`` (the caller's random draw, so that it can report it)."""
+    kw = values(SamplingParams, args)
+    if kw.get("temperature") is not None and kw["temperature"] < 0:
+        kw["temperature"] = 0.0
+    if kw.get("seed") is None or kw["seed"] < 0:
+        kw["seed"] = seed
+    return build(SamplingParams, **kw)
