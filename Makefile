@@ -1,7 +1,8 @@
 # The two commands: `make demo` and `make test`. Both do the whole set-up first:
 # a virtual environment in .venv (the package installed editable), the pinned llama.cpp
 # fetched into vendor/ (download cached in ~/.cache/pyllama-kv), our patches applied, and
-# the patched and vanilla CPU builds. Every step is skipped when already done.
+# the patched and vanilla CPU builds. Every step is skipped when already done. `make test` runs
+# `make lint` (ruff and mypy) before pytest.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -9,7 +10,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all setup venv vendor patch build demo test clean distclean
+.PHONY: all setup venv vendor patch build demo lint test clean distclean
 
 all: test
 
@@ -44,7 +45,13 @@ setup: build $(LCP)
 demo: setup
 	$(BIN)/pyllama-kv demo
 
-test: setup
+# ruff (lint and import order) and mypy, configured in pyproject.toml; both come with the `test`
+# extra that the venv step installs (it reruns whenever pyproject.toml changes)
+lint: $(STAMP)
+	$(BIN)/ruff check pyllama_kv scripts tests
+	$(BIN)/mypy
+
+test: setup lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

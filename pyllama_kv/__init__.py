@@ -13,14 +13,33 @@ from __future__ import annotations
 
 from ._native.ffi import library_info
 from .context import Context, KVStats
-from .errors import (DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError,
-                     ModelLoadError)
+from .errors import DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError, ModelLoadError
 from .model import Model
 from .prefix import PrefixCache
 from .sampling import Sampler
 from .sequence import Sequence, SequenceState
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml is the one place it is written); in a
+    source tree that was never installed, read from that pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pyllama-kv")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+
+        try:
+            text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+        except OSError:
+            return "0+unknown"
+        m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.MULTILINE)
+        return m.group(1) if m else "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "Context", "DecodeError", "InvalidInputError", "KVCacheFullError", "KVStats", "LibraryError", "LlamaError",

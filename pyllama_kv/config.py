@@ -139,7 +139,8 @@ class EngineConfig(_Config):
     Admission: a request enters when its prompt (less the prefix it reuses) and an output reserve
     of ``min(max_tokens, output_reserve)`` cells per continuation fit beside what running requests
     were promised; otherwise it waits in a queue of at most ``max_queue`` requests (a full queue
-    refuses new ones). Idle cached prefixes (``prefix_cache`` sequence ids) are evicted before a
+    refuses new ones); a later request may overtake one that does not fit yet, a bounded number of
+    times. Idle cached prefixes (``prefix_cache`` sequence ids) are evicted before a
     request waits for cells. Preemption (a running continuation put back in the queue, resumed
     later with its tokens so far) happens only when the cache fills beyond the reserves.
     """

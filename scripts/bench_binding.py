@@ -24,13 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import pyllama_kv as pk  # noqa: E402
-from pyllama_kv.harness import build as _build  # noqa: E402
-from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
-
-from bench_defrag import machine  # noqa: E402
+import pyllama_kv as pk
+from pyllama_kv.harness import build as _build
+from pyllama_kv.tools.bench import machine
+from pyllama_kv.tools.gguf import make_tiny_model
 
 
 def batched_bench_path() -> Path:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -23,24 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import pyllama_kv as pk  # noqa: E402
-from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
+import pyllama_kv as pk
+from pyllama_kv.tools.bench import machine
+from pyllama_kv.tools.gguf import make_tiny_model
 
 TYPE_BYTES = {"f16": 2, "f32": 4}
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
 
 
 def numpy_copy_seconds(n_bytes: int, repeats: int = 3) -> float:

@@ -24,12 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import pyllama_kv as pk  # noqa: E402
-from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
-
-from bench_defrag import machine  # noqa: E402
+import pyllama_kv as pk
+from pyllama_kv.tools.bench import machine
+from pyllama_kv.tools.gguf import make_tiny_model
 
 
 def main(argv=None) -> int:
@@ -111,7 +108,8 @@ def main(argv=None) -> int:
                                  "first_ttft_ms": round(ttft[0] * 1000, 2),
                                  "later_mean_ttft_ms": round(float(np.mean(ttft[1:])) * 1000, 2) if R > 1 else None,
                                  "tokens_evaluated": ev}
-                print(f"  {name:6} total {results[name]['total_ms']:9.1f} ms, mean TTFT {results[name]['mean_ttft_ms']:8.2f} ms, "
+                res = results[name]
+                print(f"  {name:6} total {res['total_ms']:9.1f} ms, mean TTFT {res['mean_ttft_ms']:8.2f} ms, "
                       f"{ev} tokens evaluated", file=sys.stderr)
     out.update(results)
     out["speedup_full_over_cache"] = round(results["full"]["total_ms"] / results["cache"]["total_ms"], 2)

@@ -17,13 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import pyllama_kv as pk  # noqa: E402
-from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
-from pyllama_kv.tools.workload import StressConfig, run_stress  # noqa: E402
-
-from bench_defrag import machine  # noqa: E402
+import pyllama_kv as pk
+from pyllama_kv.tools.bench import machine
+from pyllama_kv.tools.gguf import make_tiny_model
+from pyllama_kv.tools.workload import StressConfig, run_stress
 
 
 def main(argv=None) -> int:
@@ -76,13 +73,14 @@ def main(argv=None) -> int:
                     tot["seconds"] = round(tot["seconds"], 3)
                     tot["defrag_seconds"] = round(tot["defrag_seconds"], 4)
                     agg[mode] = tot
+                pat, van, seq = agg["patched"], agg["vanilla"], agg["sequential"]
                 row = {"n_seqs": n, **agg,
-                       "patched_vs_vanilla_tps": round(agg["patched"]["tokens_per_s"] / agg["vanilla"]["tokens_per_s"], 3),
-                       "patched_vs_sequential_tps": round(agg["patched"]["tokens_per_s"] / agg["sequential"]["tokens_per_s"], 3)}
+                       "patched_vs_vanilla_tps": round(pat["tokens_per_s"] / van["tokens_per_s"], 3),
+                       "patched_vs_sequential_tps": round(pat["tokens_per_s"] / seq["tokens_per_s"], 3)}
                 out["rows"].append(row)
-                print(f"  {n:2} seqs: patched {agg['patched']['tokens_per_s']:8.1f} tok/s ({agg['patched']['slot_failures']} "
-                      f"failures, defrag {agg['patched']['defrag_share']:.1%}), vanilla {agg['vanilla']['tokens_per_s']:8.1f} "
-                      f"({agg['vanilla']['slot_failures']} failures), sequential {agg['sequential']['tokens_per_s']:8.1f}",
+                print(f"  {n:2} seqs: patched {pat['tokens_per_s']:8.1f} tok/s ({pat['slot_failures']} "
+                      f"failures, defrag {pat['defrag_share']:.1%}), vanilla {van['tokens_per_s']:8.1f} "
+                      f"({van['slot_failures']} failures), sequential {seq['tokens_per_s']:8.1f}",
                       file=sys.stderr)
         finally:
             for m in models.values():

@@ -325,7 +325,8 @@ def case_stale_restore(lib: str, model_dir: Path) -> dict:
     got = r.logits()
     want = r.fresh(toks[2] + [42], 4)
     return {"case": "stale-restore", "rc_first": rc_first, "rc_second": rc_second,
-            "w_after_defrag": w_after_defrag, "w_after": w_after, "rc": rc, "max_abs_diff_vs_fresh": _max_diff(got, want)}
+            "w_after_defrag": w_after_defrag, "w_after": w_after, "rc": rc,
+            "max_abs_diff_vs_fresh": _max_diff(got, want)}
 
 
 def case_shift_bf16(lib: str, model_dir: Path) -> dict:
@@ -408,7 +409,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fns = {"slot": case_slot, "defrag-holes": case_defrag_holes, "defrag-abort": case_defrag_abort,
            "bad-token": case_bad_token, "retry-abort": case_retry_abort, "view-shift": case_view_shift,
-           "state-after-shift": case_state_after_shift, "shift-abort": case_shift_abort, "stale-restore": case_stale_restore,
+           "state-after-shift": case_state_after_shift, "shift-abort": case_shift_abort,
+           "stale-restore": case_stale_restore,
            "defrag-abort-graph": case_defrag_abort_graph,
            "shift-bf16": case_shift_bf16, "quant-head": case_quant_head, "c-api-throw": case_c_api_throw}
     cases = CASES if args.case == "all" else (args.case,)

@@ -31,7 +31,8 @@ def builds() -> dict:
 def _lib(variant: str) -> str:
     b = _builds().get((variant, "cpu"))
     if b is None:
-        pytest.fail(f"no up-to-date {variant}-cpu build: run `make setup` (pyllama-kv build{' --vanilla' if variant == 'vanilla' else ''})")
+        flag = " --vanilla" if variant == "vanilla" else ""
+        pytest.fail(f"no up-to-date {variant}-cpu build: run `make setup` (pyllama-kv build{flag})")
     return b["lib"]
 
 
@@ -88,7 +89,8 @@ def run_py(args: list[str], timeout: int = 300, env: dict | None = None) -> subp
 ENTRY_POINT = Path(sys.executable).parent / "pyllama-kv"
 
 
-def run_cli(args: list[str], timeout: int = 300, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], timeout: int = 300, env: dict | None = None,
+            input: str | None = None) -> subprocess.CompletedProcess:
     """Run the real `pyllama-kv` entry point (the venv's script) in a subprocess."""
     e = dict(os.environ)
     e.update(env or {})

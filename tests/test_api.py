@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 
 import numpy as np
@@ -10,7 +9,6 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import run_py, write_unknown_arch_model
-from pyllama_kv.tools.gguf import make_tiny_model
 
 F32_ATOL = 1e-4  # f32 cache, no flash attention: observed differences are ~5e-6 (summation order)
 
@@ -64,7 +62,8 @@ def test_library_info(patched_lib):
 
 
 def test_env_override_selects_the_vanilla_library(vanilla_lib):
-    code = "import json, pyllama_kv as pk; i = pk.library_info(); print(json.dumps([i['path'], i['variant'], i['has_stats']]))"
+    code = ("import json, pyllama_kv as pk; i = pk.library_info(); "
+            "print(json.dumps([i['path'], i['variant'], i['has_stats']]))")
     r = run_py(["-c", code], env={"PYLLAMA_KV_LIB": vanilla_lib})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [vanilla_lib, "vanilla", False]

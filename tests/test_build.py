@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, run_py
-from pyllama_kv.harness import build as B
-from pyllama_kv.harness import patch as P
+from pyllama_kv.harness import build as B, patch as P
 
 
 def test_status_json_lists_both_builds():
@@ -115,7 +114,8 @@ def test_cuda_without_cublas_says_what_is_missing(monkeypatch, tmp_path):
         return False if "cublas" in p.name else real_is_file(p)
 
     monkeypatch.setattr(Path, "is_file", no_system_cublas)
-    monkeypatch.setattr(Path, "glob", lambda self, pat: iter(()) if "cublas" in pat else Path.__dict__["glob"](self, pat))
+    real_glob = Path.__dict__["glob"]
+    monkeypatch.setattr(Path, "glob", lambda self, pat: iter(()) if "cublas" in pat else real_glob(self, pat))
     with pytest.raises(B.BuildError, match="cuBLAS"):
         B._find_cuda()
 

@@ -24,7 +24,8 @@ from pyllama_kv import _paths
 from pyllama_kv._native import ffi as _ffi
 
 PRELUDE = ("typedef int int32_t; typedef unsigned int uint32_t; typedef long int64_t; typedef unsigned long uint64_t;"
-           "typedef signed char int8_t; typedef unsigned char uint8_t; typedef unsigned long size_t; typedef unsigned long uintptr_t; typedef _Bool bool;\n")
+           "typedef signed char int8_t; typedef unsigned char uint8_t; typedef unsigned long size_t; "
+           "typedef unsigned long uintptr_t; typedef _Bool bool;\n")
 STD = {"int32_t", "uint32_t", "int64_t", "uint64_t", "int8_t", "uint8_t", "size_t", "uintptr_t", "bool"}
 
 
@@ -118,7 +119,8 @@ def test_declarations_match_the_vendored_header(tmp_path):
 def test_a_function_llama_h_lacks_fails_the_check(tmp_path):
     """A declared function that llama.h does not have (a typo, a function of another revision):
     the redeclarations compile, since they declare it themselves; the address check must not."""
-    funcs = _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF + "int32_t llama_kv_self_seq_n_cells(struct llama_context * ctx);\n"
+    funcs = (_ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF
+             + "int32_t llama_kv_self_seq_n_cells(struct llama_context * ctx);\n")
     decls, addresses = _check(tmp_path, _ffi.TYPES_CDEF, funcs)
     assert decls.returncode == 0, decls.stderr[-3000:]
     assert addresses.returncode != 0 and "llama_kv_self_seq_n_cells" in addresses.stderr, addresses.stderr[-3000:]

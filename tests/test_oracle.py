@@ -73,8 +73,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pyllama_kv as pk
@@ -396,7 +395,8 @@ class KVMachine(RuleBasedStateMachine):
         ctx = self.ctx
         pos, seqs = ctx.kv_view()
         used = seqs[:, 0] >= 0
-        got = Counter((p, frozenset(x for x in row if x >= 0)) for p, row in zip(pos[used].tolist(), seqs[used].tolist()))
+        got = Counter((p, frozenset(x for x in row if x >= 0))
+                      for p, row in zip(pos[used].tolist(), seqs[used].tolist()))
         want = self._want()
         if got != want:
             by_seq = {}
@@ -404,7 +404,8 @@ class KVMachine(RuleBasedStateMachine):
                 for (p, ids), k in cnt.items():
                     for sid in ids:
                         by_seq.setdefault(sid, {"got": [], "want": []})[name] += [p] * k
-            bad = {sid: {k: sorted(v) for k, v in d.items()} for sid, d in by_seq.items() if Counter(d["got"]) != Counter(d["want"])}
+            bad = {sid: {k: sorted(v) for k, v in d.items()}
+                   for sid, d in by_seq.items() if Counter(d["got"]) != Counter(d["want"])}
             shared_got = sorted((p, sorted(ids)) for (p, ids), k in got.items() if len(ids) > 1 for _ in range(k))
             shared_want = sorted((p, sorted(ids)) for (p, ids), k in want.items() if len(ids) > 1 for _ in range(k))
             raise AssertionError(

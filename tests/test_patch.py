@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from pyllama_kv import _paths
-from pyllama_kv.harness import patch as P
-from pyllama_kv.harness import vendor as V
+from pyllama_kv.harness import patch as P, vendor as V
 
 PIN = V.Pin.load()
 

@@ -156,7 +156,8 @@ def test_not_an_archive(tmp_path, dest):
 
 
 def test_source_tarball_prefix_detection(tmp_path):
-    a = _tar(tmp_path / "src.tar.gz", [("llama.cpp-8733e0c/include/llama.h", b"x"), ("llama.cpp-8733e0c/src/a.cpp", b"y"),
+    a = _tar(tmp_path / "src.tar.gz", [("llama.cpp-8733e0c/include/llama.h", b"x"),
+                                        ("llama.cpp-8733e0c/src/a.cpp", b"y"),
                                         ("llama.cpp-8733e0c/examples/llama.swiftui/include/llama.h", b"z")])
     assert V._find_tree_prefix(a) == "llama.cpp-8733e0c"
 

@@ -8,7 +8,7 @@ never emitted (nor anything after it).
 from __future__ import annotations
 
 import codecs
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class TextStream:

@@ -6,7 +6,8 @@ the real context (tests/test_engine.py has one).
 """
 from __future__ import annotations
 
-from typing import Hashable, Protocol, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import numpy as np
 

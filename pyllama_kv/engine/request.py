@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from ..config import SamplingParams
 
@@ -56,7 +57,7 @@ class RequestHandle:
         self.ttft: float | None = None            # seconds from submit to the first token
         self.submitted_at = 0.0
         self._on_event = on_event
-        self._events: "queue.SimpleQueue[Event | None]" = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
         self._done = threading.Event()
         self._open = n
         self._cancel: Callable[[], None] | None = None
@@ -128,3 +129,4 @@ class Request:
     keep: bool = True
     admitted: bool = False
     cancelled: bool = False
+    skipped: int = 0          # times a later request was admitted before this one

@@ -11,7 +11,9 @@ cache.
   those are evicted before a live request has to wait for cells or ids.
 * **Admission.** A request enters when its prompt (less the reused prefix) and an output reserve
   per continuation fit beside what running requests were promised, and sequence ids are free;
-  otherwise it waits in a bounded queue (submit raises QueueFullError when that is full). Only when
+  otherwise it waits in a bounded queue (submit raises QueueFullError when that is full). Requests
+  are admitted in arrival order, except that a smaller one may overtake a head that does not fit
+  yet (at most 8 times, so the head is never starved). Only when
   the cache fills beyond the reserves is a running continuation preempted: put back in front of
   the queue with its tokens so far, and resumed (mostly from cached prefixes) when there is room.
 * **Threads.** ``submit`` and ``cancel`` are safe from any thread. Either call :meth:`step` yourself
@@ -28,8 +30,9 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -38,6 +41,9 @@ from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullE
 from .detok import TextStream
 from .kv import ContextKV, KVCache
 from .request import FINISH_REASONS, Event, Request, RequestHandle
+
+_LOOKAHEAD = 16        # waiting requests considered for admission per step
+_MAX_OVERTAKES = 8     # times the head of the queue may be overtaken before everything waits for it
 
 
 @dataclass
@@ -145,7 +151,8 @@ class Engine:
         if len(toks) >= self.n_ctx:
             raise InvalidInputError(f"the prompt has {len(toks)} tokens; the context holds {self.n_ctx} "
                                     "(and at least one more is needed to generate)")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.config.max_tokens:
+        if (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                or not 1 <= max_tokens <= self.config.max_tokens):
             raise InvalidInputError(f"max_tokens must be an integer in [1, {self.config.max_tokens}]")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.kv.n_seq_ids:
             raise InvalidInputError(f"n must be an integer in [1, {self.kv.n_seq_ids}] (the engine's parallel)")
@@ -278,7 +285,7 @@ class Engine:
         if self._own_ctx is not None:
             self._own_ctx.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -335,20 +342,27 @@ class Engine:
         return self.kv.free_cells() - self._promised()
 
     def _admit(self) -> None:
-        # preempted continuations first, then requests in arrival order; stop at the first that
-        # does not fit (no overtaking: a big request is not starved by small ones)
+        # preempted continuations first
         while self._resume:
             slot = self._resume[0]
             if not self._fits(slot.tokens, 1, max(0, slot.reserve - slot.generated), slot.req.prompt):
                 return
             self._resume.popleft()
             self._place(slot, slot.tokens)
-        while self._waiting:
-            req = self._waiting[0]
+        # requests in arrival order; a later one may overtake the head when the head does not fit,
+        # but only a bounded number of times (the head is not starved by a stream of small ones)
+        i = 0
+        while i < len(self._waiting) and i < _LOOKAHEAD:
+            req = self._waiting[i]
+            if i > 0 and self._waiting[0].skipped >= _MAX_OVERTAKES:
+                return
             reserve = min(req.max_tokens, self.config.output_reserve)
             if not self._fits(req.prompt, req.n, reserve * req.n, req.prompt):
-                return
-            self._waiting.popleft()
+                i += 1
+                continue
+            del self._waiting[i]
+            if i > 0:
+                self._waiting[0].skipped += 1
             self._dequeued()
             req.admitted = True
             self.stats.admitted += 1
@@ -531,7 +545,8 @@ class Engine:
     def _cancel_everything(self, now: bool = False) -> None:
         with self._cv:
             reqs = [r for k, r in self._inbox if k == "submit"]
-        reqs += list(self._waiting) + list({id(s.req): s.req for s in itertools.chain(self._slots, self._resume)}.values())
+        running = {id(s.req): s.req for s in itertools.chain(self._slots, self._resume)}
+        reqs += list(self._waiting) + list(running.values())
         for r in reqs:
             if now:
                 self._cancel_request(r)
@@ -551,6 +566,6 @@ class Engine:
         from ..sampling import Sampler
 
         seed = (p.seed + index if p.seed is not None else next(self._seed)) & 0xFFFFFFFF
-        smp = Sampler(self.kv.ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p,   # type: ignore[attr-defined]
+        smp = Sampler(self.kv.ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p,   # type: ignore[union-attr]
                       min_p=p.min_p, seed=seed)
         return smp.sample_logits, smp.close

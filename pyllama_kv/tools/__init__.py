@@ -1,1 +1,2 @@
-"""GGUF helpers (tiny models, inspect, validation) and the seeded server-like workload."""
+"""GGUF helpers (tiny models, inspect, validation), the seeded server-like workload, and the
+benchmark scripts' shared helpers."""

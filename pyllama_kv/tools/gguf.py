@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import ModelLoadError
-from .gguf_check import ARRAY as _ARRAY
-from .gguf_check import STRING as _STRING
-from .gguf_check import _INTEGER_TYPES, GGUFFileError, check_gguf_header, ggml_type_name, read_gguf_header
+from .gguf_check import (
+    _INTEGER_TYPES,
+    ARRAY as _ARRAY,
+    STRING as _STRING,
+    GGUFFileError,
+    check_gguf_header,
+    ggml_type_name,
+    read_gguf_header,
+)
 
 __all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_tiny_model", "tiny_vocab"]
 
@@ -284,7 +291,7 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
         n_bytes += t.nbytes
     try:
         check_gguf_header(header)
-        validation = {"ok": True, "error": None}
+        validation: dict[str, Any] = {"ok": True, "error": None}
     except ModelLoadError as exc:
         validation = {"ok": False, "error": str(exc)}
 

@@ -132,7 +132,7 @@ class KV(NamedTuple):
     def describe(self) -> str:
         """The GGUF type and the value, for messages."""
         if self.type == ARRAY:
-            et = GGUF_TYPE_NAMES[self.elem_type]
+            et = GGUF_TYPE_NAMES[self.elem_type] if self.elem_type is not None else "?"
             vals = list(self.value[:6])
             shown = ", ".join(repr(v) if isinstance(v, bytes) else str(v) for v in vals)
             more = ", ..." if len(self.value) > 6 else ""
@@ -235,7 +235,7 @@ def _parse(path: Path, mm, size: int) -> GGUFHeader:
             if et == STRING:
                 if n * 8 > size - off:
                     raise trunc(f"the {n} strings of {key}", off, n * 8)
-                items = []
+                items: list[bytes] = []
                 append = items.append
                 for j in range(n):
                     if off + 8 > size:
@@ -566,7 +566,7 @@ def _check_vocab(c: _Checker) -> int:
                               "(llama.cpp aborts on duplicates)")
             seen[t] = i
     if model == "llama" and types is not None:
-        for i in np.flatnonzero(types == TOKEN_TYPE_BYTE):
+        for i in np.flatnonzero(types == TOKEN_TYPE_BYTE).tolist():
             if not _SPM_BYTE.match(tokens[i]):
                 raise c.error(f"{T}tokens: token {i} {tokens[i]!r} has the byte type but is not spelled <0xXX>")
 

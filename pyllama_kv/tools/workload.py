@@ -135,7 +135,7 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     handles = []
     nxt = 0
     eng = Engine(model, ecfg)
-    ctx = eng.kv.ctx   # type: ignore[attr-defined]
+    ctx = eng.kv.ctx   # type: ignore[union-attr]
     t0 = time.perf_counter()
     try:
         for step in range(cfg.steps):
@@ -169,8 +169,8 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     finally:
         _fill(res, eng, handles, t0)
         st = ctx.kv_stats()
-        res.kv = {k: v for k, v in st.as_dict().items()
-                  if k in ("defrags", "moves", "cells_moved", "graphs", "slot_retries", "slot_failures", "defrag_seconds")}
+        keep = ("defrags", "moves", "cells_moved", "graphs", "slot_retries", "slot_failures", "defrag_seconds")
+        res.kv = {k: v for k, v in st.as_dict().items() if k in keep}
         if st.defrag_seconds is not None and res.seconds > 0:
             res.kv["defrag_share"] = round(st.defrag_seconds / res.seconds, 4)
         res.peak_fragmentation = round(max(frags), 4) if frags else 0.0
@@ -211,7 +211,7 @@ def draw_map(occupancy: np.ndarray, path, title: str = "") -> Path:
         raise ImportError("--map needs matplotlib: pip install 'pyllama-kv[map]' (or pip install matplotlib)") from exc
     occ = np.asarray(occupancy)
     n_ids = int(occ.max()) + 1 if occ.size and occ.max() >= 0 else 1
-    base = plt.get_cmap("tab20").colors
+    base = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
     colors = [(1.0, 1.0, 1.0), (0.25, 0.25, 0.25)] + [base[i % len(base)] for i in range(n_ids)]
     img = occ.astype(np.int32) + 2  # -2 shared -> 0 ... ; remap: free first
     img = np.where(occ == -1, 0, np.where(occ == -2, 1, occ.astype(np.int32) + 2))
