@@ -30,3 +30,15 @@ def test_readme_lists_every_command():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name in sub.choices:
         assert f"`{name}" in README, f"README does not mention `{name}`"
+
+
+def test_readme_engine_example_runs(tiny_model, tmp_path):
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "pyllama_kv.engine" in b]
+    assert blocks, "the README has no engine example"
+    code = f"import pyllama_kv as pk\nmodel = pk.Model({str(tiny_model)!r})\n" + blocks[0]
+    script = tmp_path / "engine_example.py"
+    script.write_text(code)
+    r = run_py([str(script)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    reasons = [line.split(" ", 1)[0] for line in r.stdout.splitlines() if line]
+    assert len([x for x in reasons if x in ("length", "stop", "eos")]) == 4, r.stdout
