@@ -360,6 +360,12 @@ class Context(_kv.CResource):
         assert self._native is not None
         return self.n_ctx - self._native.used_cells()
 
+    def free_cells(self) -> int:
+        """Cells no sequence holds now (cheap: llama.cpp's counter, no view is read)."""
+        with self._critical():
+            self._check_open()
+            return self._free_cells()
+
     # -- package interface: raw cell operations (the caller holds _critical and validated) --------
 
     def _seq_remove(self, sid: int, p0: int, p1: int) -> None:

@@ -84,7 +84,7 @@ class ContextKV:
         return self.parallel
 
     def free_cells(self) -> int:
-        return self.ctx._free_cells()
+        return self.ctx.free_cells()
 
     def free_ids(self) -> int:
         return min(self.parallel - self._live, self.ctx.free_sequence_ids)

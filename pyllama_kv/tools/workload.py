@@ -152,7 +152,7 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
                 if cfg.sequential and eng.waiting > 2:
                     break
             failures = eng.stats.slot_failures
-            free_before = ctx._free_cells()
+            free_before = ctx.free_cells()
             eng.step()
             if eng.stats.slot_failures > failures:
                 fail_free.append(free_before / ctx.n_ctx)
