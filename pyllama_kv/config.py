@@ -26,20 +26,21 @@ def default_threads() -> int:
     return max(1, n)
 
 
-def _int(name: str, v, lo: int, hi: int = INT32_MAX) -> int:
+def int_param(name: str, v, lo: int, hi: int = INT32_MAX) -> int:
+    """``v`` as an int in [lo, hi], else InvalidInputError (bools and floats are refused; numpy
+    integers are fine)."""
     if isinstance(v, bool) or not isinstance(v, int):
-        try:
-            import numpy as np
+        import numpy as np
 
-            if isinstance(v, np.integer):
-                v = int(v)
-            else:
-                raise TypeError
-        except TypeError:
-            raise InvalidInputError(f"{name} must be an integer, got {type(v).__name__}") from None
+        if not isinstance(v, np.integer):
+            raise InvalidInputError(f"{name} must be an integer, got {type(v).__name__}")
+    v = int(v)
     if not lo <= v <= hi:
         raise InvalidInputError(f"{name}={v} is out of range [{lo}, {hi}]")
-    return int(v)
+    return v
+
+
+_int = int_param
 
 
 def _num(name: str, v, lo: float, hi: float, lo_open: bool = False) -> float:

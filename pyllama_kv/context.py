@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -50,6 +49,7 @@ import numpy as np
 
 from . import _signals
 from ._native import kv as _kv
+from .config import default_threads, int_param
 from .errors import DecodeError, InvalidInputError, KVCacheFullError, LlamaError
 from .model import Model
 from .sequence import Sequence as _Sequence, SequenceState as _SequenceState
@@ -98,16 +98,6 @@ MAX_THREADS = 512          # GGML_MAX_N_THREADS
 _POLL_TOKENS = 32
 
 
-def int_param(name: str, v, lo: int, hi: int = INT32_MAX) -> int:
-    """``v`` as an int in [lo, hi], else InvalidInputError (bools and floats are refused)."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise InvalidInputError(f"{name} must be an integer, got {type(v).__name__}")
-    v = int(v)
-    if not lo <= v <= hi:
-        raise InvalidInputError(f"{name}={v} is out of range [{lo}, {hi}]")
-    return v
-
-
 class _Critical:
     """The context's lock, with Ctrl-C held back and re-entrant calls from a callback refused."""
 
@@ -134,15 +124,6 @@ class _Critical:
             self.ctx._lock.release()
         finally:
             self.sig.__exit__(*exc)   # delivers a held-back Ctrl-C, now that the state is whole
-
-
-def _default_threads() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, n)
 
 
 class Context(_kv.CResource):
@@ -208,7 +189,7 @@ class Context(_kv.CResource):
         self._libobj = model._lib
         # llama.cpp's default is a fixed 4 threads; more threads than cores makes ggml's spinning
         # barriers crawl (a defrag graph of many small copies ran ~30x slower on 2 cores)
-        n_threads = n_threads or _default_threads()
+        n_threads = n_threads or default_threads()
         self.n_threads = n_threads
         self._lock = threading.RLock()
         self._busy = False        # inside a C call that may call back into Python (decode, update)

@@ -122,7 +122,7 @@ class PrefixCache:
         with ctx._critical():
             toks = ctx.model.check_tokens(tokens)
             if toks.size == 0:
-                raise InvalidInputError("fork_prefix needs at least one token")
+                raise InvalidInputError("a prompt needs at least one token")
             best, n = self._best(toks)
             n = min(n, toks.size - 1)
             if best is not None:
@@ -166,38 +166,21 @@ class PrefixCache:
         """A new sequence holding ``tokens`` (see the class docstring); the caller owns it."""
         ctx = self.ctx
         with ctx._critical():
+            seq, n = self.fork_prefix(tokens)
             toks = ctx.model.check_tokens(tokens)
-            if toks.size == 0:
-                raise InvalidInputError("acquire needs at least one token")
-            best, n = self._best(toks)
-            n = min(n, toks.size - 1)
-            if best is not None:
-                self._idle.move_to_end(best.id)
-            seq = None
-            while seq is None:
-                try:
-                    seq = best.fork(n) if (best is not None and n > 0) else ctx.new_sequence()
-                except LlamaError:
-                    if not self._evict_one(keep=best):
-                        raise
+            keep = self._best(toks)[0]
             try:
                 while True:
                     try:
                         seq.extend(toks[n:])
                         break
                     except KVCacheFullError:
-                        if not self._evict_one(keep=best):
+                        if not self._evict_one(keep=keep):
                             raise
             except BaseException:
                 seq.close()
                 raise
-            seq.prefix_reused = n
             self.last_reused = n
-            st = self.stats
-            st.requests += 1
-            st.prompt_tokens += int(toks.size)
-            st.reused_tokens += n
-            st.evaluated_tokens += int(toks.size) - n
             if remember and self.max_sequences > 0:
                 try:
                     self._remember(seq.fork())

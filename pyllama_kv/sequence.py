@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import state as _state
+from .config import int_param
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
 
 
@@ -40,15 +41,6 @@ class SequenceState:
     data: bytes = field(repr=False)
     model: str = ""
     digest: str = ""
-
-
-def _index(name: str, v, lo: int, hi: int) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-        raise InvalidInputError(f"{name} must be an integer, got {type(v).__name__}")
-    v = int(v)
-    if not lo <= v <= hi:
-        raise InvalidInputError(f"{name}={v} is out of range [{lo}, {hi}]")
-    return v
 
 
 class Sequence:
@@ -136,7 +128,7 @@ class Sequence:
         ctx = self._ctx
         with ctx._critical():
             self._check()
-            n = len(self._tokens) if n is None else _index("n", n, 0, len(self._tokens))
+            n = len(self._tokens) if n is None else int_param("n", n, 0, len(self._tokens))
             child = ctx.new_sequence()
             if n > 0:
                 ctx._seq_copy(self.id, child.id, 0, n)
@@ -152,7 +144,7 @@ class Sequence:
         ctx = self._ctx
         with ctx._critical():
             self._check()
-            n = _index("n", n, 0, len(self._tokens))
+            n = int_param("n", n, 0, len(self._tokens))
             if n == len(self._tokens):
                 return
             ctx._seq_remove(self.id, n, -1)
@@ -174,8 +166,8 @@ class Sequence:
         with ctx._critical():
             self._check()
             n = len(self._tokens)
-            start = _index("start", start, 0, n)
-            end = _index("end", end, start, n)
+            start = int_param("start", start, 0, n)
+            end = int_param("end", end, start, n)
             if start == end:
                 return
             if end == n:
@@ -203,8 +195,8 @@ class Sequence:
                 raise LlamaError(
                     "this model/context cannot shift its KV cache (no RoPE, or a cache type without K-shift)")
             n = len(self._tokens)
-            n_keep = _index("n_keep", n_keep, 0, n)
-            n_discard = _index("n_discard", n_discard, 0, n - n_keep)
+            n_keep = int_param("n_keep", n_keep, 0, n)
+            n_discard = int_param("n_discard", n_discard, 0, n - n_keep)
             self.remove(n_keep, n_keep + n_discard)
 
     def _rebuild_tail(self, start: int, tail: np.ndarray) -> None:
