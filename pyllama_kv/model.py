@@ -265,6 +265,21 @@ class Model(_kv.CResource):
                 size = n + 1
         return val.decode("utf-8", "replace")  # pragma: no cover
 
+    @property
+    def chat_template(self) -> str | None:
+        """The GGUF's ``tokenizer.chat_template`` in full (read from the file once), or None."""
+        from . import chat
+
+        return chat.chat_template(self)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (a list of ``{"role": str, "content": str}``) with the model's chat
+        template, sandboxed as transformers does (see pyllama_kv.chat); InvalidInputError if the model
+        has none or the template fails or is refused."""
+        from . import chat
+
+        return chat.apply_chat_template(self, messages, add_generation_prompt)
+
     # -- contexts -------------------------------------------------------------------------------
 
     def context(self, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512, n_ubatch: int = 512,

@@ -1,0 +1,143 @@
+"""Chat templates: the GGUF's tokenizer.chat_template rendered in the jinja2 sandbox (pyllama_kv.chat)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import pyllama_kv as pk
+from pyllama_kv import chat
+from pyllama_kv.tools.gguf import make_tiny_model
+
+# SmolLM2-Instruct's template (tokenizer_config.json / the GGUF's tokenizer.chat_template)
+SMOLLM2 = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _model(tmp_path, template, name="chat"):
+    kv = {} if template is None else {"tokenizer.chat_template": template}
+    return pk.Model(make_tiny_model(tmp_path / f"{name}.gguf", kv_overrides=kv))
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    with _model(tmp_path_factory.mktemp("chat"), SMOLLM2) as m:
+        yield m
+
+
+def test_smollm2_chatml_rendering(smol):
+    assert smol.chat_template == SMOLLM2
+    msgs = [{"role": "user", "content": "What is the capital of France? Ünïcødé ✓"}]
+    assert smol.apply_chat_template(msgs) == (
+        "<|im_start|>system\n"
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\n"
+        "What is the capital of France? Ünïcødé ✓<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    assert smol.apply_chat_template(msgs, add_generation_prompt=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n"
+    )
+    assert smol.apply_chat_template([]) == "<|im_start|>assistant\n"
+
+
+def test_long_template_read_in_full(tmp_path):
+    # llama.cpp's meta() may abridge long values; the template comes from the GGUF header in full
+    template = "{# " + "x" * 20000 + " #}" + SMOLLM2
+    with _model(tmp_path, template) as m:
+        assert m.chat_template == template
+        out = m.apply_chat_template([{"role": "user", "content": "a"}], False)
+        assert out.endswith("<|im_start|>user\na<|im_end|>\n")
+
+
+def test_bos_eos_helpers_and_tojson(tmp_path):
+    template = ("{{ bos_token }}|{{ eos_token }}|{{ strftime_now('%Y') }}|{{ messages[0] | tojson }}|"
+                "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}\n"
+                "  {% if true %}\n  x\n  {% endif %}\n")
+    with _model(tmp_path, template) as m:
+        bos = m.token_to_piece(m.bos, special=True).decode()
+        eos = m.token_to_piece(m.eos, special=True).decode()
+        assert bos and eos
+        out = m.apply_chat_template([{"role": "user", "content": "é<>"}, {"role": "assistant", "content": "b"}])
+    year = time.strftime("%Y")
+    # tojson as transformers (no ASCII or HTML escaping); loopcontrols; trim_blocks and lstrip_blocks
+    assert out == f'{bos}|{eos}|{year}|{{"role": "user", "content": "é<>"}}|user  x\n'
+
+
+MALICIOUS = {
+    "globals": "{{ cycler.__init__.__globals__ }}",
+    "globals_os": "{{ cycler.__init__.__globals__.os.system('touch {marker}') }}",
+    "mro": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "subclasses": "{% for c in ().__class__.__base__.__subclasses__() %}{{ c }}{% endfor %}",
+    "getitem": "{{ joiner['__init__']['__globals__'] }}",
+    "attr_filter": "{{ (lipsum | attr('__globals__'))['os'].system('touch {marker}') }}",
+    "format_string": "{{ '{0.__class__.__mro__}'.format('') }}",
+    "mutate": "{{ messages.append({'role': 'x', 'content': 'y'}) }}",
+    "huge_range": "{% for i in range(10**9) %}{{ i }}{% endfor %}",
+    "nested_loops": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "huge_string": "{{ 'x' * 10**9 }}",
+    "huge_power": "{{ 10 ** (10 ** 10) }}{{ 7 ** 999999 }}",
+    "huge_width": "{{ 'x' | center(10**9) }}",
+    "huge_printf": "{{ '%999999999d' % 1 }}",
+    "huge_output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+    "macro_bomb": ("{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+                   "{{ f(60) }}"),
+    "recursion": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALICIOUS))
+def test_malicious_template_refused(tmp_path, monkeypatch, name):
+    monkeypatch.setattr(chat, "MAX_SECONDS", 1.0)
+    marker = tmp_path / "pwned"
+    with _model(tmp_path, MALICIOUS[name].replace("{marker}", str(marker)), name) as m:
+        t0 = time.monotonic()
+        with pytest.raises(pk.InvalidInputError, match=rf"chat template of {name}\.gguf"):
+            m.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert time.monotonic() - t0 < chat.MAX_SECONDS + 5
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{{ raise_exception('Conversation roles must alternate user/assistant') }}",
+     r"raised an exception: Conversation roles must alternate user/assistant"),
+    ("{% for m in messages %}", r"not a valid jinja2 template"),
+    ("{{ nosuch.attr.deeper }}", r"UndefinedError"),
+    ("{{ 1 / 0 }}", r"ZeroDivisionError"),
+])
+def test_template_errors_become_invalid_input(tmp_path, template, match):
+    with _model(tmp_path, template) as m:
+        with pytest.raises(pk.InvalidInputError, match=match):
+            m.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("messages", [
+    None, "hi", {"role": "user", "content": "hi"}, ({"role": "user", "content": "hi"},),
+    ["hi"], [{"role": "user"}], [{"content": "hi"}], [{"role": "user", "content": 3}],
+    [{"role": None, "content": "hi"}], [{"role": "user", "content": b"hi"}],
+    [{"role": "user", "content": "hi", "extra": 1}], [["user", "hi"]],
+])
+def test_bad_messages_refused(smol, messages):
+    with pytest.raises(pk.InvalidInputError, match="messages"):
+        smol.apply_chat_template(messages)
+
+
+def test_bad_add_generation_prompt(smol):
+    with pytest.raises(pk.InvalidInputError, match="add_generation_prompt"):
+        smol.apply_chat_template([], add_generation_prompt="yes")
+
+
+def test_no_template(tmp_path):
+    with _model(tmp_path, None, "plain") as m:
+        assert m.chat_template is None
+        with pytest.raises(pk.InvalidInputError, match=r"plain\.gguf has no chat template"):
+            m.apply_chat_template([{"role": "user", "content": "hi"}])
