@@ -41,6 +41,7 @@ build: patch
 	$(BIN)/pyllama-kv build --vanilla
 
 setup: build $(LCP)
+	$(BIN)/pyllama-kv pull smollm2-135m-instruct
 
 demo: setup
 	$(BIN)/pyllama-kv demo

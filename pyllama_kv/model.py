@@ -52,6 +52,10 @@ class Model(_kv.CResource):
         self.path = Path(path)
         if "\0" in str(self.path):
             raise ModelLoadError("the model path contains a NUL byte")
+        if not self.path.is_file():  # a catalogue name: its cached GGUF, pulled on first use
+            from . import catalogue
+
+            self.path = catalogue.resolve(path)
         for name, v in (("validate", validate), ("use_mmap", use_mmap)):
             if not isinstance(v, bool):
                 raise InvalidInputError(f"{name} must be a bool, got {type(v).__name__}")

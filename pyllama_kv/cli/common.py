@@ -43,6 +43,13 @@ def positive(name: str, v: int | None, minimum: int = 1) -> None:
         raise CLIError(f"{name} must be at least {minimum}, got {v}")
 
 
+def resolve_model(spec: str):
+    """A MODEL argument as a path: a catalogue name becomes its cached GGUF (pulled on first use)."""
+    from ..catalogue import resolve
+
+    return resolve(spec)
+
+
 def open_model(path: str, lib: str | None):
     from .. import Model
 

@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("status", "pinned revision, vendor tree, patches and builds"),
     "run": ("run", "generate N continuations of a prompt at once (prefix copy + batched decode)"),
     "inspect": ("inspect", "architecture, sizes, tensors, vocabulary and KV cache cost of a GGUF file"),
+    "pull": ("pull", "fetch a model of the catalogue into ~/.cache/pyllama-kv/models (verified, cached)"),
+    "models": ("models", "list the model catalogue and mark what is cached"),
     "tiny-model": ("tiny_model", "write the random-weight tiny llama model the tests use"),
     "stress": ("stress", "a seeded server-like workload that fragments the cache; failures, defrags, speed"),
     "demo": ("demo", "the main job on the built-in tiny model: vanilla vs patched under stress, then run"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import options
-from ..common import CLIError, positive
+from ..common import CLIError, positive, resolve_model
 from ..render import human_bytes, print_json
 
 
@@ -13,7 +13,7 @@ def register(subparsers) -> None:
                                                      "not loaded) and report its architecture, sizes, tensors, "
                                                      "vocabulary, and the KV cache bytes per token and in total for "
                                                      "a context.")
-    s.add_argument("model", help="GGUF model file")
+    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     options.add(s, "n_ctx", "type_k", "type_v", defaults={"n_ctx": None},
                 helps={"n_ctx": "context cells for the KV total (default: n_ctx_train)"})
     s.add_argument("--seqs", type=int, default=1, help="sequences sharing the cache (default 1)")
@@ -25,6 +25,7 @@ def run(args) -> int:
 
     positive("--seqs", args.seqs)
     positive("--ctx", args.n_ctx)
+    args.model = str(resolve_model(args.model))  # a catalogue name: its cached GGUF, pulled on first use
     if Path(args.model).is_dir():
         raise CLIError(f"{args.model} is a directory, not a GGUF file")
     info = inspect_gguf(args.model, n_ctx=args.n_ctx, n_seqs=args.seqs, type_k=args.type_k, type_v=args.type_v)

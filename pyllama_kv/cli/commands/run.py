@@ -25,7 +25,7 @@ def register(subparsers) -> None:
                                                  "no recompute), then decode all sequences together, one batch per "
                                                  "step. Streams the text (prefixed by sequence for N>1) and ends with "
                                                  "a summary.")
-    s.add_argument("model", help="GGUF model file")
+    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     s.add_argument("-p", "--prompt", help="the prompt text")
     s.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin); stdin is read when piped")
     s.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,

