@@ -94,7 +94,7 @@ class Sampler(_kv.CResource):
             return int(np.argmax(logits))
         native = self._native
         assert native is not None
-        tok = native.apply(logits)
+        tok = native.apply(logits, self.top_k)
         if tok < 0:
             raise InvalidInputError("the sampler chain selected no token")
         native.accept(tok)

@@ -307,6 +307,7 @@ class NativeSampler:
         self._cand = ffi.new("llama_token_data[]", n_vocab)
         self._cand_np = np.frombuffer(ffi.buffer(self._cand), dtype=self._CAND)
         self._arr = ffi.new("llama_token_data_array *")
+        self._ids = np.arange(n_vocab, dtype=np.int32)
 
     def add_greedy(self) -> None:
         """llama_sampler_init_greedy, added to the chain."""
@@ -332,12 +333,22 @@ class NativeSampler:
         """llama_sampler_init_dist, added to the chain."""
         self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_dist(seed))
 
-    def apply(self, logits: np.ndarray) -> int:
-        """llama_sampler_apply over n_vocab float32 logits: the selected token id, or -1 if none."""
+    def apply(self, logits: np.ndarray, top_k: int = 0) -> int:
+        """llama_sampler_apply over n_vocab float32 logits: the selected token id, or -1 if none.
+        With ``0 < top_k < n_vocab`` (the chain's own top-k) only the ``top_k`` largest logits are
+        passed: the chain would keep just those, and its per-draw cost over 49k candidates drops
+        (only which of several logits tied at the k-th value are kept can differ)."""
         c = self._cand_np
         n = self.n_vocab
-        c["id"] = np.arange(n, dtype=np.int32)
-        c["logit"] = logits
+        if 0 < top_k < n:
+            ids = np.argpartition(logits, n - top_k)[n - top_k:].astype(np.int32)
+            n = len(ids)
+            c = c[:n]
+            c["id"] = ids
+            c["logit"] = logits[ids]
+        else:
+            c["id"] = self._ids
+            c["logit"] = logits
         c["p"] = 0.0
         a = self._arr
         a.data = self._cand
