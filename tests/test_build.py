@@ -94,7 +94,30 @@ def test_build_is_reused_when_up_to_date():
     r = run_cli(["build", "--json"])
     assert r.returncode == 0, r.stderr
     assert "up to date" in r.stderr
-    assert json.loads(r.stdout)["variant"] == "patched"
+    m = json.loads(r.stdout)
+    # without --rpc/--no-rpc a build keeps the RPC backend that `make setup` (build --rpc) gave it
+    assert m["variant"] == "patched" and m["rpc"] is True and "-DGGML_RPC=ON" in m["cmake_flags"]
+
+
+def test_status_shows_the_rpc_backend_and_rpc_server():
+    r = run_cli(["status", "--json"])
+    assert r.returncode == 0, r.stderr
+    by = {(b["variant"], b["backend"]): b for b in json.loads(r.stdout)["builds"]}
+    p = by[("patched", "cpu")]
+    assert p["rpc"] is True and "rpc-server" in p["tools"] and (Path(p["bin_dir"]) / "rpc-server").is_file()
+    assert by[("vanilla", "cpu")]["rpc"] is False
+    r = run_cli(["status"])
+    assert r.returncode == 0 and any("patched-cpu" in ln and "(RPC)" in ln for ln in r.stdout.splitlines())
+
+
+def test_rpc_is_a_flag_value_switched_in_place():
+    """--rpc / --no-rpc set GGML_RPC ON / OFF; not saying either gives no flag (a build made before
+    the option stays up to date), and switching reconfigures the build directory in place."""
+    on, off, unset = B.cmake_flags("cpu", rpc=True), B.cmake_flags("cpu", rpc=False), B.cmake_flags("cpu")
+    assert "-DGGML_RPC=ON" in on and "-DGGML_RPC=OFF" in off and not any("GGML_RPC" in f for f in unset)
+    assert (B._rpc_in(on), B._rpc_in(off), B._rpc_in(unset)) == (True, False, None)
+    assert not B._needs_fresh_dir("cmake_flags changed", unset, on)
+    assert not B._needs_fresh_dir("cmake_flags changed", on, off)
 
 
 def test_cuda_without_cublas_says_what_is_missing(monkeypatch, tmp_path):
@@ -139,3 +162,15 @@ def test_vanilla_build_is_made_from_the_pristine_pinned_tree(builds):
     assert V.fingerprint(Path(m["source_dir"]), pin.fingerprint_paths) == pin.fingerprint_sha256
     r = run_cli(["vendor", "--fingerprint", m["source_dir"], "--json"])
     assert r.returncode == 0 and json.loads(r.stdout)["matches_pin"] is True
+
+
+def test_a_changed_flag_value_reconfigures_in_place():
+    """Asking for a tool that needs another CMake value (LLAMA_BUILD_SERVER for llama-server) must not
+    throw the build directory away; a flag no longer given must (CMake's cache would keep it)."""
+    assert "llama-server" in B.TOOLS and "-DLLAMA_BUILD_SERVER=ON" in B.cmake_flags("cpu")
+    old = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=OFF"]
+    new = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON"]
+    assert not B._needs_fresh_dir("cmake_flags changed", old, new)
+    assert not B._needs_fresh_dir("tools not built", new, new)
+    assert B._needs_fresh_dir("cmake_flags changed", old + ["-DGGML_AVX512=OFF"], new)
+    assert B._needs_fresh_dir("forced", new, new) and B._needs_fresh_dir("backend changed", new, new)

@@ -6,6 +6,11 @@ Two variants of the same pinned revision:
 * ``vanilla``: a copy of that tree with the series reversed, in ``build/src-vanilla/``, for
   side-by-side comparisons.
 
+``--rpc`` turns on ggml's RPC backend (``-DGGML_RPC=ON``: layers offloaded to ``rpc-server``
+processes on other machines, ``pk.Model(path, rpc=[...])``) and builds ``rpc-server`` itself; the
+manifest says ``"rpc": true``. A later build that does not say ``--rpc`` or ``--no-rpc`` keeps what
+the existing build has, and switching it is a reconfigure in place, not a rebuild.
+
 Each build lives in ``build/<variant>-<backend>/`` with ``manifest.json`` (revision, patch names and
 sha256, backend, CMake flags, time, library path) and ``build.log``. A build whose manifest does not
 match what would be built now (a patch changed, other flags) is stale and is rebuilt.
@@ -33,7 +38,11 @@ from . import patch as _patch, vendor as _vendor
 
 VARIANTS = ("patched", "vanilla")
 BACKENDS = ("cpu", "cuda", "metal")
-TOOLS = ("llama-batched-bench",)
+# llama.cpp's own programs that `build --tools` adds, for the benchmarks: llama-batched-bench
+# (scripts/bench_binding.py) and llama-server (scripts/bench_server.py; plain HTTP, no curl, no SSL)
+TOOLS = ("llama-batched-bench", "llama-server")
+# ggml's RPC server (tools/rpc at the pin), built with the RPC backend (--rpc)
+RPC_SERVER = "rpc-server"
 
 class BuildError(HarnessError):
     """The build could not be configured or compiled; the message says why and what to do."""
@@ -90,18 +99,20 @@ def _find_cuda() -> dict:
 
 
 def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
-                extra: list[str] | None = None) -> list[str]:
+                extra: list[str] | None = None, rpc: bool | None = None) -> list[str]:
+    """The CMake flags of a build. ``rpc``: -DGGML_RPC=ON (True), =OFF (False), or not given (None:
+    CMake's default, off), so that builds made before the option existed stay up to date."""
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
-        "-DLLAMA_BUILD_SERVER=OFF",
         # tools are configured always and built only on request (--tools), so that asking for them
         # adds a target instead of changing the configuration of an existing build
         "-DLLAMA_BUILD_COMMON=ON",
         "-DLLAMA_BUILD_TOOLS=ON",
+        "-DLLAMA_BUILD_SERVER=ON",
     ]
     if backend == "cpu":
         flags += ["-DGGML_CUDA=OFF", "-DGGML_METAL=OFF"]
@@ -111,7 +122,15 @@ def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
         flags += ["-DGGML_METAL=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL_EMBED_LIBRARY=ON"]
     else:
         raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if rpc is not None:
+        flags.append(f"-DGGML_RPC={'ON' if rpc else 'OFF'}")
     return flags + list(extra or [])
+
+
+def _rpc_in(flags: list[str]) -> bool | None:
+    """The GGML_RPC value that ``flags`` give (None: not given)."""
+    given = [f.split("=", 1)[1].upper() for f in flags if f.startswith("-DGGML_RPC=")]
+    return None if not given else given[-1] in ("ON", "1", "TRUE", "YES")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,13 +159,15 @@ def _patch_records(variant: str, patches: list) -> list[dict]:
 def _wanted(variant: str, backend: str, flags: list[str], tools: bool, root: Path | None) -> dict:
     pin = _vendor.Pin.load(_paths.pin_path(root))
     patches = _patch_records(variant, _patch.series(_paths.patches_dir(root)))
+    rpc = bool(_rpc_in(flags))
     return {
         "revision": pin.revision,
         "variant": variant,
         "backend": backend,
         "patches": patches,
         "cmake_flags": flags,
-        "tools": list(TOOLS) if tools else [],
+        "rpc": rpc,
+        "tools": (list(TOOLS) if tools else []) + ([RPC_SERVER] if rpc else []),
     }
 
 
@@ -214,6 +235,16 @@ def _run_logged(cmd: list[str], log_file, label: str, log: Log, progress: bool) 
     return rc
 
 
+def _needs_fresh_dir(reason: str, old_flags: list[str], flags: list[str]) -> bool:
+    """Whether the CMake directory must be configured afresh rather than in place. In place is safe
+    when every variable the old build set is set again (a new value overrides CMake's cache); a
+    variable no longer given would keep its old cached value."""
+    if reason in ("forced", "backend changed"):
+        return True
+    names = [{f.split("=", 1)[0] for f in fl} for fl in (old_flags, flags)]
+    return reason == "cmake_flags changed" and not names[0] <= names[1]
+
+
 def build(
     variant: str = "patched",
     backend: str | None = None,
@@ -225,8 +256,10 @@ def build(
     root: Path | None = None,
     log: Log = _stderr,
     progress: bool = True,
+    rpc: bool | None = None,
 ) -> dict:
-    """Build (or reuse) one variant for one backend; return its manifest."""
+    """Build (or reuse) one variant for one backend; return its manifest. ``rpc``: with ggml's RPC
+    backend and rpc-server (True), without (False), or as the existing build has it (None)."""
     if variant not in VARIANTS:
         raise BuildError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
     backend = backend or default_backend()
@@ -235,9 +268,11 @@ def build(
     if not shutil.which("cmake"):
         raise BuildError("cmake was not found on PATH: install CMake 3.14 or newer (e.g. `pip install cmake`)")
     cuda_info = _find_cuda() if backend == "cuda" else None
-    flags = cmake_flags(backend, tools=tools, cuda_arch=cuda_arch, extra=extra_cmake)
-    wanted = _wanted(variant, backend, flags, tools, root)
     bdir = build_dir(variant, backend, root)
+    if rpc is None:  # as the existing build has it
+        rpc = _rpc_in((read_manifest(bdir) or {}).get("cmake_flags") or [])
+    flags = cmake_flags(backend, tools=tools, cuda_arch=cuda_arch, extra=extra_cmake, rpc=rpc)
+    wanted = _wanted(variant, backend, flags, tools, root)
     reason = "forced" if force else stale_reason(read_manifest(bdir), wanted)
     if reason is None:
         m = read_manifest(bdir)
@@ -253,11 +288,11 @@ def build(
     bdir.mkdir(parents=True, exist_ok=True)
     previous = read_manifest(bdir) or {}
     (bdir / "manifest.json").unlink(missing_ok=True)
-    if cmake_dir.exists() and reason in ("forced", "cmake_flags changed", "backend changed"):
+    if cmake_dir.exists() and _needs_fresh_dir(reason, previous.get("cmake_flags", []), flags):
         shutil.rmtree(cmake_dir)
     log_path = bdir / "build.log"
     jobs = jobs or os.cpu_count() or 2
-    targets = ["llama", *(TOOLS if tools else ())]
+    targets = ["llama", *wanted["tools"]]
     with open(log_path, "w") as lf:
         cfg = ["cmake", "-S", str(src), "-B", str(cmake_dir), *flags]
         log(f"  configure: {' '.join(flags)}")
@@ -269,7 +304,7 @@ def build(
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise BuildError(f"{variant}-{backend}: the build failed (exit {rc}); last lines of {log_path}:\n{tail}")
     lib = next((p for p in (cmake_dir / "bin" / lib_name(), cmake_dir / "src" / lib_name()) if p.is_file()), None)
-    for t in TOOLS if tools else ():
+    for t in wanted["tools"]:
         if not (cmake_dir / "bin" / t).is_file():
             raise BuildError(f"{variant}-{backend}: the build finished but {t} is not in {cmake_dir}/bin")
     if lib is None:
@@ -343,6 +378,7 @@ def status(root: Path | None = None) -> dict:
             out["builds"].append({
                 "variant": variant, "backend": backend, "lib": m.get("lib"), "dir": str(d),
                 "built_at": m.get("built_at"), "tools": m.get("tools", []), "bin_dir": m.get("bin_dir"),
+                "rpc": bool(m.get("rpc")),
                 "stale": stale, "patches": [p["name"] for p in m.get("patches", [])],
             })
     return out

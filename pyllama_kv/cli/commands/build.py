@@ -12,7 +12,14 @@ def register(subparsers) -> None:
                    help="compute backend (default: metal on macOS, cpu elsewhere)")
     s.add_argument("--cuda-arch", metavar="ARCHS",
                    help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native)")
-    s.add_argument("--tools", action="store_true", help="also build llama.cpp's llama-batched-bench (for benchmarks)")
+    s.add_argument("--tools", action="store_true",
+                   help="also build llama.cpp's llama-batched-bench and llama-server (for the benchmarks)")
+    rpc = s.add_mutually_exclusive_group()
+    rpc.add_argument("--rpc", action="store_true", default=None,
+                     help="with ggml's RPC backend, and build rpc-server: offload layers to other machines "
+                          "(pk.Model(..., rpc=[...]), --rpc HOST:PORT on the commands that load a model); "
+                          "kept by later builds")
+    rpc.add_argument("--no-rpc", dest="rpc", action="store_false", help="without the RPC backend")
     s.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: all cores)")
     s.add_argument("--force", action="store_true", help="rebuild even if up to date")
     s.add_argument("--cmake-arg", action="append", metavar="-DX=Y", help="extra CMake argument (repeatable)")
@@ -23,7 +30,8 @@ def run(args) -> int:
     from ...harness import build
 
     m = build.build(variant="vanilla" if args.vanilla else "patched", backend=args.backend, tools=args.tools,
-                    cuda_arch=args.cuda_arch, jobs=args.jobs, force=args.force, extra_cmake=args.cmake_arg, log=log)
+                    cuda_arch=args.cuda_arch, jobs=args.jobs, force=args.force, extra_cmake=args.cmake_arg, log=log,
+                    rpc=args.rpc)
     if args.json:
         print_json(m)
     else:

@@ -26,5 +26,6 @@ def run(args) -> int:
     if not st["builds"]:
         print("builds              none (run `pyllama-kv build`)")
     for b in st["builds"]:
-        print(f"build {b['variant']}-{b['backend']:<6} {b['lib']}" + (f"  (stale: {b['stale']})" if b["stale"] else ""))
+        print(f"build {b['variant']}-{b['backend']:<6} {b['lib']}" + ("  (RPC)" if b.get("rpc") else "")
+              + (f"  (stale: {b['stale']})" if b["stale"] else ""))
     return 0
