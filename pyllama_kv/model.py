@@ -7,7 +7,11 @@ closed first by :meth:`Model.close`) and ``Model._check_open()``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
+import struct
 import threading
 from collections.abc import Iterable, Sequence as _Seq
 from pathlib import Path
@@ -15,11 +19,93 @@ from pathlib import Path
 import numpy as np
 
 from ._native import kv as _kv
-from .errors import InvalidInputError, LlamaError, ModelLoadError
+from .errors import InvalidInputError, LibraryError, LlamaError, ModelLoadError
 
 INT32_MAX = 2**31 - 1
 # what the vocabulary functions return when llama.cpp threw an exception (patch 0005)
 C_EXCEPTION = -(2**31)
+
+
+# ggml's RPC protocol at the pin (ggml/include/ggml-rpc.h, ggml-rpc.cpp): a client's first command is
+# HELLO (1 byte, then a uint64 request size of 0); the server answers a uint64 size (3) and
+# major.minor.patch. The pinned client accepts major 2, minor <= 0.
+RPC_CMD_HELLO = 14
+RPC_PROTO = (2, 0)
+#: seconds each RPC endpoint gets to accept a connection and answer HELLO before loading gives up
+RPC_TIMEOUT = 5.0
+_ENDPOINT = re.compile(r"([A-Za-z0-9._-]{1,253}):([0-9]{1,5})")
+# endpoints that an open Model of this process is connected to (llama.cpp keeps one connection per
+# endpoint, and rpc-server serves one client at a time: a second connection would not be answered)
+_rpc_open: dict[str, int] = {}
+_rpc_lock = threading.Lock()
+_NO_LOCK = contextlib.nullcontext()
+
+
+def parse_rpc(rpc) -> list[str]:
+    """``rpc`` (``"host:port"``, ``"host:port,host:port"`` or a list of them) as a list of endpoints;
+    InvalidInputError for one the pinned RPC client would misread (it splits at the first ``:``,
+    resolves IPv4 names only and aborts on a port that is not a number)."""
+    items = rpc.split(",") if isinstance(rpc, str) else rpc
+    if isinstance(items, (bytes, bytearray)) or not isinstance(items, Iterable):
+        raise InvalidInputError(f"rpc must be a list of 'host:port' strings, got {type(rpc).__name__}")
+    out: list[str] = []
+    for ep in items:
+        if not isinstance(ep, str):
+            raise InvalidInputError(f"an rpc endpoint must be a 'host:port' string, got {type(ep).__name__}")
+        ep = ep.strip()
+        m = _ENDPOINT.fullmatch(ep)
+        if not m or not 0 < int(m.group(2)) < 65536:
+            raise InvalidInputError(f"rpc endpoint {ep!r} is not HOST:PORT (an IPv4 address or a host name, "
+                                    "and a port 1-65535)")
+        if ep in out:
+            raise InvalidInputError(f"rpc endpoint {ep} is given twice")
+        out.append(ep)
+    if not out:
+        raise InvalidInputError("rpc is empty: give at least one 'host:port' of a running rpc-server")
+    return out
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the connection was closed")
+        data += chunk
+    return data
+
+
+def probe_rpc(endpoint: str, timeout: float | None = None) -> tuple[int, int, int]:
+    """Connect to the rpc-server at ``endpoint`` and exchange HELLO, each step within ``timeout``
+    seconds (default :data:`RPC_TIMEOUT`): its protocol version, or ModelLoadError naming the
+    endpoint. The pinned client itself would block without limit on an unreachable host, and abort
+    on a server that does not answer."""
+    timeout = RPC_TIMEOUT if timeout is None else timeout
+    host, port = endpoint.rsplit(":", 1)
+    what = f"RPC server {endpoint}"
+    try:
+        ip = str(socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+    except (OSError, UnicodeError) as exc:
+        raise ModelLoadError(f"{what}: cannot resolve {host} to an IPv4 address ({exc})") from None
+    try:
+        with socket.create_connection((ip, int(port)), timeout=timeout) as sock:
+            sock.sendall(struct.pack("<BQ", RPC_CMD_HELLO, 0))
+            size = struct.unpack("<Q", _recv_exactly(sock, 8))[0]
+            version = tuple(_recv_exactly(sock, 3)) if size == 3 else ()
+    except socket.timeout:
+        raise ModelLoadError(f"{what} did not answer within {timeout:g}s: is the host up, is rpc-server running "
+                             "there, and is no other program using it (it serves one client at a time)?") from None
+    except ConnectionRefusedError:
+        raise ModelLoadError(f"{what} refused the connection: is rpc-server running there on port {port}?") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{what}: cannot connect: {exc.strerror or exc}") from None
+    if len(version) != 3:
+        raise ModelLoadError(f"{what} is not an rpc-server (it does not answer ggml's RPC HELLO)")
+    if version[0] != RPC_PROTO[0] or version[1] > RPC_PROTO[1]:
+        raise ModelLoadError(f"{what} speaks RPC protocol {'.'.join(map(str, version))}, this libllama "
+                             f"speaks {RPC_PROTO[0]}.{RPC_PROTO[1]}: run an rpc-server of the same llama.cpp "
+                             "revision (`pyllama-kv build --rpc` builds it)")
+    return version[0], version[1], version[2]
 
 
 def _validate_gguf(path: Path) -> None:
@@ -43,10 +129,18 @@ class Model(_kv.CResource):
     ``lib`` selects the library: a path, ``"patched"`` / ``"vanilla"``, or None for the default
     (``$PYLLAMA_KV_LIB``, else the patched build). Close with :meth:`close` or ``with``; contexts made
     from a model keep it alive until they close.
+
+    ``rpc``: ``["host:port", ...]`` of ``rpc-server`` processes (ggml's RPC backend; a library built
+    with ``pyllama-kv build --rpc``) to offload layers to: the last ``n_gpu_layers`` layers (default:
+    all of them) are split over those servers, the rest run on this machine's CPU (a local GPU is
+    not used then: run an rpc-server here too and list it). Each endpoint is checked first
+    (connect and HELLO, :data:`RPC_TIMEOUT` seconds each): one that cannot be reached is a
+    ModelLoadError naming it. A server that dies later aborts this process (the pinned backend
+    asserts on a failed RPC call).
     """
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, *, lib=None,
-                 use_mmap: bool = True, validate: bool = True):
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, *, lib=None,
+                 use_mmap: bool = True, validate: bool = True, rpc=None):
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"the model path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)
@@ -61,13 +155,31 @@ class Model(_kv.CResource):
                 raise InvalidInputError(f"{name} must be a bool, got {type(v).__name__}")
         if validate:
             _validate_gguf(self.path)
+        endpoints = parse_rpc(rpc) if rpc is not None else []
+        if n_gpu_layers is None:
+            n_gpu_layers = -1 if endpoints else 0
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
         self._lib = _kv.load_library(lib)
-        native, err = _kv.NativeModel.load(self._lib, os.fsencode(self.path),
-                                           2**31 - 1 if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap))
-        if native is None:
-            raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
+        self.rpc: tuple[str, ...] = ()
+        with _rpc_lock if endpoints else _NO_LOCK:
+            devices = None
+            if endpoints:
+                devices = _kv.rpc_devices(self._lib, endpoints)
+                if devices is None:
+                    raise LibraryError(f"{self._lib.path} was built without ggml's RPC backend: rebuild it with "
+                                       "`pyllama-kv build --rpc` to use rpc servers")
+                for ep in endpoints:
+                    if not _rpc_open.get(ep):   # else this process is connected already
+                        probe_rpc(ep)
+            native, err = _kv.NativeModel.load(self._lib, os.fsencode(self.path),
+                                               2**31 - 1 if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap),
+                                               devices)
+            if native is None:
+                raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
+            for ep in endpoints:
+                _rpc_open[ep] = _rpc_open.get(ep, 0) + 1
+            self.rpc = tuple(endpoints)
         self._native: _kv.NativeModel | None = native
         self._lock = threading.RLock()
         # the identity a saved sequence state is checked against (the file as loaded now)
@@ -134,6 +246,10 @@ class Model(_kv.CResource):
                 if not ctxs:
                     self._native = None
                     native.free()
+                    if self.rpc:
+                        with _rpc_lock:
+                            for ep in self.rpc:
+                                _rpc_open[ep] -= 1
                     return
             for c in ctxs:   # outside the model lock: a context's lock is always taken first
                 c.close()

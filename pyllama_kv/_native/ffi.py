@@ -1,8 +1,9 @@
 """The one place where C meets Python: cffi declarations (ABI mode) and library loading.
 
 Every C type and function pyllama_kv uses is declared in ``decl/*.h``, copied from the pinned
-``llama.h`` (and ``ggml.h`` for the few types it needs). ``tests/test_ffi_header.py`` compiles these
-declarations against the vendored header, so drift is a test failure, not a crash.
+``llama.h`` (and ``ggml.h`` / ``ggml-backend.h`` for the few types and registry functions it needs).
+``tests/test_ffi_header.py`` compiles these declarations against the vendored headers, so drift is
+a test failure, not a crash.
 
 Loading is ABI mode (``dlopen``), so the same package runs on the patched or the vanilla build.
 Which library: ``PYLLAMA_KV_LIB`` (a path to a libllama) if set, else the patched build found
@@ -39,8 +40,8 @@ def _decl(name: str) -> str:
 # C types. Struct layouts must match llama.h exactly (checked by tests/test_ffi_header.py).
 TYPES_CDEF = _decl("llama_types.h")
 
-# Functions present in every build of the pinned revision.
-FUNCS_CDEF = _decl("llama_funcs.h")
+# Functions present in every build of the pinned revision (llama.h's, and the ggml backend registry's).
+FUNCS_CDEF = _decl("llama_funcs.h") + _decl("ggml_backend.h")
 
 # Functions only our patched build exports (patches/0004-kv-stats-api.patch).
 PATCHED_FUNCS_CDEF = _decl("llama_patched.h")

@@ -18,7 +18,7 @@ import numpy as np
 from .ffi import GGML_TYPES, QUANTIZED_TYPES, CResource, Library, _callback_error, ffi, library_info, load
 
 __all__ = ["GGML_TYPES", "QUANTIZED_TYPES", "CResource", "Library", "library_info", "load_library",
-           "ModelInfo", "NativeModel", "NativeBatch", "NativeContext", "NativeSampler"]
+           "rpc_devices", "ModelInfo", "NativeModel", "NativeBatch", "NativeContext", "NativeSampler"]
 
 _alloc = ffi.new_allocator(should_clear_after_alloc=False)
 
@@ -26,6 +26,29 @@ _alloc = ffi.new_allocator(should_clear_after_alloc=False)
 def load_library(lib=None) -> Library:
     """The loaded libllama for ``lib`` (a path, "patched", "vanilla" or None: see ffi.load)."""
     return load(lib)
+
+
+def rpc_devices(lib: Library, endpoints: list[str]) -> Any | None:
+    """The RPC devices of ``endpoints`` ("host:port", already checked) as the NULL-terminated
+    ``ggml_backend_dev_t[]`` that llama_model_params.devices takes, made as common/arg.cpp
+    add_rpc_devices makes them (the RPC registry's ggml_backend_rpc_add_device; they are not
+    registered globally, so other models do not use them). None: the library has no RPC backend.
+    Nothing is connected here: llama_model_load_from_file connects."""
+    L = lib.lib
+    with lib.lock:
+        reg = L.ggml_backend_reg_by_name(b"RPC")
+        if reg == ffi.NULL:
+            return None
+        fn = L.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_device")
+        if fn == ffi.NULL:
+            return None
+        add_device = ffi.cast("ggml_backend_dev_t (*)(const char *)", fn)
+        devs = ffi.new("ggml_backend_dev_t[]", len(endpoints) + 1)   # the last stays NULL
+        for i, ep in enumerate(endpoints):
+            devs[i] = add_device(ep.encode())
+            if devs[i] == ffi.NULL:  # pragma: no cover - the pinned function always makes one
+                return None
+    return devs
 
 
 class ModelInfo(NamedTuple):
@@ -59,12 +82,17 @@ class NativeModel:
         self.vocab = self.L.llama_model_get_vocab(ptr)
 
     @classmethod
-    def load(cls, lib: Library, path: bytes, n_gpu_layers: int, use_mmap: bool) -> tuple[NativeModel | None, str]:
-        """llama_model_load_from_file: (the model, "") or (None, llama.cpp's last error line)."""
+    def load(cls, lib: Library, path: bytes, n_gpu_layers: int, use_mmap: bool,
+             devices: Any = None) -> tuple[NativeModel | None, str]:
+        """llama_model_load_from_file: (the model, "") or (None, llama.cpp's last error line).
+        ``devices``: a NULL-terminated ``ggml_backend_dev_t[]`` (rpc_devices), or None for llama.cpp's
+        default (every registered GPU)."""
         L = lib.lib
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = bool(use_mmap)
+        if devices is not None:
+            params.devices = devices
         with lib.lock:
             lib.clear_errors()
             ptr = L.llama_model_load_from_file(path, params)

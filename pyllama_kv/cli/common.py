@@ -50,10 +50,12 @@ def resolve_model(spec: str):
     return resolve(spec)
 
 
-def open_model(path: str, lib: str | None):
+def open_model(path: str, lib: str | None, rpc: list[str] | None = None):
+    """The model at ``path`` on library ``lib``; with ``rpc`` (the --rpc endpoints), every layer runs
+    on those rpc-server processes."""
     from .. import Model
 
-    return Model(path, lib=lib)
+    return Model(path, lib=lib, rpc=rpc)
 
 
 def check_ctx(model, n_ctx: int | None, flag: str = "--ctx") -> None:

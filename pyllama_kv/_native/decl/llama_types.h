@@ -13,6 +13,7 @@ struct llama_model_kv_override;
 struct llama_model_tensor_buft_override;
 struct ggml_tensor;
 typedef struct ggml_backend_device * ggml_backend_dev_t;
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
 
 enum ggml_log_level {
     GGML_LOG_LEVEL_NONE  = 0,
