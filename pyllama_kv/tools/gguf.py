@@ -1,13 +1,15 @@
-"""GGUF helpers: a tiny random llama model (written with the ``gguf`` package), and file inspection.
+"""GGUF helpers: a tiny random llama model (written with the ``gguf`` package), an F32 copy of a
+model, and file inspection.
 
-Neither function loads weights into llama.cpp: ``inspect_gguf`` reads the header and tensor table
+None of them loads weights into llama.cpp: ``inspect_gguf`` reads the header and tensor table
 with :mod:`pyllama_kv.gguf_check`'s reader (memory-mapped, weights untouched).
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -22,7 +24,7 @@ from .gguf_check import (
     read_gguf_header,
 )
 
-__all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_tiny_model", "tiny_vocab"]
+__all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_f32_copy", "make_tiny_model", "tiny_vocab"]
 
 # a small SPM-style vocabulary: specials, the 256 byte tokens (without them llama.cpp aborts on text
 # it cannot tokenize), then printable characters and a few words so that text is not all bytes
@@ -193,6 +195,107 @@ def make_tiny_model(
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# an F32 copy of a model
+
+def _field_value(field) -> Any:
+    """A metadata field's value as GGUFWriter.add_key_value takes it, strings as their raw bytes."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    vtype = field.types[0]
+    if vtype == T.STRING:
+        return bytes(field.parts[-1])
+    if vtype != T.ARRAY:
+        return field.contents()
+    if len(field.types) != 2:
+        raise GGUFFileError(f"{field.name}: nested arrays are not supported")
+    if field.types[1] == T.STRING:
+        return [bytes(field.parts[i]) for i in field.data]
+    return field.contents()
+
+
+def make_f32_copy(src: str | os.PathLike, dst: str | os.PathLike,
+                  log: Callable[[str], None] | None = None) -> Path:
+    """Write ``dst``, a copy of the GGUF ``src`` with every floating-point or quantized tensor
+    dequantized to F32 (``gguf.quants.dequantize``; integer tensors are copied as they are); return
+    its path.
+
+    Every metadata field is copied as is and in order (strings byte for byte, arrays such as the
+    vocabulary with their element type), except ``general.file_type``, which becomes ALL_F32. An F32
+    model computes the same logits whatever the batch shape (quantized matmul kernels do not), which
+    is what exactness tests need. One tensor is held in memory at a time; the file is written to a
+    temporary file beside ``dst`` and renamed into place when complete. ``log`` gets progress lines.
+    Raises GGUFFileError for what cannot be copied (a byte-swapped file, nested arrays, a type that
+    cannot be dequantized).
+    """
+    import gguf
+
+    src, dst = Path(src), Path(dst)
+    say = log or (lambda _msg: None)
+    reader = gguf.GGUFReader(src, "r")
+    if reader.byte_order != "I":
+        raise GGUFFileError(f"{src}: byte-swapped GGUF files are not supported")
+    T = gguf.GGUFValueType
+    Q = gguf.GGMLQuantizationType
+    keep = {Q.I8, Q.I16, Q.I32, Q.I64}
+    arch = reader.get_field("general.architecture")
+    if arch is None or arch.types[0] != T.STRING:
+        raise GGUFFileError(f"{src}: no general.architecture")
+
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        w = gguf.GGUFWriter(tmp, arch.contents())
+        w.kv_data[0].clear()  # the writer adds general.architecture itself: copy the fields in their order
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF."):  # the reader's view of the header, not metadata
+                continue
+            value = _field_value(field)
+            if field.name == gguf.Keys.General.FILE_TYPE:
+                value = int(gguf.LlamaFileType.ALL_F32)
+            elif field.name == gguf.Keys.General.ALIGNMENT:
+                w.data_alignment = int(value)
+            sub = field.types[-1] if field.types[0] == T.ARRAY else None
+            w.add_key_value(field.name, value, field.types[0], sub_type=sub)
+        total = 0
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if t.tensor_type in keep:
+                w.add_tensor_info(t.name, shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+            else:
+                w.add_tensor_info(t.name, shape, np.dtype(np.float32), t.n_elements * 4, Q.F32)
+            total += t.n_elements * 4
+        say(f"writing an F32 copy of {src.name}: {len(reader.tensors)} tensors, {total / 2**20:.0f} MiB")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        done, shown = 0, 0
+        for t in reader.tensors:
+            if t.tensor_type in keep:
+                data = t.data
+            else:
+                try:
+                    data = gguf.quants.dequantize(t.data, t.tensor_type)
+                except NotImplementedError as exc:
+                    raise GGUFFileError(f"{src}: tensor {t.name}: {exc}") from None
+                data = np.ascontiguousarray(data, dtype=np.float32)
+            w.write_tensor_data(data)
+            done += t.n_elements * 4
+            if done * 10 // max(total, 1) > shown:
+                shown = done * 10 // max(total, 1)
+                say(f"  {shown * 10}% ({done / 2**20:.0f} of {total / 2**20:.0f} MiB)")
+            del data
+        w.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    say(f"wrote {dst}")
+    return dst
 
 
 # ---------------------------------------------------------------------------------------------
