@@ -280,3 +280,10 @@ def apply_chat_template(model, messages, add_generation_prompt: bool = True) -> 
     model._check_open()
     return render(source, messages, add_generation_prompt, bos_token=_token_text(model, model.bos),
                   eos_token=_token_text(model, model.eos), name=_name(model))
+
+
+def tokenize_rendered(model, text: str, start: bool = True) -> list[int]:
+    """The token ids of a rendered chat prompt: its special tokens (``<|im_start|>``...) parsed, and,
+    at the ``start`` of a prompt, the model's BOS added unless the template wrote it already."""
+    bos = _token_text(model, model.bos)
+    return model.tokenize(text, add_bos=start and not (bos and text.startswith(bos)), special=True)

@@ -4,6 +4,8 @@ The prompt is one request with ``n=--parallel`` continuations: the engine evalua
 it N-1 times and decodes all continuations together, one token each per step. This command only
 submits the request and renders the engine's events: streamed text (``[i]``-prefixed for N>1) and
 a summary (prompt and generation tokens/s, reused tokens, KV cache stats), also when Ctrl-C stops it.
+With ``--chat`` the prompt is one user message (after ``--system``), rendered with the model's chat
+template (or ``--template FILE``) before it is tokenized.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import options
-from ..common import EXIT_INTERRUPTED, CLIError, check_ctx, open_model, positive, set_phase, setup_logging
+from ..common import EXIT_INTERRUPTED, EXIT_USAGE, CLIError, check_ctx, open_model, positive, set_phase, setup_logging
 from ..render import Streamer, log, print_json
 
 DEFAULT_N_PREDICT = 64
@@ -28,6 +30,11 @@ def register(subparsers) -> None:
     s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     s.add_argument("-p", "--prompt", help="the prompt text")
     s.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin); stdin is read when piped")
+    s.add_argument("--chat", action="store_true",
+                   help="the prompt is a user message: render it with the model's chat template first")
+    s.add_argument("--system", metavar="TEXT", help="with --chat: the system prompt (default: the template's own)")
+    s.add_argument("--template", metavar="FILE",
+                   help="with --chat: a jinja2 chat template to use instead of the model's")
     s.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
                    help="tokens to generate per sequence (default %(default)s)")
     options.add(s, "parallel", "n_ctx", "temperature", "top_k", "top_p", "min_p", "seed",
@@ -35,7 +42,7 @@ def register(subparsers) -> None:
                 helps={"n_ctx": "KV cache cells (default: min({ctx}, the model's n_ctx_train))".format(
                     ctx=options.field_default(options.EngineConfig, "n_ctx"))})
     s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
-    options.add(s, "n_threads", "type_k", "type_v")
+    options.add(s, "n_threads", "type_k", "type_v", "rpc")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
 
 
@@ -54,6 +61,11 @@ class RunSpec:
     type_v: str = "f16"
     lib: str | None = None
     json: bool = False
+    chat: bool = False             # render the prompt (UTF-8) as one user message with the chat template
+    system: str | None = None      # with chat: the system message
+    template: str | None = None    # with chat: a template's source instead of the model's
+    template_file: str | None = None
+    rpc: list[str] | None = None   # --rpc: every layer on these rpc-server endpoints
 
 
 def read_prompt(prompt: str | None, file: str | None) -> bytes:
@@ -85,16 +97,26 @@ def run(args) -> int:
     import random
 
     setup_logging(args.debug)
+    if not args.chat and (args.system is not None or args.template is not None):
+        log(f"pyllama-kv run: error: {'--system' if args.system is not None else '--template'} needs --chat")
+        return EXIT_USAGE
     positive("--parallel", args.parallel)
     positive("-n", args.n_predict, 0)
     positive("--ctx", args.n_ctx)
     positive("-t", args.n_threads)
     params = options.sampling(args, seed=random.randrange(2**31))
+    template = None
+    if args.chat:
+        from .chat import read_template
+
+        template = read_template(args.template)
     set_phase("reading the prompt")
     prompt = read_prompt(args.prompt, args.file)
     return generate(RunSpec(model=args.model, prompt=prompt, params=params, n_predict=args.n_predict,
                             parallel=args.parallel, n_ctx=args.n_ctx, n_threads=args.n_threads,
-                            type_k=args.type_k, type_v=args.type_v, lib=args.lib, json=args.json))
+                            type_k=args.type_k, type_v=args.type_v, lib=args.lib, json=args.json,
+                            chat=args.chat, system=args.system, template=template, template_file=args.template,
+                            rpc=args.rpc))
 
 
 def engine_config(spec: RunSpec, n_ctx: int):
@@ -114,12 +136,18 @@ def generate(spec: RunSpec) -> int:
     if spec.parallel > 255:
         raise CLIError(f"--parallel must be at most 255, got {spec.parallel}")
     set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
-    model = open_model(spec.model, spec.lib)
+    model = open_model(spec.model, spec.lib, spec.rpc)
     try:
         check_ctx(model, spec.n_ctx)
         n_ctx = spec.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
         set_phase("tokenizing the prompt")
-        toks = model.tokenize(spec.prompt)
+        if spec.chat:
+            from .chat import ChatTemplate
+
+            template = ChatTemplate(model, spec.template, spec.template_file)
+            toks = template.prompt(spec.prompt.decode("utf-8", "replace"), spec.system)
+        else:
+            toks = model.tokenize(spec.prompt)
         if len(toks) >= n_ctx:
             raise CLIError(f"the prompt has {len(toks)} tokens, which does not fit in --ctx {n_ctx}")
         cfg = engine_config(spec, n_ctx)
@@ -133,35 +161,14 @@ def generate(spec: RunSpec) -> int:
         model.close()
 
 
-def _holding_kv(ctx, cfg):
-    """The engine's view of ``ctx``, except that finished continuations keep their cells until the
-    summary has read the cache (one request: nothing waits for them); ``release()`` lets them go."""
-    from ...engine import ContextKV
-
-    class HoldingKV(ContextKV):
-        def __init__(self, *a) -> None:
-            super().__init__(*a)
-            self.held: list = []
-
-        def finish(self, seq, keep: bool) -> None:
-            self.held.append((seq, keep))
-
-        def release(self) -> None:
-            held, self.held = self.held, []
-            for seq, keep in held:
-                super().finish(seq, keep)
-
-    return HoldingKV(ctx, cfg.parallel, cfg.prefix_cache)
-
-
 def _serve(spec: RunSpec, model, ctx, cfg, toks: list[int]) -> int:
     """Submit, step the engine until the request is done, render its events; the summary also when
     Ctrl-C stops it (during the prompt or the generation): exit 130 then."""
-    from ...engine import Engine
+    from ...engine import Engine, HoldingKV
 
     n = spec.parallel
     stream = Streamer(n, out=sys.stdout) if not spec.json else None
-    kv = _holding_kv(ctx, cfg)
+    kv = HoldingKV(ctx, cfg.parallel, cfg.prefix_cache)   # the summary reads the cache after the request
     eng = Engine(model, cfg, kv=kv)
     t_prompt = t_gen = 0.0
     t0 = t_gen0 = time.perf_counter()

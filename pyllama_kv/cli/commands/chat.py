@@ -1,0 +1,391 @@
+"""`pyllama-kv chat`: a multi-turn conversation with a model, served by the generation engine.
+
+Every turn renders the whole conversation with the model's chat template (or ``--template FILE``)
+and submits it to the engine with ``keep=True``. The engine keeps the finished turn (prompt and
+answer) as a cached sequence and starts the next turn as a fork of it, so only the new messages are
+evaluated. So that the next prompt really starts with the cached tokens, the conversation keeps the
+token ids it submitted and generated, and appends only the tokens of the newly rendered text (as
+llama.cpp's own chat does): re-tokenizing the whole text could merge differently at the end of an
+answer. If the template renders the earlier turns differently (it trims them, say), the whole text
+is tokenized and the prefix cache reuses what still matches.
+
+Also ``ChatTemplate``, which `run --chat` renders and tokenizes its prompt with.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .. import options
+from ..common import CLIError, check_ctx, open_model, positive, set_phase, setup_logging
+from ..render import Streamer, log
+
+DEFAULT_ANSWER_TOKENS = 512
+
+COMMANDS_HELP = """\
+/stats   turns, tokens evaluated and reused (this turn and in total), speed, KV cache cells
+/reset   forget the conversation (its KV cells are freed); the system prompt stays
+/help    this list
+/exit    leave (so does Ctrl-D, or Ctrl-C twice at the prompt)
+Ctrl-C during an answer stops it; the partial answer stays in the conversation."""
+
+
+def register(subparsers) -> None:
+    import argparse
+
+    s = subparsers.add_parser(
+        "chat", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Chat with a model, turn after turn. Each turn keeps the KV cells of the conversation so\n"
+                    "far, so only the new message is evaluated (/stats shows the reused tokens). With stdin\n"
+                    "not a terminal, every line is one user message and the answers are printed plainly (or\n"
+                    "as JSON with --json), so a conversation can be scripted.",
+        epilog="commands at the prompt (a line that starts with /):\n" + COMMANDS_HELP + "\n\n"
+               "When the conversation no longer fits the context (--ctx), the turn is refused: /reset\n"
+               "starts a new one (nothing is dropped silently).")
+    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
+    s.add_argument("--system", metavar="TEXT", help="the system prompt (default: the template's own, if any)")
+    s.add_argument("--template", metavar="FILE",
+                   help="a jinja2 chat template to use instead of the model's (rendered in the same sandbox); "
+                        "needed when the model has none")
+    s.add_argument("-n", "--n-predict", type=int, default=DEFAULT_ANSWER_TOKENS,
+                   help="tokens per answer at most (default %(default)s)")
+    options.add(s, "n_ctx", "temperature", "top_k", "top_p", "min_p", "seed", defaults={"n_ctx": None},
+                helps={"n_ctx": "KV cache cells: the whole conversation must fit (default: min({ctx}, the "
+                                "model's n_ctx_train))".format(ctx=options.field_default(options.EngineConfig,
+                                                                                        "n_ctx"))})
+    s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
+    options.add(s, "n_threads", "rpc")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object per turn (answer, finish_reason, usage) instead of streaming")
+
+
+# ---------------------------------------------------------------------------------------------
+# the template: the model's own or a file's, and the tokens of what it renders
+
+
+def read_template(path: str | None) -> str | None:
+    """The source of a ``--template FILE`` (None without one); CLIError when it cannot be read."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        raise CLIError(f"cannot read the template file: {path} is a directory")
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CLIError(f"cannot read the template file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CLIError(f"cannot read the template file {path}: it is not UTF-8 text") from None
+
+
+class ChatTemplate:
+    """Renders messages with the model's chat template, or with ``source`` (a --template file's,
+    rendered in the same sandbox with the model's BOS/EOS texts), and tokenizes the result."""
+
+    def __init__(self, model, source: str | None = None, file: str | None = None):
+        self.model = model
+        self.source = source
+        self.name = f"the template {file}" if file else "the template"
+        if source is None and model.chat_template is None:
+            raise CLIError(f"{model.path.name} has no chat template (no tokenizer.chat_template in the GGUF): "
+                           "give one with --template FILE")
+        self.bos_text = self._text(model.bos)
+        # a hostile or broken template fails here, before any question is asked
+        self.render([{"role": "user", "content": "hello"}])
+
+    def _text(self, token: int) -> str:
+        if token is None or token < 0:
+            return ""
+        return self.model.token_to_piece(token, special=True).decode("utf-8", "replace")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.source is None:
+            return self.model.apply_chat_template(messages, add_generation_prompt)
+        from ...chat import render
+
+        return render(self.source, messages, add_generation_prompt, bos_token=self.bos_text,
+                      eos_token=self._text(self.model.eos), name=self.name)
+
+    def tokenize(self, text: str, start: bool = True) -> list[int]:
+        """Tokens of rendered ``text``, special tokens parsed; at the ``start`` of a prompt the
+        model's BOS is added unless the template wrote it already."""
+        from ...chat import tokenize_rendered
+
+        return tokenize_rendered(self.model, text, start)
+
+    def prompt(self, user: str, system: str | None = None) -> list[int]:
+        """One user message (and the system prompt) as a prompt for an answer: `run --chat`."""
+        msgs = ([{"role": "system", "content": system}] if system is not None else [])
+        return self.tokenize(self.render(msgs + [{"role": "user", "content": user}]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the conversation
+
+
+class Conversation:
+    """The messages, and the token ids (and their text) the KV cache holds for them."""
+
+    def __init__(self, template: ChatTemplate, system: str | None):
+        self.template = template
+        self.system = system
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system is not None else []
+        self.tokens: list[int] = []   # what was submitted and generated, in order
+        self.text = ""                # the rendered text those tokens are
+
+    def next_prompt(self, user: str) -> tuple[list[dict], str, list[int]]:
+        """The messages, rendered text and tokens of the next turn: the tokens kept so far plus the
+        tokens of the newly rendered text only (if the template renders the past as it was)."""
+        msgs = self.messages + [{"role": "user", "content": user}]
+        text = self.template.render(msgs)
+        if self.tokens and text.startswith(self.text):
+            return msgs, text, self.tokens + self.template.tokenize(text[len(self.text):], start=False)
+        return msgs, text, self.template.tokenize(text)
+
+    def answered(self, msgs: list[dict], text: str, toks: list[int], completion, cells_kept: bool) -> None:
+        self.messages = msgs + [{"role": "assistant", "content": completion.text}]
+        if cells_kept:   # the answer's tokens are in the cache (its last one is evaluated next turn)
+            self.tokens, self.text = toks + list(completion.tokens), text + completion.text
+        else:            # its cells were freed (Ctrl-C, error): the answer is tokenized as text next turn
+            self.tokens, self.text = toks, text
+
+
+class Session:
+    """The engine, the conversation, and what each turn cost."""
+
+    def __init__(self, model, ctx, kv, engine, conv: Conversation, params, n_predict: int, as_json: bool):
+        self.model, self.ctx, self.kv, self.engine = model, ctx, kv, engine
+        self.conv = conv
+        self.params = params
+        self.n_predict = n_predict
+        self.as_json = as_json
+        self.turns = 0
+        self.total = {"evaluated_tokens": 0, "reused_tokens": 0, "completion_tokens": 0}
+        self.last: dict | None = None
+        self._handle = None
+        self._stop = False
+
+    def _on_sigint(self, signum, frame) -> None:
+        self._stop = True
+        if self._handle is not None:
+            self._handle.cancel()
+
+    def turn(self, user: str) -> dict:
+        """One user message and the answer, streamed (or as one JSON object). Ctrl-C stops the
+        answer; the partial answer stays in the conversation."""
+        self._stop, self._handle = False, None
+        old = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            return self._turn(user)
+        finally:
+            signal.signal(signal.SIGINT, old)
+            self._handle = None
+
+    def _turn(self, user: str) -> dict:
+        n_ctx = self.ctx.n_ctx
+        msgs, text, toks = self.conv.next_prompt(user)
+        if len(toks) + 1 >= n_ctx:
+            msg = (f"the conversation no longer fits the context: the next prompt is {len(toks)} tokens, the "
+                   f"context holds {n_ctx} (--ctx). /reset starts a new conversation")
+            return self._report({"turn": self.turns + 1, "answer": "", "finish_reason": "context_full", "error": msg})
+        if self._stop:   # Ctrl-C while rendering: nothing was submitted
+            return self._report({"turn": self.turns + 1, "answer": "", "finish_reason": "interrupted"})
+        events: list = []
+        stream = None if self.as_json else Streamer(1)
+        t0 = time.perf_counter()
+        t_first = None
+        h = self._handle = self.engine.submit(toks, self.params, max_tokens=self.n_predict, keep=True,
+                                              on_event=events.append)
+        if self._stop:
+            h.cancel()
+        while not h.done:
+            self.engine.step()
+            batch, events[:] = events[:], []
+            if batch and t_first is None:
+                t_first = time.perf_counter()
+            if stream is not None:
+                for ev in batch:
+                    stream.add(0, ev.text)
+        t_end = time.perf_counter()
+        if stream is not None:
+            stream.finish()
+        c = h.completions[0]
+        reason = "interrupted" if c.finish_reason == "cancelled" else c.finish_reason
+        self.conv.answered(msgs, text, toks, c, cells_kept=reason in ("eos", "length", "stop"))
+        self.turns += 1
+        usage = h.usage
+        evaluated = usage.prompt_tokens - usage.reused_tokens
+        for k, v in (("evaluated_tokens", evaluated), ("reused_tokens", usage.reused_tokens),
+                     ("completion_tokens", usage.completion_tokens)):
+            self.total[k] += v
+        t_first = t_first or t_end
+        res = {"turn": self.turns, "answer": c.text, "finish_reason": reason,
+               "usage": {"prompt_tokens": usage.prompt_tokens, "reused_tokens": usage.reused_tokens,
+                         "evaluated_tokens": evaluated, "completion_tokens": usage.completion_tokens},
+               "prompt_seconds": round(t_first - t0, 4), "generation_seconds": round(t_end - t_first, 4)}
+        if c.error:
+            res["error"] = c.error
+        elif reason == "length" and len(toks) + usage.completion_tokens + 1 >= n_ctx:
+            res["error"] = "the context is full: /reset starts a new conversation"
+        self.last = res
+        return self._report(res)
+
+    def _report(self, res: dict) -> dict:
+        if self.as_json:
+            print(json.dumps(res, ensure_ascii=False), flush=True)
+        elif res.get("error"):
+            log(res["error"])
+        elif res["finish_reason"] == "interrupted":
+            log("[answer interrupted: the partial answer stays in the conversation]")
+        return res
+
+    def reset(self) -> None:
+        self.conv.reset()
+        self.kv.cache.clear()   # the cached turns: every cell of the conversation is freed
+        self.last = None
+
+    def stats(self) -> dict:
+        st = self.ctx.kv_stats()
+        out: dict = {"turns": self.turns, "last_turn": None, "total": dict(self.total),
+                     "kv": {"used_cells": st.used_cells, "free_cells": st.n_cells - st.used_cells,
+                            "n_cells": st.n_cells}}
+        if self.last is not None:
+            u, ps, gs = self.last["usage"], self.last["prompt_seconds"], self.last["generation_seconds"]
+            out["last_turn"] = dict(u, prompt_tokens_per_s=round(u["evaluated_tokens"] / ps, 1) if ps > 0 else None,
+                                    generation_tokens_per_s=round(u["completion_tokens"] / gs, 1) if gs > 0 else None)
+        return out
+
+    def print_stats(self) -> None:
+        s = self.stats()
+        if self.as_json:
+            print(json.dumps({"stats": s}), flush=True)
+            return
+        t, kv, last = s["total"], s["kv"], s["last_turn"]
+        lines = [f"turns       {s['turns']}"]
+        if last is not None:
+            lines.append(f"last turn   prompt {last['prompt_tokens']} tokens: {last['evaluated_tokens']} evaluated, "
+                         f"{last['reused_tokens']} reused from the cache; answer {last['completion_tokens']} tokens")
+            lines.append(f"speed       prompt {last['prompt_tokens_per_s']} tok/s, "
+                         f"generation {last['generation_tokens_per_s']} tok/s (last turn)")
+        lines.append(f"total       {t['evaluated_tokens']} prompt tokens evaluated, {t['reused_tokens']} reused; "
+                     f"{t['completion_tokens']} generated")
+        lines.append(f"KV cache    {kv['used_cells']} of {kv['n_cells']} cells used, {kv['free_cells']} free")
+        print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def _read_line(tty: bool) -> str | None:
+    """The next line typed or piped (None at EOF)."""
+    if tty:
+        try:
+            return input("> ")
+        except EOFError:
+            print()
+            return None
+    raw = sys.stdin.buffer.readline()
+    if not raw:
+        return None
+    return raw.decode("utf-8", "replace").rstrip("\r\n")
+
+
+def run(args) -> int:
+    import random
+
+    setup_logging(args.debug)
+    positive("-n", args.n_predict)
+    positive("--ctx", args.n_ctx)
+    positive("-t", args.n_threads)
+    params = options.sampling(args, seed=random.randrange(2**31))
+    source = read_template(args.template)
+    set_phase("loading the model")
+    model = open_model(args.model, args.lib, args.rpc)
+    try:
+        check_ctx(model, args.n_ctx)
+        template = ChatTemplate(model, source, args.template)
+        n_ctx = args.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
+        cfg = options.build(options.EngineConfig, n_ctx=n_ctx, parallel=1, prefix_cache=2, n_threads=args.n_threads,
+                            max_queue=1, max_tokens=args.n_predict, keep_finished=True)
+        set_phase("creating the context")
+        ctx = model.context(**cfg.context().context_kwargs())
+        try:
+            return _session(args, model, ctx, cfg, Conversation(template, args.system), params)
+        finally:
+            ctx.close()
+    finally:
+        model.close()
+
+
+def _session(args, model, ctx, cfg, conv: Conversation, params) -> int:
+    from ...engine import ContextKV, Engine
+
+    kv = ContextKV(ctx, cfg.parallel, cfg.prefix_cache)
+    eng = Engine(model, cfg, kv=kv)
+    sess = Session(model, ctx, kv, eng, conv, params, args.n_predict, args.json)
+    tty = sys.stdin.isatty()
+    set_phase(None)
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        log(f"chatting with {Path(model.path).name} ({ctx.n_ctx} cells of context). /help lists the commands, "
+            "Ctrl-C stops an answer, Ctrl-D exits.")
+    interrupted_once = False
+    try:
+        while True:
+            try:
+                line = _read_line(tty)
+                if line is None:
+                    return 0
+                interrupted_once = False
+                if not _do(sess, line):
+                    return 0
+            except KeyboardInterrupt:   # not during an answer: clears the line; twice in a row exits
+                if interrupted_once:
+                    if tty:
+                        print()
+                    return 0
+                interrupted_once = True
+                if tty:
+                    print()
+                log("(Ctrl-C again or Ctrl-D to exit)")
+    finally:
+        eng.close()
+        kv.cache.clear()
+
+
+def _do(sess: Session, line: str) -> bool:
+    """Run one line: a command or a user message. False: exit."""
+    from ...errors import InvalidInputError
+
+    cmd = line.strip()
+    if not cmd:
+        return True
+    if cmd.startswith("/"):
+        word = cmd.split()[0].lower()
+        if word in ("/exit", "/quit"):
+            return False
+        if word == "/stats":
+            sess.print_stats()
+        elif word == "/reset":
+            sess.reset()
+            log("the conversation is forgotten and its KV cells are freed")
+        elif word == "/help":
+            log(COMMANDS_HELP)
+        else:
+            log(f"unknown command {word}: /help lists the commands")
+        return True
+    try:
+        sess.turn(line)
+    except InvalidInputError as exc:   # e.g. the template refused this conversation: say why, go on
+        log(f"error: {exc}")
+    return True
