@@ -18,7 +18,7 @@ LCP    := $(VENV)/.llama-cpp-python
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,map]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,map,server]'
 	@touch $@
 
 venv: $(STAMP)
@@ -37,7 +37,7 @@ patch: vendor
 	$(BIN)/pyllama-kv patch
 
 build: patch
-	$(BIN)/pyllama-kv build --tools
+	$(BIN)/pyllama-kv build --tools --rpc
 	$(BIN)/pyllama-kv build --vanilla
 
 setup: build $(LCP)

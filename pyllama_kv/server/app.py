@@ -1,0 +1,375 @@
+"""The ASGI app (starlette) and its runner (uvicorn), over one :class:`~pyllama_kv.engine.Engine`.
+
+Ollama's runner model: the engine's thread owns the context and runs the one loop; a handler only
+parses and tokenizes the request, submits it, and relays the engine's events, which the engine
+thread hands to the asyncio loop (``call_soon_threadsafe`` into a queue per request).
+
+* Prefix reuse: requests are submitted with the engine's ``keep_finished`` (on by default): a prompt
+  is remembered as an idle cached sequence as soon as it is evaluated, and a finished request's
+  prompt + answer replaces it, so a later request forks the longest cached prefix (a shared system
+  prompt, or the conversation so far) instead of evaluating it again. Idle cached sequences are
+  evicted before a request has to wait for cells.
+* Nothing lost, nothing leaked: a client that goes away (streaming or not) has its request
+  cancelled, and the engine frees its cells at its next step. Every failure becomes a JSON error
+  (tracebacks go to the server's log only).
+* Shutdown (SIGINT/SIGTERM): uvicorn stops accepting; running requests get ``shutdown_grace``
+  seconds to finish, then are cancelled; the engine and its context are closed; exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..chat import tokenize_rendered
+from ..errors import InvalidInputError, LlamaError, QueueFullError
+from . import protocol
+from .config import ServerConfig
+from .metrics import CONTENT_TYPE, Metrics, Snapshot
+from .protocol import APIError, GenRequest
+
+log = logging.getLogger("pyllama_kv.server")
+
+_ERROR_FINISH = {"cache_full": (503, "server_error", "kv_cache_full"), "error": (500, "server_error", "engine_error")}
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Server:
+    """The app over ``engine`` (not started yet; the app's lifespan starts and closes it).
+
+    ``model_names``: the names a request's ``model`` may give (the first is the id /v1/models lists).
+    """
+
+    def __init__(self, model, engine, config: ServerConfig, model_names: list[str], library: str | None = None):
+        self.model = model
+        self.engine = engine
+        self.config = config
+        self.model_id = model_names[0]
+        self.model_names = set(model_names)
+        self.library = library
+        self.created = int(time.time())
+        self.snapshot = Snapshot()
+        self.metrics = Metrics(self)
+        self.shutting_down = False
+        self._grace: threading.Timer | None = None
+        routes = [
+            Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+            Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._endpoint(self.model_info), methods=["GET"]),
+            Route("/health", self._endpoint(self.health, auth=False), methods=["GET"]),
+            Route("/metrics", self._endpoint(self.metrics_text), methods=["GET"]),
+        ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan,
+                             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app) -> AsyncIterator[None]:
+        self.engine.start(on_step=self.publish)
+        try:
+            yield
+        finally:
+            self.shutting_down = True
+            await run_in_threadpool(self._close)
+
+    def _close(self) -> None:
+        if self._grace is not None:   # not two threads stopping the engine at once
+            self._grace.cancel()
+            self._grace.join()
+        self.engine.close()
+
+    def publish(self, engine) -> None:
+        """On the engine thread, after every step: the snapshot /metrics and /health read."""
+        self.snapshot = Snapshot.take(engine)
+
+    def begin_shutdown(self) -> None:
+        """The first SIGINT/SIGTERM: refuse new requests; cancel what still runs after the grace time."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        self._grace = threading.Timer(self.config.shutdown_grace, self.engine.stop, kwargs={"cancel": True})
+        self._grace.daemon = True
+        self._grace.start()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _endpoint(self, fn, auth: bool = True):
+        async def handler(request: Request) -> Response:
+            try:
+                if auth:
+                    self._auth(request)
+                return await fn(request)
+            except APIError as e:
+                return _error(e)
+            except Exception:
+                log.exception("error while serving %s %s", request.method, request.url.path)
+                return _error(APIError(500, "internal server error (see the server's log)", "server_error"))
+        return handler
+
+    def _auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error(APIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.error("error while serving %s %s", request.method, request.url.path, exc_info=exc)
+        return _error(APIError(500, "internal server error (see the server's log)", "server_error"))
+
+    async def _body(self, request: Request):
+        cap = self.config.max_body
+        too_big = APIError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cap:
+            raise too_big
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > cap:
+                raise too_big
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError):
+            raise protocol.bad(None, "the request body is not valid JSON", code="invalid_json") from None
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        ok = self.engine.alive and not self.shutting_down
+        s = self.snapshot
+        return JSONResponse({"status": "ok" if ok else "unavailable", "requests_running": s.running_requests,
+                             "requests_queued": s.waiting}, status_code=200 if ok else 503)
+
+    def _model_object(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pyllama-kv"}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def model_info(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_object())
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    def _check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+    def _tokens(self, req: GenRequest) -> list[int]:
+        """The prompt's token ids (on a worker thread: rendering and tokenizing take a while)."""
+        m = self.model
+        param = "messages" if req.kind == "chat" else "prompt"
+        try:
+            if req.kind == "chat":
+                return tokenize_rendered(m, m.apply_chat_template(req.prompt))
+            if isinstance(req.prompt, str):
+                return m.tokenize(req.prompt, add_bos=True, special=True)
+            return m.check_tokens(req.prompt).tolist()
+        except InvalidInputError as e:
+            raise protocol.bad(param, str(e)) from None
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        body = await self._body(request)
+        cfg = self.engine.config
+        req = protocol.parse(body, kind, parallel=cfg.parallel, max_tokens_cap=cfg.max_tokens)
+        self._check_model(req.model)
+        toks = await run_in_threadpool(self._tokens, req)
+        n_ctx = self.engine.n_ctx
+        if len(toks) >= n_ctx:
+            raise protocol.bad("messages" if kind == "chat" else "prompt",
+                               f"the prompt has {len(toks)} tokens; the context holds {n_ctx} (and at least one more "
+                               "is needed to generate)", code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            handle = self.engine.submit(toks, req.params, max_tokens=req.max_tokens or cfg.max_tokens, stop=req.stop,
+                                        n=req.n, on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        except InvalidInputError as e:
+            raise protocol.bad(None, str(e)) from None
+        if req.stream:
+            return StreamingResponse(self._stream(req, handle, events, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._complete(request, req, handle, events, t0)
+
+    def _observe(self, handle, t0: float) -> None:
+        if handle.ttft is not None:
+            self.metrics.ttft.observe(handle.ttft)
+        self.metrics.latency.observe(time.perf_counter() - t0)
+
+    @staticmethod
+    def _failure(completions) -> APIError | None:
+        for c in completions:
+            if c.finish_reason in _ERROR_FINISH:
+                status, typ, code = _ERROR_FINISH[c.finish_reason]
+                return APIError(status, c.error or f"the request failed ({c.finish_reason})", typ, code=code)
+        return None
+
+    async def _complete(self, request: Request, req: GenRequest, handle, events: asyncio.Queue, t0: float) -> Response:
+        """A non-streaming request: wait for every continuation, or for the client to go away."""
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(disconnected())
+        open_ = req.n   # counted from the events: handle.done may be set a moment after the last one arrives
+        try:
+            while open_:
+                get = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    handle.cancel()
+                    return Response(status_code=499)   # nobody is there to read it
+                open_ -= get.result().finish_reason is not None
+        finally:
+            gone.cancel()
+            if open_:   # cancelled (the grace time of a shutdown ran out)
+                handle.cancel()
+        comps = handle.completions   # complete: each is filled in before its last event is sent
+        err = self._failure(comps)
+        if err is not None:
+            return _error(err)
+        self._observe(handle, t0)
+        return JSONResponse(protocol.response(req, comps, handle.usage))
+
+    async def _stream(self, req: GenRequest, handle, events: asyncio.Queue, t0: float) -> AsyncIterator[str]:
+        """SSE chunks: text deltas, one finish chunk per continuation, [usage], ``[DONE]``. A client
+        that goes away cancels the request (starlette cancels this generator)."""
+        open_ = req.n
+        try:
+            if req.kind == "chat":
+                for i in range(req.n):
+                    yield _sse(protocol.chunk(req, i, "", role=True))
+            while open_:
+                ev = await events.get()
+                if ev.finish_reason in _ERROR_FINISH:
+                    handle.cancel()
+                    err = self._failure([handle.completions[ev.index]])
+                    assert err is not None
+                    yield _sse(err.body())
+                    break
+                if ev.text:
+                    yield _sse(protocol.chunk(req, ev.index, ev.text))
+                if ev.finish_reason is not None:
+                    open_ -= 1
+                    yield _sse(protocol.chunk(req, ev.index, None if req.kind == "chat" else "", ev.finish_reason))
+            else:
+                self._observe(handle, t0)
+                if req.include_usage:
+                    yield _sse(protocol.usage_chunk(req, handle.usage))
+            yield "data: [DONE]\n\n"
+        except (LlamaError, ValueError) as e:   # should not happen: say so in the stream, not in a traceback
+            log.exception("error while streaming")
+            yield _sse(APIError(500, f"internal server error: {type(e).__name__}", "server_error").body())
+        finally:
+            if open_:
+                handle.cancel()
+
+
+# -- running it ---------------------------------------------------------------------------------------
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, except that the first SIGINT/SIGTERM also starts the engine's grace period,
+    and that the signal is not raised again after the graceful shutdown (uvicorn does, which would
+    end the process by the signal instead of with exit code 0)."""
+
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.pyllama_server = server
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self.pyllama_server.begin_shutdown()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (OSError when it cannot be had)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run(server: Server, sock: socket.socket, debug: bool = False) -> bool:
+    """Serve on ``sock`` until SIGINT/SIGTERM; whether the server started (False: see its log)."""
+    grace = server.config.shutdown_grace
+    cfg = uvicorn.Config(server.app, log_level="info" if debug else "warning", access_log=debug, lifespan="on",
+                         timeout_graceful_shutdown=int(grace) + 5, server_header=False)
+    us = _Uvicorn(cfg, server)
+    try:
+        us.run(sockets=[sock])
+    finally:
+        server.shutting_down = True
+        server._close()
+    return bool(us.started)

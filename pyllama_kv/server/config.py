@@ -1,0 +1,27 @@
+"""The server's own options (the engine's are :class:`~pyllama_kv.config.EngineConfig`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import _Config, _num, int_param
+from ..errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class ServerConfig(_Config):
+    """Where the server listens, who may use it, and how much one request may send."""
+
+    host: str = "127.0.0.1"        # this machine only, unless told otherwise
+    port: int = 8080               # 0: any free port (the startup line says which)
+    api_key: str | None = None     # required as "Authorization: Bearer KEY" on everything but /health
+    max_body: int = 1 << 20        # bytes of a request body; more get HTTP 413
+    shutdown_grace: float = 5.0    # seconds running requests get to finish on SIGINT/SIGTERM, then cancelled
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise InvalidInputError("host must be a non-empty string")
+        object.__setattr__(self, "port", int_param("port", self.port, 0, 65535))
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise InvalidInputError("api_key must be a non-empty string")
+        object.__setattr__(self, "max_body", int_param("max_body", self.max_body, 1024))
+        object.__setattr__(self, "shutdown_grace", _num("shutdown_grace", self.shutdown_grace, 0.0, 3600.0))

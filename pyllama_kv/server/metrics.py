@@ -1,0 +1,122 @@
+"""``GET /metrics``: Prometheus text from prometheus_client, in a registry of the server's own.
+
+The KV cache and the engine's counters are read from a :class:`Snapshot` that the engine thread
+publishes after every step (``Engine.start(on_step=...)``): the HTTP thread never calls into the
+context while the engine decodes. Latencies are histograms observed by the handlers.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_P = "pyllama_kv_"
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine and its cache after one step (taken on the engine thread)."""
+
+    kv: dict = field(default_factory=dict)        # KVStats.as_dict()
+    stats: dict = field(default_factory=dict)     # EngineStats.as_dict()
+    running_requests: int = 0
+    running_sequences: int = 0
+    waiting: int = 0
+    at: float = 0.0
+
+    @classmethod
+    def take(cls, engine) -> Snapshot:
+        ctx = getattr(engine.kv, "ctx", None)
+        kv = ctx.kv_stats().as_dict() if ctx is not None else {}
+        if ctx is not None:   # which used cells the idle cached prefixes hold, and which only requests hold
+            cache = getattr(engine.kv, "cache", None)
+            cached = [q.id for q in cache.cached] if cache is not None else []
+            _, seqs = ctx.kv_view()
+            by_cache = np.isin(seqs, cached).any(axis=1)
+            kv["cached_cells"] = int(by_cache.sum())
+            kv["request_cells"] = int(((seqs >= 0).any(axis=1) & ~by_cache).sum())
+        return cls(kv=kv, stats=engine.stats.as_dict(), running_requests=engine.running_requests,
+                   running_sequences=engine.running, waiting=engine.waiting, at=time.time())
+
+
+class _EngineCollector:
+    """Gauges and counters from the latest snapshot."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def collect(self):
+        s: Snapshot = self.server.snapshot
+        kv, st = s.kv, s.stats
+
+        def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+            return GaugeMetricFamily(_P + name, doc, value=value)
+
+        def counter(name: str, doc: str, value) -> CounterMetricFamily:
+            return CounterMetricFamily(_P + name, doc, value=value)
+
+        if kv:
+            yield gauge("kv_cells", "KV cache cells", kv["n_cells"])
+            yield gauge("kv_used_cells", "KV cache cells held by a sequence (running or cached prefixes)",
+                        kv["used_cells"])
+            yield gauge("kv_cached_cells", "KV cache cells held by idle cached prefixes (kept for reuse; evicted "
+                        "when a request needs the room)", kv["cached_cells"])
+            yield gauge("kv_request_cells", "KV cache cells held by running requests alone (0 when idle: nothing "
+                        "leaks)", kv["request_cells"])
+            yield gauge("kv_free_cells", "KV cache cells no sequence holds", kv["free_cells"])
+            yield gauge("kv_largest_free_block", "largest run of free cells (the biggest batch that fits without "
+                        "a defrag)", kv["largest_free_block"])
+            yield gauge("kv_fragmentation", "1 - largest free block / free cells (0: the free cells are contiguous)",
+                        kv["fragmentation"])
+            yield gauge("kv_holes", "runs of free cells followed by a used cell", kv["holes"])
+            for key, name, doc in (("defrags", "kv_defrags", "defrags the patched library ran"),
+                                   ("moves", "kv_defrag_moves", "block moves of those defrags"),
+                                   ("cells_moved", "kv_defrag_cells_moved", "cells moved by those defrags"),
+                                   ("slot_retries", "kv_slot_retries",
+                                    "batches the patched library placed after a defrag (a vanilla build fails them)"),
+                                   ("slot_failures", "kv_library_slot_failures",
+                                    "batches the patched library could not place")):
+                if kv.get(key) is not None:   # patched build only
+                    yield counter(name, doc, kv[key])
+        if st:
+            yield counter("slot_failures", "batches refused although the free cells sufficed (fragmentation; "
+                          "their prompts fail with an error)", st["slot_failures"])
+            fin = CounterMetricFamily(_P + "finished", "continuations finished, by reason (a request with n=3 "
+                                      "counts 3)", labels=["reason"])
+            for reason, v in st["finished"].items():
+                fin.add_metric([reason], v)
+            yield fin
+            yield counter("requests_submitted", "requests accepted by the engine", st["submitted"])
+            yield counter("requests_rejected", "requests refused because the queue was full (HTTP 429)",
+                          st["rejected"])
+            yield counter("preempted", "continuations put back in the queue because the cache was full",
+                          st["preempted"])
+            yield counter("prompt_tokens", "prompt tokens of admitted requests", st["prompt_tokens"])
+            yield counter("prompt_tokens_evaluated", "prompt tokens decoded", st["evaluated_tokens"])
+            yield counter("prompt_tokens_reused", "prompt tokens served from cached cells (not evaluated)",
+                          st["reused_tokens"])
+            yield counter("completion_tokens", "tokens generated", st["generated_tokens"])
+            yield counter("decode_calls", "llama_decode calls", st["decode_calls"])
+        yield gauge("requests_running", "requests generating or evaluating their prompt", s.running_requests)
+        yield gauge("sequences_running", "continuations holding a sequence", s.running_sequences)
+        yield gauge("requests_queued", "requests waiting for admission", s.waiting)
+
+
+class Metrics:
+    """The registry: the engine's snapshot, and the latency histograms the handlers fill."""
+
+    def __init__(self, server) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(server))
+        self.ttft = Histogram(_P + "time_to_first_token_seconds", "seconds from submit to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.latency = Histogram(_P + "request_duration_seconds", "seconds from the request's arrival to its "
+                                 "last token", buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,244 @@
+"""The OpenAI wire format: request bodies checked into a :class:`GenRequest`, and the JSON of
+responses, stream chunks and errors.
+
+Unknown fields are ignored, as OpenAI does; known ones with a bad value get HTTP 400 with OpenAI's
+error object, naming the field in ``param``. Fields OpenAI has but this server cannot honour
+(``logprobs``, ``echo``, ``suffix``, ``tools``) get 400 too rather than being silently dropped.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import SamplingParams
+
+#: the engine's finish reasons as OpenAI's (cache_full and error are reported as errors instead)
+FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "cancelled"}
+MAX_STOP = 16
+
+
+class APIError(Exception):
+    """An error answer: HTTP ``status`` with ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenRequest:
+    """A checked request, ready for the engine (``prompt`` is still text or messages)."""
+
+    kind: str                          # "chat" or "completion"
+    model: str
+    prompt: Any                        # messages (chat), or text / token ids (completion)
+    params: SamplingParams
+    max_tokens: int | None             # None: as many as the cap and the context allow
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# -- field checks ----------------------------------------------------------------------------------
+
+
+def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(name, f"{name} must be a number, got {v!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise bad(name, f"{name}={v} is out of range {'(' if lo_open else '['}{lo}, {hi}]")
+    return float(v)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, f"{name} must be an integer, got {v!r}")
+    if not lo <= v <= hi:
+        raise bad(name, f"{name}={v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("stop", "stop must be a string or a list of strings")
+    if len(v) > MAX_STOP:
+        raise bad("stop", f"stop has {len(v)} strings; at most {MAX_STOP} are allowed")
+    return tuple(s for s in v if s)
+
+
+def _unsupported(body: dict, names: tuple[str, ...]) -> None:
+    for name in names:
+        if body.get(name):
+            raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
+
+
+def _messages(v) -> list[dict]:
+    """OpenAI chat messages as the template's {"role", "content"} dicts (text parts joined)."""
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise bad(f"messages[{i}].role", f"messages[{i}].role must be a non-empty string")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise bad(f"messages[{i}].content[{j}]", "only text content parts are supported",
+                              code="unsupported_parameter")
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _prompt(v) -> str | list[int]:
+    """A completion prompt: a string, or token ids (also as a one-element list of either)."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise bad("prompt", "prompt must not be empty")
+        return v
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return list(v)
+    raise bad("prompt", "prompt must be a non-empty string or a list of token ids (one prompt per request)")
+
+
+def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
+    """Check a request body of ``/v1/chat/completions`` (kind "chat") or ``/v1/completions``."""
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required (a string: see GET /v1/models)", code="missing_required_parameter")
+    if kind == "chat":
+        if "messages" not in body:
+            raise bad("messages", "messages is required", code="missing_required_parameter")
+        prompt: Any = _messages(body["messages"])
+        _unsupported(body, ("logprobs", "tools", "functions"))
+    else:
+        if "prompt" not in body:
+            raise bad("prompt", "prompt is required", code="missing_required_parameter")
+        prompt = _prompt(body["prompt"])
+        _unsupported(body, ("logprobs", "echo", "suffix"))
+    max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap)
+    if kind == "chat" and max_tokens is None:
+        max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap)
+    sp: dict[str, Any] = {}
+    for name, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
+                                  ("min_p", 0.0, 1.0, False)):
+        x = _number(body, name, lo, hi, lo_open)
+        if x is not None:
+            sp[name] = x
+    top_k = _integer(body, "top_k", 0, 1 << 30)
+    if top_k is not None:
+        sp["top_k"] = top_k
+    seed = _integer(body, "seed", 0, 2**32 - 1)
+    if seed is not None:
+        sp["seed"] = seed
+    n = _integer(body, "n", 1, parallel)
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("stream_options", "stream_options must be an object")
+    include_usage = bool(opts and opts.get("include_usage") is True)
+    return GenRequest(kind=kind, model=model, prompt=prompt, params=SamplingParams(**sp), max_tokens=max_tokens,
+                      stop=_stop(body), n=n or 1, stream=stream, include_usage=include_usage)
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+
+def usage(u) -> dict:
+    """OpenAI's usage object from the engine's :class:`~pyllama_kv.engine.Usage`."""
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.reused_tokens}}
+
+
+def _head(req: GenRequest, chunk: bool) -> dict:
+    if req.kind == "chat":
+        return {"id": f"chatcmpl-{req.id}", "object": "chat.completion.chunk" if chunk else "chat.completion",
+                "created": req.created, "model": req.model}
+    return {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created, "model": req.model}
+
+
+def response(req: GenRequest, completions, u) -> dict:
+    """The whole answer of a non-streaming request."""
+    choices = []
+    for c in completions:
+        fr = FINISH.get(c.finish_reason or "", c.finish_reason)
+        if req.kind == "chat":
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "finish_reason": fr, "logprobs": None})
+        else:
+            choices.append({"index": c.index, "text": c.text, "finish_reason": fr, "logprobs": None})
+    return {**_head(req, False), "choices": choices, "usage": usage(u)}
+
+
+def chunk(req: GenRequest, index: int, text: str | None, finish_reason: str | None = None,
+          role: bool = False) -> dict:
+    """One stream chunk: a text delta of continuation ``index`` and/or its finish reason."""
+    fr = FINISH.get(finish_reason, finish_reason) if finish_reason else None
+    if req.kind == "chat":
+        delta: dict = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "finish_reason": fr, "logprobs": None}
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": fr, "logprobs": None}
+    return {**_head(req, True), "choices": [choice]}
+
+
+def usage_chunk(req: GenRequest, u) -> dict:
+    """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+    return {**_head(req, True), "choices": [], "usage": usage(u)}

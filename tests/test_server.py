@@ -1,0 +1,456 @@
+"""`pyllama-kv serve` on the real model, through the official openai client: chat and completions,
+streaming and not, n=3, stop strings, seeds, usage; the errors (400, 401, 404, 413, 429); a client
+that goes away mid-stream; 32 concurrent clients; vanilla vs patched under a fragmenting load;
+SIGTERM. Every server is a subprocess on 127.0.0.1 (--port 0: the OS picks a free port, the startup
+line says which), waited for with bounded loops and always stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from conftest import ENTRY_POINT, ROOT
+
+KEY = "test-key"
+MODEL = "smollm2-135m-instruct"
+SYSTEM = "You are a terse assistant. Answer in one short sentence, without any preamble or pleasantries."
+THREADS = "2"
+
+
+class ServerProc:
+    """`pyllama-kv serve MODEL ARGS --port 0` in a subprocess; its stderr is read by a thread (so the
+    pipe never fills), the URL is taken from its startup line."""
+
+    def __init__(self, model, *args: str, key: str | None = KEY, timeout: float = 120.0):
+        cmd = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "pyllama_kv.cli.main"]
+        cmd += ["serve", str(model), "--port", "0", "-t", THREADS, *args] + (["--api-key", key] if key else [])
+        env = dict(os.environ, GGML_NO_BACKTRACE="1")
+        env.pop("PYLLAMA_KV_API_KEY", None)
+        self.key = key
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                     cwd=ROOT)
+        self.lines: list[str] = []
+        self._url = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._url.wait(timeout):
+            self.stop()
+            raise AssertionError("the server printed no URL:\n" + self.log())
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(self.root + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise AssertionError("the server did not become healthy:\n" + self.log())
+            time.sleep(0.2)
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = re.search(r"(http://\S+)/v1", line)
+            if m and not self._url.is_set():
+                self.url = m.group(1) + "/v1"
+                self._url.set()
+
+    @property
+    def root(self) -> str:
+        return self.url[:-len("/v1")]
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", self.key or "none"), max_retries=0,
+                             timeout=kw.pop("timeout", 120.0), **kw)
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def metrics(self) -> dict[str, float]:
+        r = httpx.get(self.root + "/metrics", headers=self.headers(), timeout=10)
+        assert r.status_code == 200, r.text
+        out = {}
+        for line in r.text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def idle_metrics(self, timeout: float = 60.0) -> dict[str, float]:
+        """/metrics once nothing runs or waits (bounded)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["pyllama_kv_requests_running"] == 0 and m["pyllama_kv_requests_queued"] == 0:
+                return m
+            assert time.monotonic() < deadline, m
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(real_model):
+    s = ServerProc(MODEL, "--ctx", "2048", "--parallel", "8", "--max-tokens-cap", "256", "--max-body", "65536")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def finished(metrics: dict, reason: str) -> float:
+    return metrics[f'pyllama_kv_finished_total{{reason="{reason}"}}']
+
+
+def chat(client, question: str, system: str | None = SYSTEM, **kw):
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    return client.chat.completions.create(model=MODEL, messages=msgs, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# the API
+
+
+def test_models_health_and_startup_line(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    r = httpx.get(server.root + "/health", timeout=10)   # no key needed
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    line = server.lines[0]
+    assert server.url.startswith("http://127.0.0.1:")
+    assert MODEL in line and "library patched" in line and "ctx 2048" in line and "parallel 8" in line
+
+
+def test_chat_and_usage(client):
+    r = chat(client, "What is the capital of France?", max_tokens=24, temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL
+    c = r.choices[0]
+    assert c.index == 0 and c.message.role == "assistant" and c.message.content.strip()
+    assert c.finish_reason in ("stop", "length")
+    u = r.usage
+    assert 20 < u.prompt_tokens < 100 and 0 < u.completion_tokens <= 24
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    # the same conversation again: its prompt is forked from the cache, all but the last token
+    r2 = chat(client, "What is the capital of France?", max_tokens=4, temperature=0)
+    assert r2.usage.prompt_tokens == u.prompt_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens == u.prompt_tokens - 1
+
+
+def test_chat_streaming(client):
+    stream = chat(client, "Name three colours.", max_tokens=16, temperature=0, stream=True,
+                  stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert text.strip() and finishes in (["stop"], ["length"])
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None and 0 < usage.completion_tokens <= 16
+
+
+def test_sse_wire_format_ends_with_done(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/completions", json=body, headers=server.headers(), timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions(client):
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    parts = list(client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                           stream=True))
+    assert "".join(p.choices[0].text for p in parts).strip()
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_n3_forked_continuations(client):
+    r = chat(client, "Write a word.", max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens >= 3
+    chunks = list(chat(client, "Write a word.", max_tokens=8, temperature=1.0, seed=7, n=3, stream=True))
+    ends = {ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason}
+    assert ends == {0, 1, 2}
+
+
+def test_stop_strings(client):
+    for stop in (",", [",", "\n"]):
+        r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=24, temperature=0, stop=stop)
+        c = r.choices[0]
+        assert c.finish_reason == "stop" and "," not in c.text, c
+    r = chat(client, "Count from 1 to 10, separated by commas.", max_tokens=40, temperature=0, stop=["5"])
+    assert "5" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def small(real_model):
+    """One request at a time, one waiting, no prefix cache: every request starts from an empty cache."""
+    s = ServerProc(MODEL, "--ctx", "512", "--parallel", "1", "--max-queue", "1", "--prefix-cache", "0",
+                   "--shutdown-grace", "30")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_seed_reproducibility(small):
+    """Same seed and temperature, same text. With quantized weights, where a request's cells lie in
+    the cache changes its logits (by up to ~0.5 here: the activations are quantized too), so the
+    runs are compared on a server without a prefix cache, where each starts from an empty cache."""
+    c = small.client()
+
+    def text(seed: int) -> str:
+        return chat(c, "Tell me a story.", max_tokens=24, temperature=0.9, seed=seed).choices[0].message.content
+
+    a, b = text(1234), text(1234)
+    assert a == b and a.strip()
+    assert len({a, text(1), text(2)}) > 1   # the seed matters
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+    return err
+
+
+def test_bad_requests_get_400(server, client):
+    url, h = server.url + "/chat/completions", server.headers()
+    _error(httpx.post(url, content=b"{not json", headers={**h, "content-type": "application/json"}, timeout=30), 400)
+    _error(httpx.post(url, json=[1, 2], headers=h, timeout=30), 400)
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in (("temperature", 5), ("temperature", "hot"), ("top_p", 0), ("n", 0), ("n", 9),
+                         ("max_tokens", 0), ("max_tokens", 100000), ("stop", 3), ("seed", -1), ("stream", "yes"),
+                         ("messages", "hi"), ("messages", [{"content": "no role"}]), ("top_k", -1), ("min_p", 2)):
+        err = _error(httpx.post(url, json={**good, field: value}, headers=h, timeout=30), 400)
+        assert err["param"] and err["param"].split("[")[0] == field, (field, err)
+    del good["model"]
+    assert _error(httpx.post(url, json=good, headers=h, timeout=30), 400)["param"] == "model"
+    # unknown fields are ignored
+    r = httpx.post(url, json={**good, "model": MODEL, "frobnicate": 1, "user": "x"}, headers=h, timeout=60)
+    assert r.status_code == 200, r.text
+    # a prompt longer than the context
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+    # through the client too
+    with pytest.raises(openai.BadRequestError):
+        chat(client, "hi", temperature=3.0)
+
+
+def test_body_size_cap(server):
+    r = httpx.post(server.url + "/completions", json={"model": MODEL, "prompt": "x" * 70000},
+                   headers=server.headers(), timeout=30)
+    _error(r, 413)
+
+
+def test_api_key_required(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    for h in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/chat/completions", json={"model": MODEL, "messages": []}, headers=h, timeout=30)
+        assert _error(r, 401)["code"] == "invalid_api_key"
+    assert httpx.get(server.root + "/metrics", timeout=10).status_code == 401
+
+
+def test_unknown_model_or_path_get_404(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    _error(httpx.get(server.url + "/nothing-here", headers=server.headers(), timeout=10), 404)
+    _error(httpx.get(server.url + "/models/gpt-4", headers=server.headers(), timeout=10), 404)
+
+
+# ---------------------------------------------------------------------------------------------
+# nothing lost, nothing leaked
+
+
+def test_disconnect_mid_stream_frees_cells(server, client):
+    prompt = "Write a very long essay about the history of the bicycle, with many details."
+
+    def stream_and_leave(n_chunks: int) -> None:
+        stream = chat(client, prompt, max_tokens=256, temperature=0.7, seed=1, stream=True)
+        for i, _ in enumerate(stream):
+            if i >= n_chunks:
+                break
+        stream.close()   # the client goes away
+
+    stream_and_leave(3)   # its prompt is now a cached prefix: the baseline holds it
+    base = server.idle_metrics()
+    stream_and_leave(20)
+    after = server.idle_metrics()
+    assert after["pyllama_kv_kv_used_cells"] == base["pyllama_kv_kv_used_cells"], (base, after)
+    assert after["pyllama_kv_kv_request_cells"] == 0
+    assert finished(after, "cancelled") >= finished(base, "cancelled") + 1
+    assert after["pyllama_kv_completion_tokens_total"] - base["pyllama_kv_completion_tokens_total"] < 256
+
+
+def test_concurrent_requests_share_a_new_system_prompt(client):
+    """Requests that arrive together with one long system prompt: it is evaluated once (the others
+    wait for it and fork it), not once per request."""
+    system = "You answer questions about the planets of the solar system, briefly and accurately. " * 12
+
+    def one(i: int):
+        return chat(client, f"Tell me about planet number {i}.", system=system, max_tokens=4, temperature=0).usage
+
+    with ThreadPoolExecutor(6) as pool:
+        usages = list(pool.map(one, range(6)))
+    evaluated = sum(u.prompt_tokens - u.prompt_tokens_details.cached_tokens for u in usages)
+    assert usages[0].prompt_tokens > 200
+    assert evaluated < 2 * usages[0].prompt_tokens, [(u.prompt_tokens, u.prompt_tokens_details.cached_tokens)
+                                                     for u in usages]
+
+
+def test_32_concurrent_clients(server, client):
+    def one(i: int) -> str:
+        system = SYSTEM if i % 2 == 0 else None
+        question = f"Give me one fact about the number {i}."
+        if i % 3 == 0:
+            text = ""
+            for ch in chat(client, question, system=system, max_tokens=12, temperature=0.5, seed=i, stream=True):
+                if ch.choices:
+                    text += ch.choices[0].delta.content or ""
+                    assert ch.choices[0].finish_reason in (None, "stop", "length")
+            return text
+        if i % 3 == 1:
+            r = client.completions.create(model=MODEL, prompt=f"Fact {i}:", max_tokens=12, temperature=0)
+            assert r.choices[0].finish_reason in ("stop", "length")
+            return r.choices[0].text
+        r = chat(client, question, system=system, max_tokens=12, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        return r.choices[0].message.content
+
+    before = server.idle_metrics()
+    with ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, range(32)))
+    assert len(texts) == 32 and sum(bool(t.strip()) for t in texts) >= 28
+    after = server.idle_metrics()
+    assert httpx.get(server.root + "/health", timeout=10).status_code == 200
+    assert after["pyllama_kv_kv_request_cells"] == 0
+    assert after["pyllama_kv_kv_used_cells"] == after["pyllama_kv_kv_cached_cells"]
+    assert sum(finished(after, r) - finished(before, r) for r in ("stop", "eos", "length")) == 32
+    assert finished(after, "error") == finished(after, "cache_full") == 0
+    # the shared system prompt was evaluated once and forked
+    assert after["pyllama_kv_prompt_tokens_reused_total"] - before["pyllama_kv_prompt_tokens_reused_total"] > 200
+    ttft = "pyllama_kv_time_to_first_token_seconds_count"
+    assert after[ttft] >= before[ttft] + 32
+
+
+# ---------------------------------------------------------------------------------------------
+# the queue, shutdown
+
+
+def test_full_queue_gets_429_and_sigterm_exits_0(small):
+    """Last on the small server: it ends with SIGTERM."""
+    s = small
+    c = s.client()
+
+    def one(i: int):
+        try:
+            return c.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=24, temperature=0)
+        except openai.RateLimitError as e:
+            return e
+
+    with ThreadPoolExecutor(6) as pool:
+        out = list(pool.map(one, range(6)))
+    limited = [o for o in out if isinstance(o, openai.RateLimitError)]
+    assert limited and len(limited) <= 4, out
+    assert all(e.response.headers.get("retry-after") and e.code == "queue_full" for e in limited)
+    assert all(o.choices[0].finish_reason in ("stop", "length") for o in out if not isinstance(o, Exception))
+    # SIGTERM while a request runs: it still finishes (within the grace time), then exit 0
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(c.completions.create, model=MODEL, prompt="A long story:", max_tokens=64,
+                          temperature=0)
+        deadline = time.monotonic() + 60
+        while s.metrics()["pyllama_kv_requests_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        r = fut.result(timeout=60)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+    assert s.stop() == 0, s.log()
+    assert "Traceback" not in s.log()
+
+
+# ---------------------------------------------------------------------------------------------
+# vanilla vs patched under the same fragmenting load
+
+
+def _fragmenting_load(s: ServerProc) -> tuple[int, list]:
+    """Many concurrent completions of varied prompt and answer lengths in a small cache: (ok, errors)."""
+    c = s.client()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+
+    def one(i: int):
+        prompt = " ".join(words[(i * 7 + k) % len(words)] for k in range(8 + (i * 37) % 90))
+        try:
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4 + (i * 13) % 40, temperature=0)
+            return r.choices[0].finish_reason
+        except openai.APIStatusError as e:
+            return e
+
+    with ThreadPoolExecutor(24) as pool:
+        out = list(pool.map(one, range(48)))
+    errors = [o for o in out if isinstance(o, Exception)]
+    return len(out) - len(errors), errors
+
+
+@pytest.mark.parametrize("lib", ["vanilla", "patched"])
+def test_fragmenting_load_vanilla_vs_patched(real_model, lib):
+    s = ServerProc(MODEL, "--lib", lib, "--ctx", "640", "--parallel", "8", "--batch", "256", "--prefix-cache", "0",
+                   key=None)
+    try:
+        ok, errors = _fragmenting_load(s)
+        m = s.idle_metrics()
+        assert s.proc.poll() is None and httpx.get(s.root + "/health", timeout=10).status_code == 200
+        assert m["pyllama_kv_kv_used_cells"] == 0
+        if lib == "patched":
+            assert not errors and m["pyllama_kv_slot_failures_total"] == 0, errors
+            assert m["pyllama_kv_kv_library_slot_failures_total"] == 0
+        else:   # each failure is a clear error of its own request; the rest completed
+            assert m["pyllama_kv_slot_failures_total"] > 0 and errors, m
+            for e in errors:
+                assert e.status_code == 503 and e.code == "kv_cache_full" and "fragmented" in e.message, e
+            assert ok + len(errors) == 48
+        assert s.stop() == 0
+    finally:
+        s.stop()
