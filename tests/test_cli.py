@@ -424,8 +424,8 @@ def test_ctrl_c_while_loading_or_evaluating_the_prompt(tiny_model, tmp_path, pha
 
 def test_ctrl_c_in_the_demo_shows_what_ran(tmp_path):
     # Ctrl-C while the demo loads its second (patched) model: the vanilla results are shown, exit 130
-    p = subprocess.Popen([_entry(), "demo", "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=ROOT, env=_env(**_hook_env(tmp_path, "stall-load-2")))
+    p = subprocess.Popen([_entry(), "demo", "--tiny", "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT, env=_env(**_hook_env(tmp_path, "stall-load-2")))
     try:
         err = _Lines(p.stderr)
         err.wait_for(lambda ln: ln.startswith("HOOK: stalling"), timeout=300)
@@ -603,8 +603,8 @@ print("OK", msg)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
-def test_demo_finishes():
-    r = run_cli(["demo", "--quick", "-t", "1"], timeout=600)
+def test_tiny_demo_finishes():
+    r = run_cli(["demo", "--tiny", "--quick", "-t", "1"], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "vanilla" in r.stdout and "patched" in r.stdout and "slot failures" in r.stdout
     assert "[3]" in r.stdout  # the run --parallel 4 part
@@ -612,8 +612,31 @@ def test_demo_finishes():
     assert len(kv) == 1 and kv[0].endswith("threads 1"), r.stderr[-2000:]  # -t reaches the final run too
 
 
+def test_real_model_demo(real_model):
+    """`make demo`'s job, shortened: on the real model the vanilla build refuses batches and fails requests,
+    the patched one refuses none and completes at least as many; then 4 readable chat answers from one
+    prompt evaluated once, and the KV stats while they hold their cells."""
+    r = run_cli(["demo", "--quick", "--json"], timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    van, pat = d["stress"]["vanilla"], d["stress"]["patched"]
+    assert van["slot_failures"] > 0 and van["failed_requests"] > 0
+    assert pat["slot_failures"] == 0 and pat["failed_requests"] == 0 and pat["kv"]["slot_retries"] > 0
+    assert pat["requests"]["completed"] >= van["requests"]["completed"] > 0
+    c = d["chat"]
+    assert "<|im_start|>assistant" in c["prompt"] and c["prompt_reused"] == 3 * c["prompt_tokens"]
+    assert len(c["answers"]) == 4 and len({a["text"] for a in c["answers"]}) > 1   # sampled, not copies
+    for a in c["answers"]:
+        words = a["text"].split()
+        assert len(words) >= 3 and sum(w.isascii() and w.strip(".,!?'\"").isalpha() for w in words) >= len(words) / 2
+    once = c["prompt_tokens"] + c["generated_tokens"]   # the prompt stored once, shared by the 4 answers
+    assert once - 4 <= c["kv_cells"]["used"] <= once    # (a last sampled token is not decoded)
+
+
 def test_every_command_has_help():
-    for cmd in ("vendor", "patch", "build", "status", "run", "inspect", "tiny-model", "stress", "demo"):
+    from pyllama_kv.cli.main import COMMANDS
+
+    for cmd in COMMANDS:
         r = run_cli([cmd, "--help"])
         assert r.returncode == 0 and f"usage: pyllama-kv {cmd}" in r.stdout
     r = run_cli([])

@@ -1,75 +1,218 @@
-"""`pyllama-kv demo`: the main job on the built-in tiny model: the stress workload on the vanilla and
-the patched build side by side, then one `run` of 4 continuations. It calls the workload and the
-run logic directly (stress.run_workload, run.generate)."""
+"""`pyllama-kv demo`: the main job (`make demo`).
+
+On the catalogue's real model (pulled on first use): the seeded server-like workload on the vanilla
+and the patched build side by side, then 4 chat answers to one question (the prompt evaluated once,
+forked 3 times, the answers decoded together), then the KV stats. ``--tiny`` runs the same on the
+built-in random-weight tiny model (offline), ending with a `run --parallel 4` of raw continuations.
+"""
 from __future__ import annotations
 
+import sys
+import textwrap
+
 from .. import options
-from ..common import EXIT_INTERRUPTED, phase, setup_logging
+from ..common import EXIT_INTERRUPTED, open_model, phase, set_phase, setup_logging
 from ..render import log, print_json, stress_table
 
-PROMPT = b"The KV cache of the model"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+QUESTION = "What is the capital of France, and what is it famous for?"
+N_ANSWERS = 4
+ANSWER_TOKENS = 96
+TINY_PROMPT = b"The KV cache of the model"
 
 
 def register(subparsers) -> None:
-    s = subparsers.add_parser("demo", description="Make the tiny model in ~/.cache/pyllama-kv/models, run `stress` "
-                                                  "on the vanilla and the patched build side by side, print the "
-                                                  "comparison, then a short `run --parallel 4`.")
+    s = subparsers.add_parser(
+        "demo",
+        description="The main job. On the real model (default: the catalogue's smollm2-135m-instruct, pulled into "
+                    "~/.cache/pyllama-kv on first use): run the seeded server-like workload on the vanilla and the "
+                    "patched build side by side and compare them, then ask one chat question 4 times at once (the "
+                    "prompt evaluated once and forked, the answers decoded together), then print the KV stats. "
+                    "About a minute on 2 cores (--quick: a shorter workload).")
+    s.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
+                   help="GGUF file or catalogue name (default %(default)s)")
+    s.add_argument("--tiny", action="store_true",
+                   help="use the built-in random-weight tiny model instead (offline; its text is not readable)")
     s.add_argument("--seed", type=int, default=0, help="workload and sampling seed (default %(default)s)")
     s.add_argument("--quick", action="store_true", help="a shorter workload")
     options.add(s, "n_threads")
-    s.add_argument("--json", action="store_true", help="print the stress results as JSON")
+    s.add_argument("--json", action="store_true", help="print every result as one JSON object")
+
+
+def _workload(model_path: str, steps: int, n_ctx: int, args) -> tuple[list[tuple[str, dict]], bool]:
+    """The stress workload on vanilla then patched; (results, interrupted)."""
+    from .stress import run_workload, stress_config
+
+    results: list[tuple[str, dict]] = []
+    for lib in ("vanilla", "patched"):
+        cfg = stress_config(8, n_ctx, steps, args.seed, n_threads=args.n_threads)
+        try:
+            d, _ = run_workload(model_path, lib, cfg, lib, progress=not args.json)
+        except KeyboardInterrupt:
+            if not results or args.json:
+                raise  # main() says what was interrupted
+            return results, True
+        results.append((lib, d))
+        if d.get("interrupted"):  # Ctrl-C: show what ran, and stop there
+            return results, True
+    return results, False
+
+
+def _compare(van: dict, pat: dict) -> str:
+    lines = []
+    if van["slot_failures"]:
+        lines.append(f"vanilla: {van['slot_failures']} batches refused (\"failed to find KV cache slot\") with on "
+                     f"average {van['free_at_failures']:.0%} of the cache free; {van['failed_requests']} requests "
+                     f"failed, {van['requests']['completed']} completed.")
+    else:
+        lines.append(f"vanilla: no batch refused this time; {van['requests']['completed']} requests completed.")
+    kv = pat["kv"]
+    lines.append(f"patched: {pat['slot_failures']} refused, {pat['failed_requests']} failed, "
+                 f"{pat['requests']['completed']} completed; {kv.get('slot_retries')} slot searches recovered by a "
+                 f"full defrag ({kv.get('moves')} block moves, {kv.get('defrag_share', 0):.1%} of the run); "
+                 f"{pat['tokens']:,} tokens processed vs {van['tokens']:,}.")
+    return "\n".join(lines)
+
+
+def _chat_answers(model_path: str, args) -> dict:
+    """One chat question, N_ANSWERS sampled answers: a request with n=4 on the engine (the prompt is
+    evaluated once and forked; the answers decode together)."""
+    import time
+
+    from ...chat import tokenize_rendered
+    from ...config import EngineConfig, SamplingParams
+    from ...engine import Engine, HoldingKV
+
+    set_phase("loading the model (chat)")
+    model = open_model(model_path, "patched")
+    try:
+        prompt = model.apply_chat_template([{"role": "user", "content": QUESTION}])
+        toks = tokenize_rendered(model, prompt)
+        cfg = options.build(EngineConfig, n_ctx=1024, parallel=N_ANSWERS, prefix_cache=0, n_threads=args.n_threads,
+                            max_queue=1, max_tokens=ANSWER_TOKENS)
+        with model.context(**cfg.context().context_kwargs()) as ctx:
+            kv = HoldingKV(ctx, cfg.parallel, cfg.prefix_cache)   # the answers keep their cells for the stats
+            eng = Engine(model, cfg, kv=kv)
+            params = SamplingParams(temperature=0.6, top_p=0.95, seed=args.seed)
+            set_phase("answering")
+            t0 = time.perf_counter()
+            h = eng.submit(toks, params, max_tokens=ANSWER_TOKENS, n=N_ANSWERS, keep=False)
+            tty = sys.stderr.isatty() and not args.json
+            while not h.done:
+                eng.step()
+                if tty:
+                    sys.stderr.write(f"\r  answering: {sum(len(c.tokens) for c in h.completions)} tokens ")
+                    sys.stderr.flush()
+            seconds = time.perf_counter() - t0
+            if tty:
+                sys.stderr.write("\n")
+            st = ctx.kv_stats()
+            eng.close()
+            kv.release()
+        comps = h.completions
+        return {
+            "question": QUESTION,
+            "prompt": prompt,
+            "answers": [{"text": c.text.strip(), "tokens": len(c.tokens), "finish_reason": c.finish_reason}
+                        for c in comps],
+            "prompt_tokens": h.usage.prompt_tokens,
+            "prompt_evaluated": h.usage.prompt_tokens,
+            "prompt_reused": h.usage.prompt_tokens * (N_ANSWERS - 1),
+            "generated_tokens": h.usage.completion_tokens,
+            "seconds": round(seconds, 3),
+            "ttft_s": round(h.ttft, 3) if h.ttft is not None else None,
+            "kv": st.as_dict(),
+            "kv_cells": {"used": st.used_cells, "total": st.n_cells, "largest_free_block": st.largest_free_block},
+        }
+    finally:
+        model.close()
+
+
+def _print_answers(c: dict) -> None:
+    print(f"\nOne chat question, {N_ANSWERS} answers: the prompt ({c['prompt_tokens']} tokens) is evaluated once, "
+          f"forked {N_ANSWERS - 1} times ({c['prompt_reused']} tokens reused, not recomputed), and the answers "
+          "decode together, one batch per step.\n")
+    print(f"Q: {c['question']}\n")
+    for i, a in enumerate(c["answers"]):
+        body = textwrap.fill(" ".join(a["text"].split()) or "(empty)", width=92, initial_indent=f"[{i}] ",
+                             subsequent_indent="    ")
+        print(body + ("" if a["finish_reason"] in ("stop", "eos") else f" [{a['finish_reason']}]"))
+    gen = c["generated_tokens"]
+    print(f"\n{gen} tokens in {c['seconds']:.2f} s ({gen / c['seconds']:.0f} tok/s, {N_ANSWERS} sequences per "
+          f"decode); first token after {c['ttft_s']:.2f} s")
+    kv, cells = c["kv"], c["kv_cells"]
+    print(f"KV cache: {cells['used']}/{cells['total']} cells used (the {c['prompt_tokens']}-token prompt once, "
+          f"shared by {N_ANSWERS} sequences, plus their answers); largest free block {cells['largest_free_block']}; "
+          f"defrags {kv.get('defrags')}, slot retries {kv.get('slot_retries')}, "
+          f"slot failures {kv.get('slot_failures')}")
 
 
 def run(args) -> int:
+    setup_logging(args.debug)
+    if args.tiny:
+        return _tiny(args)
+    from ...catalogue import resolve
+
+    set_phase("finding the model")
+    model_path = str(resolve(args.model))
+    steps, n_ctx = (150, 1024) if args.quick else (300, 1024)   # about a minute in all on 2 cores
+    if not args.json:
+        print(f"pyllama-kv demo on {args.model}: a server-like workload (8 requests at once, {n_ctx} KV cells, "
+              f"{steps} steps, seed {args.seed}) on the vanilla and the patched llama.cpp\n", flush=True)
+    results, interrupted = _workload(model_path, steps, n_ctx, args)
+    if interrupted:
+        return _interrupted(results, args)
+    van, pat = results[0][1], results[1][1]
+    if not args.json:
+        print()
+        print(stress_table(results))
+        print()
+        print(_compare(van, pat), flush=True)
+    chat = _chat_answers(model_path, args)
+    if args.json:
+        print_json({"model": model_path, "stress": dict(results), "chat": chat})
+    else:
+        _print_answers(chat)
+    return 0
+
+
+def _interrupted(results: list[tuple[str, dict]], args) -> int:
+    if args.json:
+        print_json({"stress": dict(results), "interrupted": True})
+        return EXIT_INTERRUPTED
+    print()
+    print(stress_table(results))
+    where = f"running the {results[-1][0]} workload" if results[-1][1].get("interrupted") else phase()
+    log(f"pyllama-kv demo: interrupted while {where}")
+    return EXIT_INTERRUPTED
+
+
+def _tiny(args) -> int:
+    """The offline demo: the workload on the built-in tiny model, then `run --parallel 4`."""
     from ... import _paths
     from ...config import SamplingParams
     from ...tools.gguf import make_tiny_model
-    from ...tools.workload import StressConfig
     from .run import RunSpec, generate
-    from .stress import run_workload, stress_config
 
-    setup_logging(args.debug)
     mpath = _paths.cache_dir() / "models" / "tiny-demo-2l-64.gguf"
     if not mpath.is_file():
         log(f"making the built-in tiny model at {mpath} ...")
         make_tiny_model(mpath, n_layer=2, n_embd=64, seed=0)
-    defaults = {name: options.field_default(StressConfig, name) for name in ("n_seqs", "n_ctx", "steps")}
-    steps = 120 if args.quick else defaults["steps"]
-    print(f"pyllama-kv demo: a server-like workload ({defaults['n_seqs']} requests at once, {defaults['n_ctx']} KV "
-          f"cells, {steps} steps, seed {args.seed}) on the vanilla and the patched llama.cpp\n")
-    results: list[tuple[str, dict]] = []
-    for lib in ("vanilla", "patched"):
-        cfg = stress_config(defaults["n_seqs"], defaults["n_ctx"], steps, args.seed, n_threads=args.n_threads)
-        try:
-            d, _ = run_workload(str(mpath), lib, cfg, lib, progress=not args.json)
-        except KeyboardInterrupt:
-            if not results or args.json:
-                raise  # main() says what was interrupted
-            print()
-            print(stress_table(results))
-            log(f"pyllama-kv demo: interrupted while {phase()}")
-            return EXIT_INTERRUPTED
-        results.append((lib, d))
-        if d.get("interrupted"):  # Ctrl-C: show what ran, and stop there
-            break
+    steps = 120 if args.quick else 300
+    if not args.json:
+        print(f"pyllama-kv demo --tiny: a server-like workload (8 requests at once, 2048 KV cells, {steps} steps, "
+              f"seed {args.seed}) on the vanilla and the patched llama.cpp\n")
+    results, interrupted = _workload(str(mpath), steps, 2048, args)
+    if interrupted:
+        return _interrupted(results, args)
     if args.json:
         print_json({"model": str(mpath), "stress": dict(results)})
-        return EXIT_INTERRUPTED if results[-1][1].get("interrupted") else 0
+        return 0
     print()
     print(stress_table(results))
-    if results[-1][1].get("interrupted"):
-        log(f"pyllama-kv demo: interrupted during the {results[-1][0]} workload")
-        return EXIT_INTERRUPTED
-    van, pat = results[0][1], results[1][1]
     print()
-    if van["slot_failures"]:
-        print(f"vanilla: {van['slot_failures']} batches refused (\"failed to find KV cache slot\") with on average "
-              f"{van['free_at_failures']:.0%} of the cache free; {van['failed_requests']} requests failed.")
-    print(f"patched: {pat['slot_failures']} refused; {pat['kv'].get('slot_retries')} slot searches recovered by a "
-          f"full defrag ({pat['kv'].get('moves')} block moves, {pat['kv'].get('defrag_share', 0):.1%} of the run); "
-          f"{pat['tokens']} tokens processed vs {van['tokens']}.")
+    print(_compare(results[0][1], results[1][1]))
     print("\nNow 4 continuations of one prompt: evaluated once, forked 3 times, decoded together:\n", flush=True)
     params = SamplingParams(seed=args.seed if args.seed >= 0 else None)
-    return generate(RunSpec(model=str(mpath), prompt=PROMPT, params=params, n_predict=24, parallel=4,
+    return generate(RunSpec(model=str(mpath), prompt=TINY_PROMPT, params=params, n_predict=24, parallel=4,
                             n_threads=args.n_threads))
-
