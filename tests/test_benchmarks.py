@@ -65,3 +65,55 @@ def test_bench_prefix():
     assert d["full"]["tokens_evaluated"] == R * (P + T)
     assert d["cache"]["tokens_evaluated"] == d["ideal"]["tokens_evaluated"] == P + R * T
     assert d["speedup_full_over_cache"] > 0 and d["overhead_cache_over_ideal"] > 0
+
+
+def test_bench_real(real_model):
+    # one thread: on a busy machine, threads that wait for each other slow every column down badly
+    r = run_py(["scripts/bench_real.py", "--quick", "--json", "-t", "1"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout)
+    _machine(d)
+    s = d["settings"]
+    assert d["benchmark"] == "real" and [r["parallel"] for r in d["rows"]] == s["npl"] == [1, 4, 8]
+    for row in d["rows"]:
+        e, c, p = row["engine_tps"], row["batched_bench_tps"], row["llama_cpp_python_tps"]
+        assert e > 0 and c > 0 and p > 0
+        assert abs(row["engine_vs_batched_bench"] - e / c) < 0.01 * e / c + 0.002
+        assert abs(row["engine_vs_llama_cpp_python"] - e / p) < 0.01 * e / p + 0.002
+        # every continuation generated the same count (EOS ignored), as batched-bench does
+        assert row["engine_generated"] == [s["tg"]] and row["engine_finish"] == ["length"], row
+    # llama-cpp-python ran on our patched library, and its greedy tokens equal the engine's
+    assert d["checks"]["llama_cpp_python_on_ours"] and d["checks"]["greedy_npl1_equal"], d["checks"]
+    ch = d["chat"]
+    assert ch["cold_reused_tokens"] == 0 and ch["no_reuse_reused_tokens"] == 0
+    # the reuse covers the system prompt, and the question is evaluated
+    assert ch["system_tokens"] <= ch["reused_tokens"] < min(ch["prompt_tokens"])
+    assert ch["cold_ms"] > 0 and ch["reuse_ms"] > 0 and ch["no_reuse_ms"] > 0 and ch["speedup"] > 0
+    t = d["targets"]
+    by_npl = {row["parallel"]: row for row in d["rows"]}
+    assert t["engine_vs_batched_bench_met"] == all(row["engine_vs_batched_bench"] >= t["engine_vs_batched_bench"]
+                                                   for row in d["rows"])
+    assert t["engine_vs_llama_cpp_python_met"] == (
+        by_npl[t["engine_vs_llama_cpp_python_at"]]["engine_vs_llama_cpp_python"] >= t["engine_vs_llama_cpp_python"])
+    assert t["met"] == (t["engine_vs_batched_bench_met"] and t["engine_vs_llama_cpp_python_met"])
+
+
+def test_bench_server():
+    d = _run("bench_server.py")
+    _machine(d)
+    s = d["settings"]
+    assert d["benchmark"] == "server" and [r["server"] for r in d["rows"]] == s["servers"]
+    assert s["servers"] == ["patched", "vanilla", "llama-server"]
+    assert s["llama_server_ctx_per_slot"] * s["clients"] == s["n_ctx_total"]
+    by = {r["server"]: r for r in d["rows"]}
+    for r in d["rows"]:
+        assert r["requests"] == s["requests"] and r["completion_tokens"] > 0 and r["completion_tps"] > 0, r
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p95_s"] and 0 < r["latency_p50_s"] <= r["latency_p95_s"], r
+        assert r["ttft_p50_s"] <= r["latency_p50_s"] and r["ttft_p95_s"] <= r["latency_p95_s"], r
+        assert r["prompt_evaluated"] + r["prompt_reused"] == r["prompt_tokens"] > 0, r
+    # the patched server answers everything and evaluates the shared system prompts once, not per request
+    assert by["patched"]["errors"] == 0 and by["llama-server"]["errors"] == 0
+    assert by["patched"]["prompt_reused"] >= (s["requests"] - s["clients"]) * min(s["system_prompt_tokens"]), by
+    assert d["targets"]["patched_no_errors"] is True
+    for k in ("patched/llama-server", "vanilla/llama-server"):
+        assert all(v > 0 for v in d["ratios"][k].values())
