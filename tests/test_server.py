@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -260,7 +261,7 @@ def test_bad_requests_get_400(server, client):
     _error(httpx.post(url, json=[1, 2], headers=h, timeout=30), 400)
     good = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for field, value in (("temperature", 5), ("temperature", "hot"), ("top_p", 0), ("n", 0), ("n", 9),
-                         ("max_tokens", 0), ("max_tokens", 100000), ("stop", 3), ("seed", -1), ("stream", "yes"),
+                         ("max_tokens", 0), ("max_tokens", 100000), ("stop", 3), ("seed", 2**64), ("stream", "yes"),
                          ("messages", "hi"), ("messages", [{"content": "no role"}]), ("top_k", -1), ("min_p", 2)):
         err = _error(httpx.post(url, json={**good, field: value}, headers=h, timeout=30), 400)
         assert err["param"] and err["param"].split("[")[0] == field, (field, err)
@@ -287,9 +288,12 @@ def test_body_size_cap(server):
 def test_api_key_required(server):
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").models.list()
-    for h in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    for h in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
+              {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {KEY[:-1]}"}):
         r = httpx.post(server.url + "/chat/completions", json={"model": MODEL, "messages": []}, headers=h, timeout=30)
         assert _error(r, 401)["code"] == "invalid_api_key"
+    for h in (f"bearer {KEY}", f"BEARER  {KEY}"):   # the scheme is case-insensitive
+        assert httpx.get(server.url + "/models", headers={"Authorization": h}, timeout=10).status_code == 200
     assert httpx.get(server.root + "/metrics", timeout=10).status_code == 401
 
 
@@ -409,6 +413,85 @@ def test_full_queue_gets_429_and_sigterm_exits_0(small):
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
     assert s.stop() == 0, s.log()
     assert "Traceback" not in s.log()
+
+
+# ---------------------------------------------------------------------------------------------
+# a careless or hostile client, on a tiny model (a server that starts in seconds)
+
+ECHO_TEMPLATE = ("{%- for m in messages %}{%- if m['role'] not in ['system', 'user', 'assistant'] %}"
+                 "{{ raise_exception('Unknown role: ' + m['role']) }}{%- endif %}"
+                 "<|{{ m['role'] }}|>{{ m['content'] }}{%- endfor %}{%- if add_generation_prompt %}<|assistant|>"
+                 "{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny(models):
+    """A tiny model whose template raises on unknown roles, quoting the role; 1 s to send a body."""
+    from pyllama_kv.tools.gguf import make_tiny_model
+
+    path = make_tiny_model(models / "echo-role.gguf", kv_overrides={"tokenizer.chat_template": ECHO_TEMPLATE})
+    s = ServerProc(path, "--ctx", "256", "--body-timeout", "1", key=None)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_template_errors_and_odd_values(tiny):
+    url = tiny.url + "/chat/completions"
+
+    def post(body: bytes) -> httpx.Response:
+        return httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+
+    msg = '{"model": "echo-role", "max_tokens": 2, "messages": [{"role": "%s", "content": "hi"}]%s}'
+    err = _error(post((msg % ("robot", "")).encode()), 400)   # the template's own message
+    assert "Unknown role: robot" in err["message"] and err["param"] == "messages"
+    # a lone surrogate (valid JSON) quoted back in an error message: still a 400, not a 500
+    err = _error(post((msg % ("x\\ud800", "")).encode()), 400)
+    assert "Unknown role: x" in err["message"]
+    for seed in (-3, 2**40, 2**64 - 1):   # OpenAI's seeds are 64-bit
+        assert post((msg % ("user", f', "seed": {seed}, "temperature": 1')).encode()).status_code == 200
+    for extra in (', "n": 0', ', "stop": [1]', ', "seed": 18446744073709551616', ', "temperature": NaN'):
+        _error(post((msg % ("user", extra)).encode()), 400)
+    # text content parts (what OpenAI clients send today), but no images
+    r = tiny.client().chat.completions.create(model="echo-role", max_tokens=2, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]}])
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client().chat.completions.create(model="echo-role", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}])
+    assert e.value.param == "messages[0].content[0]"
+    assert httpx.head(url, timeout=10).status_code == 405
+    _error(httpx.get(url, timeout=10), 405)
+    assert httpx.get(tiny.root + "/health", timeout=10).status_code == 200
+
+
+def test_half_sent_body_gets_408(tiny):
+    """A client that stops sending its body (slowloris) gets 408 after --body-timeout, and the
+    connection is closed; the server keeps serving."""
+    host, port = tiny.root[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=15) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\":")
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            part = s.recv(4096)   # bounded by the socket's timeout
+            if not part:
+                break
+            data += part
+    assert data.startswith(b"HTTP/1.1 408 "), data
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+    assert httpx.get(tiny.root + "/health", timeout=10).status_code == 200
+
+
+def test_api_key_must_fit_in_a_header():
+    from pyllama_kv.errors import InvalidInputError
+    from pyllama_kv.server import ServerConfig
+
+    for key in ("clé", "two words", "tab\t", ""):
+        with pytest.raises(InvalidInputError):
+            ServerConfig(api_key=key)
+    assert ServerConfig(api_key="sk-abc_123.~").api_key == "sk-abc_123.~"
 
 
 # ---------------------------------------------------------------------------------------------

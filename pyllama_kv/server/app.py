@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -52,8 +53,10 @@ def _sse(obj) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error(e: APIError) -> Response:
+    """The error object as ASCII JSON: a message may quote the client's text, lone surrogates included
+    (valid in JSON as escapes, but not encodable as UTF-8)."""
+    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
 class Server:
@@ -73,6 +76,7 @@ class Server:
         self.snapshot = Snapshot()
         self.metrics = Metrics(self)
         self.shutting_down = False
+        self._key_digest = hashlib.sha256((config.api_key or "").encode("latin-1")).digest()
         self._grace: threading.Timer | None = None
         routes = [
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
@@ -136,7 +140,9 @@ class Server:
             return
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        # compared as digests: in constant time, and without giving away the key's length
+        digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(digest, self._key_digest):
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -157,10 +163,19 @@ class Server:
         if length is not None and length.isdigit() and int(length) > cap:
             raise too_big
         data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > cap:
-                raise too_big
+
+        async def read() -> None:
+            async for part in request.stream():
+                data.extend(part)
+                if len(data) > cap:
+                    raise too_big
+
+        timeout = self.config.body_timeout
+        try:   # a client that stops sending (slowloris) must not hold its connection and handler forever
+            await asyncio.wait_for(read(), timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} seconds", code="timeout",
+                           headers={"Connection": "close"}) from None
         try:
             return json.loads(data)
         except (ValueError, RecursionError):

@@ -15,13 +15,17 @@ class ServerConfig(_Config):
     port: int = 8080               # 0: any free port (the startup line says which)
     api_key: str | None = None     # required as "Authorization: Bearer KEY" on everything but /health
     max_body: int = 1 << 20        # bytes of a request body; more get HTTP 413
+    body_timeout: float = 30.0     # seconds a client may take to send its request body; then HTTP 408
     shutdown_grace: float = 5.0    # seconds running requests get to finish on SIGINT/SIGTERM, then cancelled
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise InvalidInputError("host must be a non-empty string")
         object.__setattr__(self, "port", int_param("port", self.port, 0, 65535))
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
-            raise InvalidInputError("api_key must be a non-empty string")
+        k = self.api_key
+        if k is not None and not (isinstance(k, str) and k and k.isascii() and k.isprintable() and " " not in k):
+            # what an HTTP header carries as the client sent it (other bytes would never match)
+            raise InvalidInputError("api_key must be printable ASCII characters, without spaces")
         object.__setattr__(self, "max_body", int_param("max_body", self.max_body, 1024))
+        object.__setattr__(self, "body_timeout", _num("body_timeout", self.body_timeout, 0.1, 3600.0))
         object.__setattr__(self, "shutdown_grace", _num("shutdown_grace", self.shutdown_grace, 0.0, 3600.0))

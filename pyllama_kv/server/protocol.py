@@ -182,9 +182,9 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
     top_k = _integer(body, "top_k", 0, 1 << 30)
     if top_k is not None:
         sp["top_k"] = top_k
-    seed = _integer(body, "seed", 0, 2**32 - 1)
+    seed = _integer(body, "seed", -(2**63), 2**64 - 1)   # OpenAI's int64 (and uint64, as some clients send)
     if seed is not None:
-        sp["seed"] = seed
+        sp["seed"] = seed & 0xFFFFFFFF   # the sampler's seeds are 32-bit
     n = _integer(body, "n", 1, parallel)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")

@@ -5,6 +5,7 @@ socket, prints one startup line, and runs the server until SIGINT/SIGTERM (then 
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def _flags() -> None:
              f"/health (default: ${API_KEY_ENV} if set, else no key)", str, metavar="KEY"),
         Flag(ServerConfig, "max_body", ("--max-body",), "largest request body in bytes; larger ones get HTTP 413 "
              "(default {default})", metavar="BYTES"),
+        Flag(ServerConfig, "body_timeout", ("--body-timeout",), "seconds a client may take to send a request body; "
+             "slower ones get HTTP 408 (default {default})", float, metavar="SECONDS"),
         Flag(ServerConfig, "shutdown_grace", ("--shutdown-grace",), "seconds running requests get to finish on "
              "SIGINT/SIGTERM before they are cancelled (default {default})", float, metavar="SECONDS"),
     ):
@@ -46,7 +49,8 @@ def register(subparsers) -> None:
                     "otherwise. Stops on SIGINT/SIGTERM: running requests get --shutdown-grace seconds.")
     s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
-                "n_batch", "type_k", "type_v", "n_threads", "max_body", "shutdown_grace", "rpc",
+                "n_batch", "type_k", "type_v", "n_threads", "max_body", "body_timeout", "shutdown_grace",
+                "rpc",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request (default: min({ctx}, the model's "
                                 "n_ctx_train))".format(ctx=options.field_default(options.EngineConfig, "n_ctx"))})
@@ -65,6 +69,10 @@ def run(args) -> int:
     from ...server import ServerConfig
 
     setup_logging(args.debug)
+    if not args.debug:   # the server's own errors (their tracebacks never reach a client) go to stderr
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("pyllama-kv serve: %(levelname)s: %(message)s"))
+        logging.getLogger("pyllama_kv.server").addHandler(handler)
     positive("--ctx", args.n_ctx)
     positive("-t", args.n_threads)
     if args.api_key is None and os.environ.get(API_KEY_ENV):
