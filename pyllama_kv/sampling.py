@@ -49,7 +49,9 @@ class Sampler(_kv.CResource):
                 native.add_min_p(p.min_p, 1)
             native.add_temp(p.temperature)
             assert p.seed is not None   # always set above
-            native.add_dist(p.seed)
+            # llama.cpp reads seed 0xFFFFFFFF (LLAMA_DEFAULT_SEED) as "draw a random seed": that one value is
+            # drawn with its neighbour's stream, so that every seed is reproducible
+            native.add_dist(min(p.seed, 0xFFFFFFFE))
         self._native = native
 
     _native: _kv.NativeSampler | None = None   # until built, and once closed

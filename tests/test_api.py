@@ -632,3 +632,16 @@ def test_sampler_top_k_prefilter_draws_what_the_full_chain_draws(model, ctx):
         finally:
             full.free()
             smp.close()
+
+
+def test_every_seed_is_reproducible_including_llama_cpps_random_marker(ctx):
+    """llama.cpp takes seed 0xFFFFFFFF as "random"; pk.Sampler gives it a fixed stream like any seed."""
+    rng = np.random.default_rng(1)
+    logits = [(rng.standard_normal(ctx.model.n_vocab) * 0.5).astype(np.float32) for _ in range(40)]
+
+    def draws(seed):
+        with pk.Sampler(ctx, temp=1.5, top_k=0, top_p=1.0, seed=seed) as smp:
+            return [smp.sample_logits(x) for x in logits]
+
+    for seed in (0xFFFFFFFF, -1, 7):
+        assert draws(seed) == draws(seed), seed
