@@ -53,7 +53,8 @@ def register(subparsers) -> None:
                 "rpc",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request (default: min({ctx}, the model's "
-                                "n_ctx_train))".format(ctx=options.field_default(options.EngineConfig, "n_ctx"))})
+                                "n_ctx_train))".format(ctx=options.field_default(options.EngineConfig, "n_ctx")),
+                       "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
     s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
 
 
