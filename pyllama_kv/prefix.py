@@ -11,6 +11,13 @@ from .errors import InvalidInputError, KVCacheFullError, LlamaError
 from .sequence import Sequence
 
 
+def shared_prefix(a, b) -> int:
+    """How many leading tokens ``a`` and ``b`` (sequences of token ids) have in common."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
+    return int(diff[0]) if diff.size else m
+
+
 @dataclass
 class PrefixCacheStats:
     requests: int = 0
@@ -70,9 +77,7 @@ class PrefixCache:
             m = min(len(st), toks.size)
             if m <= best_n:
                 continue
-            a = np.asarray(st[:m], dtype=np.int32)
-            diff = np.flatnonzero(a != toks[:m])
-            n = int(diff[0]) if diff.size else m
+            n = shared_prefix(st, toks)
             if n > best_n:
                 best, best_n = s, n
         return best, best_n

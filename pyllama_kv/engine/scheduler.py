@@ -40,6 +40,7 @@ import numpy as np
 
 from ..config import EngineConfig, SamplingParams
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
+from ..prefix import shared_prefix
 from .detok import TextStream
 from .kv import ContextKV, KVCache
 from .request import FINISH_REASONS, Event, Request, RequestHandle
@@ -405,13 +406,8 @@ class Engine:
         waits until that prompt is in and remembered, and forks it instead of evaluating it again."""
         if self.config.prefix_cache == 0:
             return False
-        toks = np.asarray(req.prompt[:-1])
-        shared = 0
-        for s in self._slots:
-            if s.prefilling:
-                m = min(len(s.tokens), toks.size)
-                diff = np.flatnonzero(np.asarray(s.tokens[:m]) != toks[:m])
-                shared = max(shared, int(diff[0]) if diff.size else m)
+        toks = req.prompt[:-1]
+        shared = max((shared_prefix(s.tokens, toks) for s in self._slots if s.prefilling), default=0)
         return shared >= _MIN_SHARED and shared >= self.kv.cached_prefix(req.prompt) + _MIN_SHARED
 
     def _fits(self, tokens: list[int], n_ids: int, reserve: int, keep_for: list[int]) -> bool:
