@@ -271,15 +271,19 @@ def chat_template(model) -> str | None:
     return t
 
 
-def apply_chat_template(model, messages, add_generation_prompt: bool = True) -> str:
-    """``model.apply_chat_template``: render the model's template with its own BOS/EOS texts."""
-    source = chat_template(model)
+def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, source: str | None = None,
+                        name: str | None = None) -> str:
+    """``model.apply_chat_template``: render the model's template with its own BOS/EOS texts; or,
+    given ``source`` (a template from elsewhere, called ``name`` in errors), render that one with them."""
+    if source is None:
+        source = chat_template(model)
+        name = _name(model)
     if source is None:
         check_messages(messages)
         raise InvalidInputError(f"{model.path.name} has no chat template (no tokenizer.chat_template in the GGUF)")
     model._check_open()
     return render(source, messages, add_generation_prompt, bos_token=_token_text(model, model.bos),
-                  eos_token=_token_text(model, model.eos), name=_name(model))
+                  eos_token=_token_text(model, model.eos), name=name or "the chat template")
 
 
 def tokenize_rendered(model, text: str, start: bool = True) -> list[int]:

@@ -92,22 +92,13 @@ class ChatTemplate:
         if source is None and model.chat_template is None:
             raise CLIError(f"{model.path.name} has no chat template (no tokenizer.chat_template in the GGUF): "
                            "give one with --template FILE")
-        self.bos_text = self._text(model.bos)
         # a hostile or broken template fails here, before any question is asked
         self.render([{"role": "user", "content": "hello"}])
 
-    def _text(self, token: int) -> str:
-        if token is None or token < 0:
-            return ""
-        return self.model.token_to_piece(token, special=True).decode("utf-8", "replace")
-
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self.source is None:
-            return self.model.apply_chat_template(messages, add_generation_prompt)
-        from ...chat import render
+        from ...chat import apply_chat_template
 
-        return render(self.source, messages, add_generation_prompt, bos_token=self.bos_text,
-                      eos_token=self._text(self.model.eos), name=self.name)
+        return apply_chat_template(self.model, messages, add_generation_prompt, source=self.source, name=self.name)
 
     def tokenize(self, text: str, start: bool = True) -> list[int]:
         """Tokens of rendered ``text``, special tokens parsed; at the ``start`` of a prompt the
@@ -339,11 +330,29 @@ def _session(args, model, ctx, cfg, conv: Conversation, params) -> int:
             pass
         log(f"chatting with {Path(model.path).name} ({ctx.n_ctx} cells of context). /help lists the commands, "
             "Ctrl-C stops an answer, Ctrl-D exits.")
+    # Ctrl-C raises only while a line is read; one that lands between reads (while a command prints,
+    # or while the first Ctrl-C is answered) is held and acted on before the next read, so that two
+    # in a row always exit 0 and never escape the loop
+    reading, held = [False], [0]
+
+    def on_sigint(signum, frame) -> None:
+        if reading[0]:
+            raise KeyboardInterrupt
+        held[0] += 1
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     interrupted_once = False
     try:
         while True:
             try:
-                line = _read_line(tty)
+                if held[0]:
+                    held[0] = 0
+                    raise KeyboardInterrupt
+                reading[0] = True
+                try:
+                    line = _read_line(tty)
+                finally:
+                    reading[0] = False
                 if line is None:
                     return 0
                 interrupted_once = False
@@ -359,6 +368,7 @@ def _session(args, model, ctx, cfg, conv: Conversation, params) -> int:
                     print()
                 log("(Ctrl-C again or Ctrl-D to exit)")
     finally:
+        signal.signal(signal.SIGINT, previous)
         eng.close()
         kv.cache.clear()
 
