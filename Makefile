@@ -10,15 +10,18 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all setup venv vendor patch build demo lint test clean distclean
+.PHONY: all setup venv vendor patch build demo lint test sdist wheel clean distclean
 
 all: test
 
 LCP    := $(VENV)/.llama-cpp-python
 
-$(STAMP): pyproject.toml
+# editable, with no library compiled into it (-DPYLLAMA_KV_BUILD=OFF): here the harness builds
+# (build/patched-cpu, build/vanilla-cpu); `pip install .` without that flag compiles one into the package
+$(STAMP): pyproject.toml CMakeLists.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,map,server]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
+		--config-settings=cmake.define.PYLLAMA_KV_BUILD=OFF -e '.[test,map,server]'
 	@touch $@
 
 venv: $(STAMP)
@@ -55,8 +58,17 @@ lint: $(STAMP)
 test: setup lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# the package: an sdist that carries the patched llama.cpp tree (vendored and patched first), and a
+# wheel with the patched library compiled in (CMAKE_ARGS passes backend flags through, e.g.
+# CMAKE_ARGS="-DGGML_CUDA=on"); both land in dist/
+sdist: patch
+	$(BIN)/python -m build --sdist --outdir dist
+
+wheel: patch
+	$(BIN)/python -m build --wheel --outdir dist
+
 clean:
-	rm -rf build
+	rm -rf build dist
 
 distclean: clean
 	rm -rf $(VENV) vendor/llama.cpp

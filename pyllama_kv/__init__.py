@@ -11,13 +11,44 @@
 """
 from __future__ import annotations
 
-from ._native.ffi import library_info
-from .context import Context, KVStats
-from .errors import DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError, ModelLoadError
-from .model import Model
-from .prefix import PrefixCache
-from .sampling import Sampler
-from .sequence import Sequence, SequenceState
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The public names, imported on first use (PEP 562): `import pyllama_kv` alone loads no numpy, cffi
+# or C library, so the CLI starts fast and the harness (vendor/patch/build, standard library only)
+# runs where nothing else is installed yet, as in a package build's isolated environment.
+_LAZY = {
+    "library_info": "._native.ffi",
+    "Context": ".context", "KVStats": ".context",
+    "DecodeError": ".errors", "InvalidInputError": ".errors", "KVCacheFullError": ".errors",
+    "LibraryError": ".errors", "LlamaError": ".errors", "ModelLoadError": ".errors",
+    "Model": ".model",
+    "PrefixCache": ".prefix",
+    "Sampler": ".sampling",
+    "Sequence": ".sequence", "SequenceState": ".sequence",
+}
+
+if TYPE_CHECKING:
+    from ._native.ffi import library_info
+    from .context import Context, KVStats
+    from .errors import DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError, ModelLoadError
+    from .model import Model
+    from .prefix import PrefixCache
+    from .sampling import Sampler
+    from .sequence import Sequence, SequenceState
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def _version() -> str:

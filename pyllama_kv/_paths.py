@@ -1,11 +1,20 @@
-"""Where things live: the project checkout, the download cache, vendor and build dirs.
+"""Where things live: the project checkout, the package's own data, the download cache, vendor and
+build dirs.
 
 Pure path logic shared by the harness (vendor/patch/build) and the API. Nothing here runs a
 program or touches the network.
 
+Two ways to run:
+
+* from a **checkout** (the package sits beside ``patches/`` and ``vendor/``, an editable install,
+  or ``$PYLLAMA_KV_ROOT``): the pin, the patches, the vendored tree and the builds are the
+  checkout's (``vendor/``, ``patches/``, ``build/``);
+* from an **installed package** (``pip install``): the pin file and the patch series ship inside the
+  package (``pyllama_kv/_data/``), and the source tree and the builds made by ``pyllama-kv vendor``
+  and ``pyllama-kv build`` go to the cache (``<cache>/src/llama.cpp``, ``<cache>/builds/``).
+
 Environment overrides:
-  PYLLAMA_KV_ROOT   the project checkout (holds vendor/, patches/, build/); default: the parent of
-                    this package when it holds patches/ (an editable install or a source tree)
+  PYLLAMA_KV_ROOT   the project checkout (holds vendor/, patches/, build/)
   PYLLAMA_KV_CACHE  the download cache; default ~/.cache/pyllama-kv (or $XDG_CACHE_HOME/pyllama-kv)
 """
 from __future__ import annotations
@@ -13,19 +22,30 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+# what a package build installs inside the package (CMakeLists.txt): the pin file and the patch
+# series (_data/), and the patched library with its build-info.json (lib/)
+PACKAGE_DATA = PACKAGE_DIR / "_data"
+PACKAGE_LIB = PACKAGE_DIR / "lib"
 
-def project_root() -> Path:
+
+def _is_checkout(d: Path) -> bool:
+    return (d / "patches").is_dir() and (d / "vendor").is_dir()
+
+
+def checkout_root() -> Path | None:
+    """The project checkout this package runs from, or None for an installed package."""
     env = os.environ.get("PYLLAMA_KV_ROOT")
     if env:
         return Path(env).resolve()
-    here = Path(__file__).resolve().parent.parent
-    if (here / "patches").is_dir():
-        return here
-    # an installed package outside a checkout: use the current directory if it looks like one
-    cwd = Path.cwd()
-    if (cwd / "patches").is_dir() and (cwd / "vendor").is_dir():
-        return cwd
-    return here
+    if _is_checkout(PACKAGE_DIR.parent):
+        return PACKAGE_DIR.parent
+    # an installed package run from inside a checkout: use that checkout
+    try:
+        cwd = Path.cwd()
+    except OSError:  # the current directory was removed
+        return None
+    return cwd if _is_checkout(cwd) else None
 
 
 def cache_dir() -> Path:
@@ -38,16 +58,20 @@ def cache_dir() -> Path:
 
 
 def pin_path(root: Path | None = None) -> Path:
-    return (root or project_root()) / "vendor" / "llama.cpp.pin.json"
-
-
-def vendor_dir(root: Path | None = None) -> Path:
-    return (root or project_root()) / "vendor" / "llama.cpp"
+    root = root or checkout_root()
+    return root / "vendor" / "llama.cpp.pin.json" if root else PACKAGE_DATA / "llama.cpp.pin.json"
 
 
 def patches_dir(root: Path | None = None) -> Path:
-    return (root or project_root()) / "patches"
+    root = root or checkout_root()
+    return root / "patches" if root else PACKAGE_DATA / "patches"
+
+
+def vendor_dir(root: Path | None = None) -> Path:
+    root = root or checkout_root()
+    return root / "vendor" / "llama.cpp" if root else cache_dir() / "src" / "llama.cpp"
 
 
 def build_root(root: Path | None = None) -> Path:
-    return (root or project_root()) / "build"
+    root = root or checkout_root()
+    return root / "build" if root else cache_dir() / "builds"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 
 import numpy as np
@@ -67,6 +68,32 @@ def test_env_override_selects_the_vanilla_library(vanilla_lib):
     r = run_py(["-c", code], env={"PYLLAMA_KV_LIB": vanilla_lib})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [vanilla_lib, "vanilla", False]
+
+
+def test_library_order_bundled_then_env_and_origin_says_which(tmp_path, monkeypatch, patched_lib, vanilla_lib):
+    """A library inside the package (pip install) comes before the builds; $PYLLAMA_KV_LIB and a lib
+    argument come before it; library_info()["origin"] names the one used."""
+    from pyllama_kv import _paths
+    from pyllama_kv._native import locate
+
+    assert locate.resolve()[1]["origin"] == "build"              # this checkout: no library in the package
+    pkg = tmp_path / "lib"
+    pkg.mkdir()
+    shutil.copy2(patched_lib, pkg / locate.lib_name())
+    (pkg / "build-info.json").write_text(json.dumps({"variant": "patched", "revision": "8733e0c", "backend": "cpu",
+                                                     "patches": [{"name": "0001-x.patch", "sha256": "0"}]}))
+    monkeypatch.setattr(_paths, "PACKAGE_LIB", pkg)
+    monkeypatch.delenv("PYLLAMA_KV_LIB", raising=False)
+    path, info = locate.resolve()
+    assert path == (pkg / locate.lib_name()).resolve() and info["origin"] == "package"
+    assert info["variant"] == "patched" and info["patches"] == ["0001-x.patch"]
+    assert locate.resolve("patched")[1]["origin"] == "package"
+    assert locate.resolve("vanilla")[1]["origin"] == "build"      # never bundled
+    monkeypatch.setenv("PYLLAMA_KV_LIB", vanilla_lib)
+    path, info = locate.resolve()
+    assert str(path) == vanilla_lib and info["origin"] == "PYLLAMA_KV_LIB" and info["variant"] == "vanilla"
+    path, info = locate.resolve(pkg / locate.lib_name())
+    assert info["origin"] == "argument" and info["variant"] == "patched" and info["patches"] == ["0001-x.patch"]
 
 
 def test_missing_library_is_a_clear_error(tmp_path, tiny_model):

@@ -1,17 +1,24 @@
 """Where the libllama to load is: read-only, no harness import, nothing run.
 
-In order: the ``lib`` argument (a path, ``"patched"`` or ``"vanilla"``), else ``$PYLLAMA_KV_LIB``,
-else the patched build. Builds are found through their ``manifest.json``:
+In order: the ``lib`` argument (a path, ``"patched"`` or ``"vanilla"``), else ``$PYLLAMA_KV_LIB``
+(an explicit choice, as llama-cpp-python's ``LLAMA_CPP_LIB_PATH``), else the patched library:
 
-* under ``build/`` of the checkout this package lives in (``$PYLLAMA_KV_ROOT`` overrides it), and
-* in the registry of builds, ``~/.cache/pyllama-kv/builds/*.json`` (``$PYLLAMA_KV_CACHE`` moves it):
-  ``pyllama-kv build`` records every build there, so a program started from any directory, or an
-  installed package outside the checkout, finds a library built earlier.
+1. the one **inside the package** (``pyllama_kv/lib/``, compiled by ``pip install``; its
+   ``build-info.json`` says what it is), then
+2. the builds made by ``pyllama-kv build``, found through their ``manifest.json``: under ``build/``
+   of the checkout this package lives in (``$PYLLAMA_KV_ROOT`` overrides it; ``<cache>/builds/`` for
+   an installed package), and in the registry of builds, ``~/.cache/pyllama-kv/builds/*.json``
+   (``$PYLLAMA_KV_CACHE`` moves it), so a program started from any directory finds a library built
+   earlier.
+
+``"vanilla"`` is never bundled: it is always a build (``pyllama-kv build --vanilla``).
+``library_info()["origin"]`` says which of these was loaded.
 """
 from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 from .. import _paths
@@ -30,6 +37,20 @@ def read_manifest(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return m if isinstance(m, dict) else None
+
+
+def lib_name() -> str:
+    """The file name of libllama on this system."""
+    return {"Darwin": "libllama.dylib", "Windows": "llama.dll"}.get(platform.system(), "libllama.so")
+
+
+def bundled() -> dict | None:
+    """The build info of the library a package build put inside the package, or None."""
+    lib = _paths.PACKAGE_LIB / lib_name()
+    if not lib.is_file():
+        return None
+    m = read_manifest(_paths.PACKAGE_LIB / "build-info.json") or {}
+    return dict(m, lib=str(lib), origin="package")
 
 
 def registry_dir() -> Path:
@@ -66,7 +87,7 @@ def find_builds(root: Path | None = None, registry: bool = True) -> list[dict]:
 def _manifest_builds() -> list[dict]:
     # reading manifests only (no subprocess): the API never runs anything
     try:
-        return find_builds(_paths.project_root())
+        return find_builds(_paths.checkout_root())
     except (OSError, ValueError, TypeError):  # an unreadable build dir or a damaged manifest
         return []
 
@@ -74,11 +95,13 @@ def _manifest_builds() -> list[dict]:
 def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
     """Path and build info of the library to load.
 
-    ``lib`` may be a path, ``"patched"`` or ``"vanilla"`` (the CPU build of that variant, else any
-    backend), or None: ``$PYLLAMA_KV_LIB``, else the patched build.
+    ``lib`` may be a path, ``"patched"`` (the library inside the package, else the CPU build, else
+    any backend), ``"vanilla"`` (a build), or None: ``$PYLLAMA_KV_LIB``, else ``"patched"``.
     """
+    origin = "argument"
     if lib is None:
-        lib = os.environ.get("PYLLAMA_KV_LIB") or "patched"
+        env = os.environ.get("PYLLAMA_KV_LIB")
+        lib, origin = (env, "PYLLAMA_KV_LIB") if env else ("patched", "")
     if isinstance(lib, (bytes, os.PathLike)):
         try:
             lib = os.fsdecode(lib)
@@ -91,18 +114,23 @@ def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
         raise LibraryError("lib is an empty string: give a path to a libllama, 'patched' or 'vanilla'")
     if "\0" in name:
         raise LibraryError(f"library path {name!r} contains a NUL byte")
+    if name == "patched":
+        b = bundled()
+        if b is not None:
+            return Path(b["lib"]).resolve(), _info_from_manifest(b, "package")
     builds = _manifest_builds()
     if name in ("patched", "vanilla"):
         cands = [b for b in builds if b.get("variant") == name]
         cands.sort(key=lambda b: (b.get("backend") != "cpu", b.get("backend", "")))
         if not cands:
             raise LibraryError(
-                f"no {name} build of libllama found under {_paths.build_root()} or in {registry_dir()}: "
-                "run `make setup` "
-                f"(or `pyllama-kv build{' --vanilla' if name == 'vanilla' else ''}`), or set PYLLAMA_KV_LIB"
+                f"no {name} build of libllama found under {_paths.build_root()} or in {registry_dir()}"
+                + ("" if name == "vanilla" else " (and none inside the package)")
+                + ": run `make setup` in a checkout, "
+                f"or `pyllama-kv build{' --vanilla' if name == 'vanilla' else ''}`, or set PYLLAMA_KV_LIB"
             )
         b = cands[0]
-        return Path(b["lib"]).resolve(), _info_from_manifest(b)
+        return Path(b["lib"]).resolve(), _info_from_manifest(b, "build")
     try:
         path = Path(name).expanduser()
     except RuntimeError:  # "~user" of an unknown user
@@ -116,17 +144,22 @@ def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
         path = path.resolve()
     except (OSError, ValueError, RuntimeError) as exc:  # a NUL byte, a symlink loop, a name too long
         raise LibraryError(f"library {name!r}: {_one_line(exc)}") from None
-    for b in builds:
+    pkg = bundled()
+    for b in ([pkg] if pkg else []) + _manifest_builds():
         try:
             if Path(b["lib"]).resolve() == path:
-                return path, _info_from_manifest(b)
+                return path, _info_from_manifest(b, origin)
         except (OSError, ValueError, RuntimeError, TypeError, KeyError):
             continue
-    return path, {"path": str(path), "variant": "unknown", "revision": None, "patches": [], "backend": None}
+    return path, {"path": str(path), "variant": "unknown", "revision": None, "patches": [], "backend": None,
+                  "origin": origin}
 
 
-def _info_from_manifest(b: dict) -> dict:
+def _info_from_manifest(b: dict, origin: str) -> dict:
+    """``origin``: where the library was found: "package" (inside the installed package), "build" (a
+    `pyllama-kv build`), "PYLLAMA_KV_LIB" or "argument" (a path given)."""
     return {
+        "origin": origin,
         "path": str(Path(b["lib"]).resolve()),
         "variant": b.get("variant"),
         "revision": b.get("revision"),

@@ -44,13 +44,24 @@ def command_module(name: str):
 
 
 def _version_text() -> str:
+    """The package version, the pinned llama.cpp revision and our patches (from the checkout, or the
+    copies inside an installed package), and where the library would be loaded from."""
     from .. import __version__, _paths
+    from .._native import locate
 
-    try:  # the pin file of a checkout, read without importing the harness
+    try:  # the pin file, read without importing the harness
         rev = str(json.loads(_paths.pin_path().read_text())["revision"])[:12]
-    except Exception:  # no checkout around: the package alone
+    except Exception:
         rev = "?"
-    return f"pyllama-kv {__version__} (llama.cpp {rev} + our KV-cache patches)"
+    patches = sorted(p.stem for p in _paths.patches_dir().glob("[0-9]*.patch"))
+    lines = [f"pyllama-kv {__version__}", f"llama.cpp {rev} (pinned) + {len(patches)} KV-cache patches:"]
+    lines += [f"  {p}" for p in patches]
+    try:
+        path, info = locate.resolve()
+        lines.append(f"library: {path} ({info.get('origin')}, {info.get('variant')}, {info.get('backend')})")
+    except Exception as exc:  # no library yet: --version still answers
+        lines.append(f"library: none found ({str(exc).splitlines()[0]})")
+    return "\n".join(lines)
 
 
 class _Version(argparse.Action):
@@ -60,7 +71,8 @@ class _Version(argparse.Action):
         super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(message=_version_text() + "\n")
+        print(_version_text())  # on stdout, as argparse's own version action does
+        parser.exit()
 
 
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
@@ -73,7 +85,8 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
         epilog="Run `pyllama-kv COMMAND --help` for each command's options.",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks and llama.cpp's log")
-    p.add_argument("--version", action=_Version, help="show the version and the llama.cpp revision, and exit")
+    p.add_argument("--version", action=_Version,
+                   help="show the version, the pinned llama.cpp revision, our patches and the library in use, and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

@@ -14,7 +14,9 @@ def register(subparsers) -> None:
     g.add_argument("--check", action="store_true", help="only check that the rest of the series would apply")
     g.add_argument("--status", action="store_true", help="list which patches are applied")
     g.add_argument("--reverse", action="store_true", help="reverse the applied patches")
-    s.add_argument("--tree", metavar="DIR", help="llama.cpp tree to work on (default: vendor/llama.cpp)")
+    s.add_argument("--tree", metavar="DIR",
+                   help="llama.cpp tree to work on (default: vendor/llama.cpp of the checkout; for an installed "
+                        "package, the tree `pyllama-kv vendor` puts in ~/.cache/pyllama-kv/src)")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

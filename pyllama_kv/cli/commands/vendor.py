@@ -1,4 +1,5 @@
-"""`pyllama-kv vendor`: fetch the pinned llama.cpp into vendor/llama.cpp."""
+"""`pyllama-kv vendor`: fetch the pinned llama.cpp into vendor/llama.cpp (of an installed package:
+into ~/.cache/pyllama-kv/src/llama.cpp)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,10 +11,11 @@ from ..render import log, print_json
 def register(subparsers) -> None:
     s = subparsers.add_parser("vendor", description="Fetch the pinned llama.cpp source (the llama-cpp-python sdist "
                                                     "from PyPI, sha256-checked, cached in ~/.cache/pyllama-kv) into "
-                                                    "vendor/llama.cpp.")
+                                                    "vendor/llama.cpp of the checkout; for an installed "
+                                                    "package, into ~/.cache/pyllama-kv/src/llama.cpp.")
     s.add_argument("--source", metavar="PATH",
                    help="use an existing llama.cpp checkout or tarball at the pinned revision")
-    s.add_argument("--force", action="store_true", help="replace vendor/llama.cpp even if it already holds the pin")
+    s.add_argument("--force", action="store_true", help="replace the tree even if it already holds the pin")
     s.add_argument("--fingerprint", metavar="DIR",
                    help="print the fingerprint of an unpatched llama.cpp tree (for a new pin)")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
