@@ -32,7 +32,12 @@ from pathlib import Path
 
 from .. import _paths
 from .._download import Log, stderr_log as _stderr
-from .._native.locate import find_builds, read_manifest, registry_dir  # noqa: F401  (find_builds: re-exported)
+from .._native.locate import (  # noqa: F401  (find_builds, lib_name: re-exported)
+    find_builds,
+    lib_name,
+    read_manifest,
+    registry_dir,
+)
 from ..errors import HarnessError
 from . import patch as _patch, vendor as _vendor
 
@@ -52,10 +57,6 @@ def default_backend() -> str:
     return "metal" if platform.system() == "Darwin" else "cpu"
 
 
-def lib_name() -> str:
-    return {"Darwin": "libllama.dylib", "Windows": "llama.dll"}.get(platform.system(), "libllama.so")
-
-
 def build_dir(variant: str, backend: str, root: Path | None = None) -> Path:
     return _paths.build_root(root) / f"{variant}-{backend}"
 
@@ -64,44 +65,18 @@ def build_dir(variant: str, backend: str, root: Path | None = None) -> Path:
 # CMake flags per backend
 
 
-def _find_cuda() -> dict:
-    """Locate nvcc and cuBLAS; raise BuildError saying exactly what is missing."""
-    homes = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH", "CUDAToolkit_ROOT")]
-    nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc")
-    for h in homes + ["/usr/local/cuda"]:
-        if not nvcc and h and Path(h, "bin", "nvcc").is_file():
-            nvcc = str(Path(h, "bin", "nvcc"))
-    if not nvcc:
-        raise BuildError(
-            "--backend cuda needs the CUDA toolkit's compiler (nvcc), which was not found on PATH, in $CUDACXX, "
-            "$CUDA_HOME/bin or /usr/local/cuda/bin. Install the CUDA toolkit (12.x or 13.x) and put nvcc on PATH."
-        )
-    cuda_root = Path(nvcc).resolve().parent.parent
-    roots = [Path(h) for h in homes if h] + [cuda_root, Path("/usr/local/cuda"), Path("/usr")]
-    inc_dirs = []
-    lib_dirs = []
-    for r in roots:
-        inc_dirs += [r / "include", r / "targets" / f"{platform.machine()}-linux" / "include"]
-        lib_dirs += [r / "lib64", r / "lib", r / "targets" / f"{platform.machine()}-linux" / "lib",
-                     r / "lib" / f"{platform.machine()}-linux-gnu"]
-    header = next((d / "cublas_v2.h" for d in inc_dirs if (d / "cublas_v2.h").is_file()), None)
-    lib = next((p for d in lib_dirs if d.is_dir() for p in sorted(d.glob("libcublas.so*"))), None)
-    found = (("cublas_v2.h (headers)", header), ("libcublas.so (library)", lib))
-    missing = [what for what, got in found if got is None]
-    if missing:
-        raise BuildError(
-            f"--backend cuda: found nvcc at {nvcc}, but cuBLAS is missing: {', '.join(missing)}. "
-            "llama.cpp's CUDA backend links cuBLAS. Install it with the toolkit (Debian/Ubuntu: "
-            "`apt install libcublas-dev-<major>-<minor>` from NVIDIA's repository, or the full `cuda-toolkit`), "
-            "or point CUDA_HOME / CUDAToolkit_ROOT at a toolkit that has it."
-        )
-    return {"nvcc": nvcc, "cublas_header": str(header), "cublas_lib": str(lib)}
+def _find_cuda(fetch_cublas: bool = False, log: Log = _stderr) -> dict:
+    """nvcc and cuBLAS, or a toolkit overlay with cuBLAS from PyPI (see pyllama_kv.harness.cuda)."""
+    from . import cuda
+
+    return cuda.find_toolkit(fetch=fetch_cublas, log=log)
 
 
 def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
-                extra: list[str] | None = None, rpc: bool | None = None) -> list[str]:
+                extra: list[str] | None = None, rpc: bool | None = None, cuda_info: dict | None = None) -> list[str]:
     """The CMake flags of a build. ``rpc``: -DGGML_RPC=ON (True), =OFF (False), or not given (None:
-    CMake's default, off), so that builds made before the option existed stay up to date."""
+    CMake's default, off), so that builds made before the option existed stay up to date.
+    ``cuda_arch``: default ``cuda.default_arch()``; ``cuda_info``: ``_find_cuda()``'s toolkit."""
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
@@ -117,7 +92,13 @@ def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
     if backend == "cpu":
         flags += ["-DGGML_CUDA=OFF", "-DGGML_METAL=OFF"]
     elif backend == "cuda":
-        flags += ["-DGGML_CUDA=ON", "-DGGML_METAL=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or 'native'}"]
+        from .cuda import default_arch
+
+        # no VMM: libggml-cuda does not link the driver's libcuda.so, which a machine without a GPU lacks
+        flags += ["-DGGML_CUDA=ON", "-DGGML_METAL=OFF", "-DGGML_CUDA_NO_VMM=ON",
+                  f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or default_arch()}"]
+        if cuda_info and cuda_info.get("root"):  # a toolkit overlay with cuBLAS from PyPI
+            flags += [f"-DCUDAToolkit_ROOT={cuda_info['root']}", f"-DCMAKE_CUDA_COMPILER={cuda_info['nvcc']}"]
     elif backend == "metal":
         flags += ["-DGGML_METAL=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL_EMBED_LIBRARY=ON"]
     else:
@@ -192,7 +173,10 @@ def stale_reason(manifest: dict | None, wanted: dict) -> str | None:
 def _prepare_source(variant: str, root: Path | None, log: Log) -> Path:
     vdir = _paths.vendor_dir(root)
     if not (vdir / "include" / "llama.h").is_file():
-        raise BuildError(f"{vdir} holds no llama.cpp tree: run `pyllama-kv vendor` first")
+        if root is not None or _paths.checkout_root() is not None:
+            raise BuildError(f"{vdir} holds no llama.cpp tree: run `pyllama-kv vendor` first")
+        # an installed package: the pinned tree goes into the cache (from the cached archive if any)
+        _vendor.vendor(log=log)
     if variant == "patched":
         applied = _patch.apply(vdir)
         if applied:
@@ -257,9 +241,11 @@ def build(
     log: Log = _stderr,
     progress: bool = True,
     rpc: bool | None = None,
+    fetch_cublas: bool = False,
 ) -> dict:
     """Build (or reuse) one variant for one backend; return its manifest. ``rpc``: with ggml's RPC
-    backend and rpc-server (True), without (False), or as the existing build has it (None)."""
+    backend and rpc-server (True), without (False), or as the existing build has it (None).
+    ``fetch_cublas``: for --backend cuda without cuBLAS, download it from PyPI (harness.cuda)."""
     if variant not in VARIANTS:
         raise BuildError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
     backend = backend or default_backend()
@@ -267,11 +253,11 @@ def build(
         raise BuildError("--backend metal needs macOS (Apple's Metal framework); use --backend cpu or cuda here")
     if not shutil.which("cmake"):
         raise BuildError("cmake was not found on PATH: install CMake 3.14 or newer (e.g. `pip install cmake`)")
-    cuda_info = _find_cuda() if backend == "cuda" else None
+    cuda_info = _find_cuda(fetch_cublas, log) if backend == "cuda" else None
     bdir = build_dir(variant, backend, root)
     if rpc is None:  # as the existing build has it
         rpc = _rpc_in((read_manifest(bdir) or {}).get("cmake_flags") or [])
-    flags = cmake_flags(backend, tools=tools, cuda_arch=cuda_arch, extra=extra_cmake, rpc=rpc)
+    flags = cmake_flags(backend, tools=tools, cuda_arch=cuda_arch, extra=extra_cmake, rpc=rpc, cuda_info=cuda_info)
     wanted = _wanted(variant, backend, flags, tools, root)
     reason = "forced" if force else stale_reason(read_manifest(bdir), wanted)
     if reason is None:

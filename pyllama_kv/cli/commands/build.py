@@ -1,6 +1,10 @@
 """`pyllama-kv build`: build libllama, patched or vanilla."""
 from __future__ import annotations
 
+import shlex
+import sys
+
+from ...harness.cuda import DEFAULT_ARCHS, FETCH_FLAG, fetch_command
 from ..render import log, print_json
 
 
@@ -11,7 +15,11 @@ def register(subparsers) -> None:
     s.add_argument("--backend", choices=["cpu", "cuda", "metal"], default=None,
                    help="compute backend (default: metal on macOS, cpu elsewhere)")
     s.add_argument("--cuda-arch", metavar="ARCHS",
-                   help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native)")
+                   help="CMAKE_CUDA_ARCHITECTURES for --backend cuda, e.g. 90 or '80;90' (default: the GPUs that "
+                        f"nvidia-smi lists, else {DEFAULT_ARCHS}; each architecture adds to the compile time)")
+    s.add_argument("--fetch-cublas", action="store_true",
+                   help="for --backend cuda when the toolkit lacks cuBLAS: download NVIDIA's nvidia-cublas wheel for "
+                        "nvcc's CUDA version (about 400 MB) into ~/.cache/pyllama-kv with pip and build with it")
     s.add_argument("--tools", action="store_true",
                    help="also build llama.cpp's llama-batched-bench and llama-server (for the benchmarks)")
     rpc = s.add_mutually_exclusive_group()
@@ -26,12 +34,35 @@ def register(subparsers) -> None:
     s.add_argument("--json", action="store_true", help="print the build manifest as JSON")
 
 
+def _with_fetch(args, exc) -> bool:
+    """cuBLAS is missing: the error names the command to run again; on a terminal, offer to run it."""
+    again = shlex.join(["pyllama-kv", *sys.argv[1:], FETCH_FLAG])
+    exc.args = (str(exc).replace(f"`{fetch_command()}`", f"`{again}`"),)
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return False
+    log(str(exc))
+    try:
+        answer = input("Download cuBLAS now and build? [y/N] ")
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
+
+
 def run(args) -> int:
     from ...harness import build
+    from ...harness.cuda import CublasMissing
 
-    m = build.build(variant="vanilla" if args.vanilla else "patched", backend=args.backend, tools=args.tools,
-                    cuda_arch=args.cuda_arch, jobs=args.jobs, force=args.force, extra_cmake=args.cmake_arg, log=log,
-                    rpc=args.rpc)
+    def go(fetch: bool) -> dict:
+        return build.build(variant="vanilla" if args.vanilla else "patched", backend=args.backend, tools=args.tools,
+                           cuda_arch=args.cuda_arch, jobs=args.jobs, force=args.force, extra_cmake=args.cmake_arg,
+                           log=log, rpc=args.rpc, fetch_cublas=fetch)
+
+    try:
+        m = go(args.fetch_cublas)
+    except CublasMissing as exc:
+        if args.fetch_cublas or not _with_fetch(args, exc):
+            raise
+        m = go(True)
     if args.json:
         print_json(m)
     else:
