@@ -70,6 +70,7 @@ class KVStats:
     moves: int | None = None
     cells_moved: int | None = None
     graphs: int | None = None
+    nodes: int | None = None           # graph nodes computed for defrags (0 on the host memcpy path)
     slot_retries: int | None = None
     slot_failures: int | None = None
     defrag_seconds: float | None = None   # time spent in defrags (patched build)
@@ -735,6 +736,7 @@ class Context(_kv.CResource):
         if counters is not None:
             extra = dict(defrags=counters["n_defrags"], moves=counters["n_defrag_moves"],
                          cells_moved=counters["n_defrag_cells"], graphs=counters["n_defrag_graphs"],
+                         nodes=counters["n_defrag_nodes"],
                          slot_retries=counters["n_slot_retries"], slot_failures=counters["n_slot_failures"],
                          defrag_seconds=counters["t_defrag_us"] / 1e6)
         frag = 0.0 if n_free == 0 else 1.0 - largest / n_free

@@ -1,12 +1,19 @@
 #!/usr/bin/env python3
-"""Benchmark 2: the cost of one full defrag against the memory it moves. Prints JSON.
+"""Benchmark 2: the cost of one full defrag against the memory it moves, on each defrag path. Prints JSON.
 
-For caches of 2k, 8k and 32k cells and a 32-layer model, fragment the cache with single-cell holes
-(every other cell freed: half free), then time one full ``ctx.defrag()`` and read the moves and
-graphs from ``kv_stats()``. In the same run, time a numpy copy of the same number of bytes (the
-bytes the moved cells hold in K and V, all layers). Reported: bytes moved, ms, GB/s, the ratio to
-the numpy copy, and the vanilla build beside it (which stops after one graph's worth of moves and
-leaves holes).
+For caches of 2k, 8k and 32k cells and a 32-layer model, with flash attention off and on, fragment the
+cache with single-cell holes (every other cell freed: half free), then time one full defrag on each
+path of the patched build, chosen with LLAMA_KV_DEFRAG_GRAPH (read at every defrag):
+
+* ``gather``: the gather graphs (patch 0011; ``=1``): a constant number of nodes per layer;
+* ``moves``: the per-move graphs (``=moves``): 6 nodes per layer and block move;
+* ``host``: memcpy on the host cache (patch 0006; the default for a cache in host memory);
+* ``vanilla``: the unpatched build, which stops after one graph's worth of moves and leaves holes.
+
+Each row reports the moves, graphs and graph nodes from ``kv_stats()``, ms, GB/s and, measured in the
+same run, the time of a contiguous numpy copy of the bytes the moved cells hold (K and V, all layers).
+``ratios`` sets the paths side by side per cache size: gather/host, moves/host, host/copy, and the
+nodes per graph against 8 per layer.
 
   python scripts/bench_defrag.py [--quick] [--json] [--cells 2048,8192,32768] [--layers 32]
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -26,6 +34,7 @@ from pyllama_kv.tools.bench import machine
 from pyllama_kv.tools.gguf import make_tiny_model
 
 TYPE_BYTES = {"f16": 2, "f32": 4}
+PATHS = {"gather": "1", "moves": "moves", "host": None}  # path -> LLAMA_KV_DEFRAG_GRAPH
 
 
 def numpy_copy_seconds(n_bytes: int, repeats: int = 3) -> float:
@@ -39,13 +48,14 @@ def numpy_copy_seconds(n_bytes: int, repeats: int = 3) -> float:
     return best
 
 
-def one(model: pk.Model, n_cells: int, type_kv: str, n_threads: int | None, max_chunk: int = 1024) -> dict:
+def one(model: pk.Model, n_cells: int, type_kv: str, flash_attn: bool, n_threads: int | None,
+        max_chunk: int = 1024) -> dict:
     # the worst-case reserve after a defrag must stay inside the cache on the vanilla build (patch 0003):
     # used cells end at n/2 after packing, so keep n_ubatch <= n/4
     n_ubatch = min(512, n_cells // 4)
     chunk = min(n_cells, max_chunk)
     with model.context(n_ctx=n_cells, n_seq_max=n_cells // chunk, n_batch=n_ubatch, n_ubatch=n_ubatch,
-                       type_k=type_kv, type_v=type_kv, n_threads=n_threads) as ctx:
+                       flash_attn=flash_attn, type_k=type_kv, type_v=type_kv, n_threads=n_threads) as ctx:
         # fill the cache: compute `chunk` cells once, then write copies of them (no compute)
         a = ctx.new_sequence()
         a.extend(np.random.default_rng(0).integers(3, 300, chunk).tolist())
@@ -62,6 +72,7 @@ def one(model: pk.Model, n_cells: int, type_kv: str, n_threads: int | None, max_
         secs = time.perf_counter() - t
         after = ctx.kv_stats()
         used_after = ctx.kv_cells() != -1
+    t0, t1 = before.defrag_seconds, after.defrag_seconds
     n_embd_kv = model.n_embd // model.n_head * model.n_head_kv
     per_cell = model.n_layer * 2 * n_embd_kv * TYPE_BYTES[type_kv]
     moved = int((used_after & ~used_before).sum())  # cells that landed in a former hole
@@ -70,18 +81,58 @@ def one(model: pk.Model, n_cells: int, type_kv: str, n_threads: int | None, max_
     return {
         "library": "patched" if model.library["has_stats"] else "vanilla",
         "n_cells": n_cells,
+        "flash_attn": flash_attn,
         "used_cells": before.used_cells,
         "holes_before": before.holes,
         "holes_after": after.holes,
         "cells_moved": moved,
         "bytes_moved": n_bytes,
         "ms": round(secs * 1000, 3),
+        "defrag_ms": None if t0 is None or t1 is None else round((t1 - t0) * 1000, 3),  # the library's own count
         "gb_per_s": round(n_bytes / secs / 1e9, 3),
         "moves": after.moves,
         "graphs": after.graphs,
+        "nodes": after.nodes,
         "numpy_copy_ms": round(np_s * 1000, 3),
         "numpy_gb_per_s": round(n_bytes / np_s / 1e9, 3) if n_bytes else None,
         "ratio_to_numpy": round(secs / np_s, 2) if n_bytes else None,
+    }
+
+
+def run_path(mp: Path, lib: str | None, path: str | None, *args) -> dict:
+    """One row: `path` (a key of PATHS) on the patched build (lib None: $PYLLAMA_KV_LIB, else the patched
+    build), or the vanilla build (path None)."""
+    old = os.environ.pop("LLAMA_KV_DEFRAG_GRAPH", None)
+    try:
+        value = PATHS[path] if path is not None else None
+        if value is not None:
+            os.environ["LLAMA_KV_DEFRAG_GRAPH"] = value
+        with pk.Model(mp, lib=lib) as m:
+            row = one(m, *args)
+    finally:
+        os.environ.pop("LLAMA_KV_DEFRAG_GRAPH", None)
+        if old is not None:
+            os.environ["LLAMA_KV_DEFRAG_GRAPH"] = old
+    row["path"] = path or "vanilla"
+    return row
+
+
+def ratios(rows: list[dict], n_layer: int) -> dict:
+    """The paths of one cache size and attention setting side by side."""
+    by = {r["path"]: r for r in rows}
+    g, mv, h = by["gather"], by["moves"], by["host"]
+
+    def per_graph(r: dict) -> float | None:
+        return round(r["nodes"] / r["graphs"], 1) if r["graphs"] else None
+
+    return {
+        "n_cells": g["n_cells"], "flash_attn": g["flash_attn"],
+        "gather_ms": g["ms"], "moves_ms": mv["ms"], "host_ms": h["ms"], "copy_ms": h["numpy_copy_ms"],
+        "gather_over_host": round(g["ms"] / h["ms"], 2),
+        "moves_over_host": round(mv["ms"] / h["ms"], 2),
+        "host_over_copy": h["ratio_to_numpy"],
+        "gather_nodes_per_graph": per_graph(g), "moves_nodes_per_graph": per_graph(mv),
+        "node_limit_per_graph": 8 * n_layer,
     }
 
 
@@ -91,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32, help="model layers (default 32)")
     ap.add_argument("--embd", type=int, default=256, help="model n_embd (default 256; KV heads are half the heads)")
     ap.add_argument("--type", default="f16", choices=sorted(TYPE_BYTES), help="KV cache type (default f16)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: the context's)")
     ap.add_argument("--quick", action="store_true", help="small sizes, for the test suite")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
@@ -105,17 +156,21 @@ def main(argv=None) -> int:
         # between threads that cannot all run stretched it from 0.5 s to minutes
         args.threads = args.threads or 1
     out = {"benchmark": "defrag", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-           "model": {"n_layer": layers, "n_embd": embd}, "type_kv": args.type, "rows": []}
+           "model": {"n_layer": layers, "n_embd": embd}, "type_kv": args.type, "rows": [], "ratios": []}
     with tempfile.TemporaryDirectory() as tmp:
         mp = make_tiny_model(Path(tmp) / "m.gguf", n_layer=layers, n_embd=embd, n_head=8, n_head_kv=4,
                              n_ff=2 * embd, n_ctx_train=max(cells), dtype="f16")
         for n in cells:
-            for lib in ("patched", "vanilla"):
-                with pk.Model(mp, lib=lib) as m:
-                    row = one(m, n, args.type, args.threads, 256 if args.quick else 1024)
-                out["rows"].append(row)
-                print(f"  {lib:8} {n:6} cells: {row['ms']:9.1f} ms, {row['gb_per_s']:.3f} GB/s "
-                      f"(numpy {row['numpy_gb_per_s']} GB/s), holes left {row['holes_after']}", file=sys.stderr)
+            for fa in (False, True):
+                rows = []
+                for lib, path in [(None, p) for p in PATHS] + [("vanilla", None)]:
+                    row = run_path(mp, lib, path, n, args.type, fa, args.threads, 256 if args.quick else 1024)
+                    rows.append(row)
+                    print(f"  {row['path']:8} {n:6} cells fa={int(fa)}: {row['ms']:9.1f} ms, "
+                          f"{row['gb_per_s']:.3f} GB/s (copy {row['numpy_copy_ms']} ms), graphs {row['graphs']}, "
+                          f"nodes {row['nodes']}, holes left {row['holes_after']}", file=sys.stderr)
+                out["rows"] += rows
+                out["ratios"].append(ratios(rows, layers))
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 

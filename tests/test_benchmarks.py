@@ -32,18 +32,30 @@ def test_bench_defrag():
     d = _run("bench_defrag.py")
     _machine(d)
     rows = d["rows"]
-    assert {r["library"] for r in rows} == {"patched", "vanilla"}
+    n_layer = d["model"]["n_layer"]
+    assert {r["path"] for r in rows} == {"gather", "moves", "host", "vanilla"}
+    assert {r["flash_attn"] for r in rows} == {False, True}
     for r in rows:
         assert r["used_cells"] == r["n_cells"] // 2 and r["holes_before"] > 0
         assert r["ms"] > 0 and r["bytes_moved"] > 0 and r["numpy_copy_ms"] > 0 and r["ratio_to_numpy"] > 0
         if r["library"] == "patched":
-            assert r["holes_after"] == 0 and r["moves"] > 0 and r["graphs"] == 0  # memcpy on host (0006)
+            assert r["holes_after"] == 0 and r["moves"] > 0, r
             assert r["cells_moved"] == r["n_cells"] // 4  # half of the used cells sit above n_used
+            if r["path"] == "host":  # memcpy on host (0006)
+                assert r["graphs"] == 0 and r["nodes"] == 0, r
+            elif r["path"] == "gather":  # 8 nodes per layer (0011), one graph at these sizes
+                assert r["graphs"] == 1 and r["nodes"] == 8 * n_layer, r
+            else:  # 6 nodes per layer and move
+                assert r["path"] == "moves" and r["nodes"] == 6 * n_layer * r["moves"], r
         else:
             # vanilla stops after one graph's worth of moves: at these sizes it must visibly leave holes,
             # or the comparison shows nothing
-            assert r["moves"] is None
+            assert r["path"] == "vanilla" and r["moves"] is None
             assert r["holes_after"] > 0 and r["cells_moved"] < r["n_cells"] // 4, r
+    assert len(d["ratios"]) == 2 * len({r["n_cells"] for r in rows})
+    for q in d["ratios"]:
+        assert q["gather_nodes_per_graph"] <= q["node_limit_per_graph"] < q["moves_nodes_per_graph"], q
+        assert q["gather_over_host"] > 0 and q["moves_over_host"] > 0 and q["host_over_copy"] > 0
 
 
 def test_bench_stress():

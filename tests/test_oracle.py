@@ -40,6 +40,8 @@ issue 8, 2 vCPU Xeon, f32 logits of magnitude ~6):
     configuration         largest difference   tolerance   source of the difference
     2l-f32                4.8e-6               1.5e-5      summation order (ubatch sizes, cell order)
     2l-f32-graphdefrag    4.8e-6               1.5e-5      same
+    2l-f32-movesdefrag    (as 2l-f32)          1.5e-5      same (defrag paths leave the same bytes:
+    2l-f32-fa-graphdefrag (as 2l-f32-fa)       2.9e-2      tests/test_defrag_paths.py)
     2l-f32-fa             9.7e-3               2.9e-2      flash attention casts K/V to f16 and sums V in
                                                            f16 in cell order: scattered cells round
                                                            differently from the reference's
@@ -481,15 +483,20 @@ class KVMachine(RuleBasedStateMachine):
 CONFIGS = [
     # name, n_layer, flash_attn, kv_type, shifts
     ("2l-f32", 2, False, "f32", False),
-    ("2l-f32-graphdefrag", 2, False, "f32", False),  # defrag through ggml graphs instead of memcpy
+    ("2l-f32-graphdefrag", 2, False, "f32", False),  # defrag through the gather graphs instead of memcpy
+    ("2l-f32-fa-graphdefrag", 2, True, "f32", False),  # the same with V not transposed
+    ("2l-f32-movesdefrag", 2, False, "f32", False),  # defrag through the per-move graphs
     ("2l-f32-fa", 2, True, "f32", False),
     ("2l-f16", 2, False, "f16", False),
     ("1l-f32-shift", 1, False, "f32", True),
     ("1l-f16-fa-shift", 1, True, "f16", True),
 ]
 # 3x the largest difference measured in correct operations (table in the module docstring)
-TOLERANCE = {"2l-f32": 1.5e-5, "2l-f32-graphdefrag": 1.5e-5, "2l-f32-fa": 2.9e-2, "2l-f16": 1.1e-2,
+TOLERANCE = {"2l-f32": 1.5e-5, "2l-f32-graphdefrag": 1.5e-5, "2l-f32-fa-graphdefrag": 2.9e-2,
+             "2l-f32-movesdefrag": 1.5e-5, "2l-f32-fa": 2.9e-2, "2l-f16": 1.1e-2,
              "1l-f32-shift": 9.3e-6, "1l-f16-fa-shift": 2.1e-2}
+# LLAMA_KV_DEFRAG_GRAPH per configuration (read by llama.cpp at every defrag): the defrag path
+DEFRAG_GRAPH = {"graphdefrag": "1", "movesdefrag": "moves"}
 
 
 def make_machine(name, n_layer, fa, kv, shifts, tmp_root):
@@ -508,8 +515,9 @@ def oracle_root(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_semantics_oracle(cfg, oracle_root, monkeypatch):
-    if "graphdefrag" in cfg[0]:
-        monkeypatch.setenv("LLAMA_KV_DEFRAG_GRAPH", "1")
+    for key, value in DEFRAG_GRAPH.items():
+        if key in cfg[0]:
+            monkeypatch.setenv("LLAMA_KV_DEFRAG_GRAPH", value)
     machine = make_machine(*cfg, oracle_root)
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()
@@ -529,9 +537,10 @@ def test_oracle_exercised_fragmentation_retries_and_defrags():
         # average; skips 0. The default run has none of either.
         assert v["fallback"] <= 0.2 * v["checked"] and v["skipped"] <= 0.01 * v["checked"], (name, v)
         assert v["max_len"] <= MAX_LEN and v["max_err"] <= TOLERANCE[name], (name, v)
-    # both defrag paths ran: graphs only where forced, memcpy elsewhere
-    assert RUN_STATS.get("2l-f32-graphdefrag", {"graphs": 1})["graphs"] > 0, RUN_STATS
-    assert all(v["graphs"] == 0 for k, v in RUN_STATS.items() if "graphdefrag" not in k), RUN_STATS
+    # every defrag path ran: graphs only where forced, memcpy elsewhere
+    graph_cfgs = [c[0] for c in CONFIGS if any(key in c[0] for key in DEFRAG_GRAPH)]
+    assert all(RUN_STATS.get(k, {"graphs": 1})["graphs"] > 0 for k in graph_cfgs), RUN_STATS
+    assert all(v["graphs"] == 0 for k, v in RUN_STATS.items() if k not in graph_cfgs), RUN_STATS
 
 
 SENSITIVITY_MARGIN = {"token": 5.0, "position": 1.5}

@@ -46,7 +46,7 @@ def test_slot_patched_retries_after_defrag(slot):
 @pytest.fixture(scope="module")
 def holes():
     out = {lib: _run(lib, "defrag-holes") for lib in ("vanilla", "patched")}
-    out["patched-graph"] = _run("patched", "defrag-holes", env={"LLAMA_KV_DEFRAG_GRAPH": "1"})
+    out["patched-graph"] = _run("patched", "defrag-holes", env={"LLAMA_KV_DEFRAG_GRAPH": "moves"})
     return out
 
 
@@ -59,7 +59,7 @@ def test_defrag_vanilla_leaves_holes_beyond_one_graph(holes):
 
 
 def test_defrag_patched_packs_completely_in_several_graphs(holes):
-    """The graph path (device caches; forced here): as many graphs as the node limit requires."""
+    """The per-move graph path (LLAMA_KV_DEFRAG_GRAPH=moves): as many graphs as the node limit requires."""
     r, c = holes["patched-graph"]
     assert r.returncode == 0, r.stderr[-2000:]
     assert c["after"]["packed"] and c["after"]["holes_below_last_used"] == 0

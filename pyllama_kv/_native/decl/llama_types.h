@@ -166,4 +166,5 @@ struct llama_kv_stats {
     uint64_t n_slot_retries;
     uint64_t n_slot_failures;
     uint64_t t_defrag_us;
+    uint64_t n_defrag_nodes;
 };
