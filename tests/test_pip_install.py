@@ -189,14 +189,15 @@ def test_wheel_installs_into_a_fresh_venv_and_builds_vanilla_into_the_cache(whee
 
 
 def test_cuda_without_cublas_stops_with_our_message(sdist, outside):
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
-    if nvcc is None:
-        pytest.skip("no nvcc here: CMake stops earlier, at the missing toolkit")
+    from pyllama_kv.harness import cuda
+
     try:
-        _build._find_cuda()
-        pytest.skip("cuBLAS is installed here: a CUDA pip install would compile for 20 minutes")
+        nvcc = cuda.find_nvcc()
     except _build.BuildError:
-        pass
+        pytest.skip("no nvcc here: CMake stops earlier, at the missing toolkit")
+    header, lib = cuda.find_cublas([cuda.nvcc_root(nvcc), Path("/usr/local/cuda"), Path("/usr")])
+    if header and lib:
+        pytest.skip("cuBLAS is installed here: a CUDA pip install would compile for most of an hour")
     base, env = outside
     py = _venv(base / "venv-cuda", env, deps=False)
     env = dict(env, CMAKE_ARGS="-DGGML_CUDA=on")
