@@ -101,12 +101,16 @@ def _smoke(py: Path, cwd: Path, env: dict) -> dict:
     return got
 
 
+def _python_build(kind: str, out: Path) -> Path:
+    """`python -m build --sdist|--wheel` of the checkout (its patched vendor tree) into ``out``."""
+    _ok(_run([sys.executable, "-m", "build", f"--{kind}", "--outdir", out], ROOT, dict(os.environ)))
+    (f,) = out.glob("pyllama_kv-*.tar.gz" if kind == "sdist" else "pyllama_kv-*.whl")
+    return f
+
+
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory, builds) -> Path:
-    out = tmp_path_factory.mktemp("sdist")
-    _ok(_run([sys.executable, "-m", "build", "--sdist", "--outdir", out], ROOT, dict(os.environ)))
-    (f,) = out.glob("pyllama_kv-*.tar.gz")
-    return f
+    return _python_build("sdist", tmp_path_factory.mktemp("sdist"))
 
 
 def test_sdist_carries_the_patched_tree_and_no_build_outputs(sdist):
@@ -145,10 +149,7 @@ def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_checkout(sdist, o
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory, builds) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    _ok(_run([sys.executable, "-m", "build", "--wheel", "--outdir", out], ROOT, dict(os.environ)))
-    (f,) = out.glob("pyllama_kv-*.whl")
-    return f
+    return _python_build("wheel", tmp_path_factory.mktemp("wheel"))
 
 
 def test_wheel_contains_the_libraries_the_data_and_the_licenses(wheel):
