@@ -3,14 +3,17 @@
 LLAMA_KV_DEFRAG_GRAPH (read by llama.cpp at every defrag) picks the path:
 
 * unset: ``host``, memcpy on a cache in host memory (patch 0006);
-* ``1``: ``gather``, the gather graphs (patch 0011): 8 nodes per layer, whatever the number of moves;
+* ``1``: ``gather``, the gather graphs (patch 0011): 2 nodes per layer for K and 2 for V (5 for a
+  transposed f16 V, gathered through f32), whatever the number of moves;
 * ``moves``: the per-move graphs (patch 0001): 6 nodes per layer and block move.
 
 Each test fragments a cache the same way (scattered single cells, a range, every other cell, cells
 shared by a fork), reads every sequence's state (``llama_state_seq_get_data``: positions and the raw
 K and V bytes of its cells) in position order, defrags on one path, and reads the states again: the
 bytes must be exactly those from before, on every path, and the cells must sit where the other paths
-put them. Quantized K/V: the gather copies rows as raw 4-byte words, so q8_0 and q4_0 stay on it
+put them. The gather writes K and V straight into the cache (its get_rows result is a view of the
+cache), so a wrong index or a race between its reads and writes shows up as changed bytes. Quantized
+K/V: the gather copies rows as raw 4-byte words, so q8_0 and q4_0 stay on it
 when a row is a multiple of 4 bytes (n_embd_k_gqa 64 here) and are exact by construction; with rows
 of 18 or 34 bytes (n_embd_k_gqa 32) the per-move graphs run instead. A cache on an RPC server (not in
 host memory) takes the gather graphs without being forced.
@@ -86,13 +89,25 @@ def _defrag(model: pk.Model, type_k: str, type_v: str, fa: bool, path: str | Non
                        type_k=type_k, type_v=type_v) as ctx:
         ids = _fragment(ctx)
         before = _states(ctx, ids)
+        cells = ctx.kv_cells()
+        holes = np.flatnonzero(cells[: int((cells != -1).sum())] == -1)  # the holes the defrag fills
         st0 = ctx.kv_stats()
         assert st0.holes > 0
         st = ctx.defrag()
         assert st.holes == 0 and st.moves > st0.moves
         assert _states(ctx, ids) == before, f"{path}: a cell's K/V bytes changed in the defrag"
         return {"cells": ctx.kv_cells(), "moves": st.moves - st0.moves, "graphs": st.graphs - st0.graphs,
-                "nodes": st.nodes - st0.nodes}
+                "nodes": st.nodes - st0.nodes, "rewritten": int(holes[-1] + 1 - holes[0])}
+
+
+def gather_nodes(n_layer: int, type_v: str, fa: bool, on_cpu: bool = True) -> int:
+    """Nodes of one gather graph over all layers (patch 0011): per layer, K takes a source view and the
+    gather into the cache (2); V the same (2), or without flash attention (a transposed V) in f16 a source
+    view, the gather into f32, a reshape, the destination view and the copy (5). A cache in CPU memory
+    reads the transposed V's indices through one zero-stride view per graph (+1); other devices get them
+    as an input, which is not a node."""
+    per_layer = 2 + (5 if not fa and type_v == "f16" else 2)
+    return n_layer * per_layer + (1 if not fa and on_cpu else 0)
 
 
 def _check_paths(model: pk.Model, type_k: str, type_v: str, fa: bool, monkeypatch, gather: bool) -> dict:
@@ -104,8 +119,8 @@ def _check_paths(model: pk.Model, type_k: str, type_v: str, fa: bool, monkeypatc
     mv = got["moves"]
     assert mv["graphs"] >= 1 and mv["nodes"] == 6 * n_layer * mv["moves"]
     g = got["gather"]
-    if gather:  # one graph of 8 nodes per layer: 4 for K, 4 for V
-        assert g["graphs"] == 1 and g["nodes"] == 8 * n_layer, g
+    if gather:  # one graph, a constant number of nodes per layer
+        assert g["graphs"] == 1 and g["nodes"] == gather_nodes(n_layer, type_v, fa), g
     else:       # rows the gather cannot copy as 4-byte words: the per-move graphs
         assert g["graphs"] == mv["graphs"] and g["nodes"] == mv["nodes"], g
     return got
@@ -123,17 +138,24 @@ def test_quantized_rows_off_4_bytes_stay_on_the_per_move_graphs(narrow_model, pa
         _check_paths(m, type_kv, type_kv, True, monkeypatch, gather=False)
 
 
-@pytest.mark.parametrize("fa", [False, True], ids=["fa0", "fa1"])
-def test_gather_chunked_by_cells_and_layers(wide_model, patched_lib, fa, monkeypatch):
-    """A small memory bound splits the gather into graphs of a few cells and one layer: still exact."""
-    monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES", "4096")
+# (flash attention, the memory bound, cells per graph): a graph holds the indices (4 bytes per cell) and,
+# for a transposed f16 V, one layer's f32 temporary (4 * n_embd_v_gqa = 256 bytes per cell)
+CHUNKS = [(True, 64, 16), (False, 2600, 10), (False, 1, 1)]
+
+
+@pytest.mark.parametrize("fa,max_bytes,cells", CHUNKS, ids=[f"fa{int(fa)}-{b}B" for fa, b, _ in CHUNKS])
+def test_gather_chunked_by_cells(wide_model, patched_lib, fa, max_bytes, cells, monkeypatch):
+    """A small memory bound splits the gather into graphs of a few cells (down to one): still exact, and
+    every graph holds all the layers."""
+    monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES", str(max_bytes))
     with pk.Model(wide_model, lib=patched_lib) as m:
         g = _defrag(m, "f16", "f16", fa, "gather", monkeypatch)
         monkeypatch.delenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES")
         host = _defrag(m, "f16", "f16", fa, "host", monkeypatch)
     np.testing.assert_array_equal(g["cells"], host["cells"])
-    # 8 nodes per layer and chunk of cells, several chunks, mostly one layer per graph
-    assert g["nodes"] % (8 * m.n_layer) == 0 and g["nodes"] // (8 * m.n_layer) > 2 and g["graphs"] > m.n_layer, g
+    assert g["graphs"] > 2 and g["nodes"] == g["graphs"] * gather_nodes(m.n_layer, "f16", fa), g
+    # the rewritten range is [first hole, used cells): as many graphs as chunks of `cells` cover it
+    assert (g["graphs"] - 1) * cells < g["rewritten"] <= g["graphs"] * cells, g
 
 
 def test_vanilla_keeps_its_graph_defrag(wide_model, vanilla_lib, monkeypatch):
@@ -163,5 +185,5 @@ def test_a_cache_on_an_rpc_server_takes_the_gather_graphs(wide_model, patched_li
     finally:
         stop(proc)
     np.testing.assert_array_equal(g["cells"], mv["cells"])
-    assert g["graphs"] == 1 and g["nodes"] == 8 * m.n_layer, g
+    assert g["graphs"] == 1 and g["nodes"] == gather_nodes(m.n_layer, "f16", fa, on_cpu=False), g
     assert mv["nodes"] == 6 * m.n_layer * mv["moves"], mv
