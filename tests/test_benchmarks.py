@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_py
 from test_defrag_paths import gather_nodes
+
+from conftest import run_py
 
 
 def _run(script: str) -> dict:
