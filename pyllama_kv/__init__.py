@@ -11,8 +11,8 @@
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 # The public names, imported on first use (PEP 562): `import pyllama_kv` alone loads no numpy, cffi
 # or C library, so the CLI starts fast and the harness (vendor/patch/build, standard library only)
@@ -28,7 +28,7 @@ _LAZY = {
     "Sequence": ".sequence", "SequenceState": ".sequence",
 }
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from ._native.ffi import library_info
     from .context import Context, KVStats
     from .errors import DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError, ModelLoadError
@@ -38,17 +38,17 @@ if TYPE_CHECKING:
     from .sequence import Sequence, SequenceState
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
+    value = getattr(_importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(__all__)
 
 
 def _version() -> str:

@@ -30,7 +30,10 @@ PACKAGE_LIB = PACKAGE_DIR / "lib"
 
 
 def _is_checkout(d: Path) -> bool:
-    return (d / "patches").is_dir() and (d / "vendor").is_dir()
+    """A pyllama_kv checkout: its package, its pin and its patch series (not any folder that happens to
+    hold a patches/ and a vendor/)."""
+    return ((d / "patches").is_dir() and (d / "vendor" / "llama.cpp.pin.json").is_file()
+            and (d / "pyllama_kv" / "__init__.py").is_file())
 
 
 def checkout_root() -> Path | None:

@@ -96,6 +96,24 @@ def test_library_order_bundled_then_env_and_origin_says_which(tmp_path, monkeypa
     assert info["origin"] == "argument" and info["variant"] == "patched" and info["patches"] == ["0001-x.patch"]
 
 
+def test_a_folder_with_patches_and_vendor_is_not_taken_for_a_checkout(tmp_path, monkeypatch):
+    """An installed package run from a folder that merely holds patches/ and vendor/ keeps its own data;
+    the folder counts as a checkout only with our pin and package in it too."""
+    from pyllama_kv import _paths
+
+    monkeypatch.delenv("PYLLAMA_KV_ROOT", raising=False)
+    monkeypatch.setattr(_paths, "PACKAGE_DIR", tmp_path / "site-packages" / "pyllama_kv")  # as if installed
+    other = tmp_path / "other"
+    (other / "patches").mkdir(parents=True)
+    (other / "vendor").mkdir()
+    monkeypatch.chdir(other)
+    assert _paths.checkout_root() is None
+    (other / "vendor" / "llama.cpp.pin.json").write_text("{}")
+    (other / "pyllama_kv").mkdir()
+    (other / "pyllama_kv" / "__init__.py").write_text("")
+    assert _paths.checkout_root() == other
+
+
 def test_missing_library_is_a_clear_error(tmp_path, tiny_model):
     with pytest.raises(pk.LibraryError, match="does not exist"):
         pk.Model(tiny_model, lib=tmp_path / "nope.so")

@@ -128,6 +128,9 @@ def test_sdist_carries_the_patched_tree_and_no_build_outputs(sdist):
     assert {f"vendor/llama.cpp/.pyllama-kv-applied/{n}" for n in SERIES} <= rel
     assert not [n for n in rel if n.startswith(("build/", ".venv/", "dist/")) or "__pycache__" in n]
     assert not [n for n in rel if n.startswith(("vendor/llama.cpp/tools/", "vendor/llama.cpp/models/"))]
+    # ggml-kompute's vendored Kompute (never built) stays out: sdist.include would otherwise win over exclude
+    assert not [n for n in rel if n.startswith("vendor/llama.cpp/ggml/src/ggml-kompute/kompute/")]
+    assert Path(sdist).stat().st_size < 5_000_000
 
 
 def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_checkout(sdist, outside):

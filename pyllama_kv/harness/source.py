@@ -65,13 +65,7 @@ def patched_tree(work: Path, log: Log = _log) -> tuple[Path, str]:
             log(f"{vendored} is not the pinned tree with all {len(patches)} patches applied: not using it")
         tree = Path(work) / "llama.cpp"
         if not (_vendor.read_marker(tree) or {}).get("revision") == pin.revision:
-            archive = _vendor.fetch(pin, log)
-            log(f"unpacking {pin.filename} into {tree} ...")
-            _vendor.install_tree(
-                archive, pin.subdir, tree, (pin.fingerprint_paths, pin.fingerprint_sha256),
-                {"revision": pin.revision, "source": f"{pin.package}=={pin.version} sdist", "sha256": pin.sha256},
-                expected_sha256=pin.sha256,
-            )
+            _vendor.unpack_pinned(pin, tree, log)
         applied = _patch.apply(tree, patches)
         if applied:
             log(f"applied {len(applied)} patch(es) in {tree}")

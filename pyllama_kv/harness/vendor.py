@@ -338,6 +338,22 @@ def install_tree(
             shutil.rmtree(old, ignore_errors=True)
 
 
+def pinned_source(pin: Pin) -> str:
+    """How a marker names the pinned archive."""
+    return f"{pin.package}=={pin.version} sdist"
+
+
+def unpack_pinned(pin: Pin, dest: Path, log: Log = _stderr) -> int:
+    """Fetch the pinned archive (cache first, hash-checked) and install its llama.cpp tree at ``dest``,
+    proven pristine by the pin's fingerprint, with its marker. Returns the number of files."""
+    archive = fetch(pin, log)
+    marker = {"revision": pin.revision, "source": pinned_source(pin), "sha256": pin.sha256,
+              "fingerprint": pin.fingerprint_sha256}
+    log(f"unpacking {pin.subdir}/ into {dest} ...")
+    return install_tree(archive, pin.subdir, dest, (pin.fingerprint_paths, pin.fingerprint_sha256), marker,
+                        expected_sha256=pin.sha256)
+
+
 def vendor(
     source: Path | None = None,
     force: bool = False,
@@ -355,12 +371,8 @@ def vendor(
     fp = (pin.fingerprint_paths, pin.fingerprint_sha256)
     t0 = time.monotonic()
     if source is None:
-        archive = fetch(pin, log)
-        marker = {"revision": pin.revision, "source": f"{pin.package}=={pin.version} sdist", "sha256": pin.sha256,
-                  "fingerprint": pin.fingerprint_sha256}
-        log(f"unpacking {pin.subdir}/ into {dest} ...")
-        n = install_tree(archive, pin.subdir, dest, fp, marker, expected_sha256=pin.sha256)
-        src_desc = marker["source"]
+        n = unpack_pinned(pin, dest, log)
+        src_desc = pinned_source(pin)
     else:
         source = Path(source).expanduser().resolve()
         if not source.exists():
