@@ -20,13 +20,26 @@ Environment overrides:
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _package_lib() -> Path:
+    """The package's lib/. A plain ``pip install -e .`` (scikit-build-core's default editable mode,
+    "redirect") leaves the code in the checkout and puts what CMake installed, lib/ included, in
+    site-packages/pyllama_kv/: the package's ``__path__`` lists both, so look in each."""
+    for d in getattr(sys.modules.get(__package__ or ""), "__path__", None) or [PACKAGE_DIR]:
+        if (Path(d) / "lib").is_dir():
+            return Path(d).resolve() / "lib"
+    return PACKAGE_DIR / "lib"
+
+
 # what a package build installs inside the package (CMakeLists.txt): the pin file and the patch
 # series (_data/), and the patched library with its build-info.json (lib/)
 PACKAGE_DATA = PACKAGE_DIR / "_data"
-PACKAGE_LIB = PACKAGE_DIR / "lib"
+PACKAGE_LIB = _package_lib()
 
 
 def _is_checkout(d: Path) -> bool:

@@ -109,8 +109,12 @@ def test_a_folder_with_patches_and_vendor_is_not_taken_for_a_checkout(tmp_path, 
     monkeypatch.chdir(other)
     assert _paths.checkout_root() is None
     (other / "vendor" / "llama.cpp.pin.json").write_text("{}")
+    assert _paths.checkout_root() is None                  # the pin without our package
+    (other / "vendor" / "llama.cpp.pin.json").unlink()
     (other / "pyllama_kv").mkdir()
     (other / "pyllama_kv" / "__init__.py").write_text("")
+    assert _paths.checkout_root() is None                  # our package without the pin
+    (other / "vendor" / "llama.cpp.pin.json").write_text("{}")
     assert _paths.checkout_root() == other
 
 

@@ -108,6 +108,19 @@ def _python_build(kind: str, out: Path) -> Path:
     return f
 
 
+def test_an_editable_install_finds_the_library_cmake_put_in_site_packages(tmp_path, monkeypatch):
+    """A plain `pip install -e .` (scikit-build-core's "redirect" mode) leaves the code in the checkout and
+    installs lib/ into site-packages/pyllama_kv/, which the package's __path__ lists first."""
+    import pyllama_kv
+    from pyllama_kv import _paths
+
+    assert _paths._package_lib() == _paths.PACKAGE_DIR / "lib"     # the checkout's own, with no install tree
+    site = tmp_path / "site-packages" / "pyllama_kv"
+    (site / "lib").mkdir(parents=True)
+    monkeypatch.setattr(pyllama_kv, "__path__", [str(site), *pyllama_kv.__path__])
+    assert _paths._package_lib() == site.resolve() / "lib"
+
+
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory, builds) -> Path:
     return _python_build("sdist", tmp_path_factory.mktemp("sdist"))
@@ -271,3 +284,21 @@ def test_source_step_uses_a_patched_vendor_tree_in_place(tmp_path, builds):
     p = _ok(_source_step(root, tmp_path / "work", tmp_path / "cache"))
     assert Path(p.stdout.strip().splitlines()[-1]) == tree
     assert not (tmp_path / "work" / "llama.cpp").exists()
+
+
+def test_cmake_configure_builds_its_own_source_whatever_pyllama_kv_root_says(tmp_path, builds):
+    """A PYLLAMA_KV_ROOT exported in the shell that runs `pip install` must not change the tree compiled:
+    CMakeLists.txt pins it to the source it configures."""
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("no cmake on PATH")
+    root = _fake_checkout(tmp_path, None)
+    shutil.copy2(ROOT / "CMakeLists.txt", root)
+    shutil.copytree(ROOT / "vendor" / "llama.cpp", root / "vendor" / "llama.cpp", symlinks=True,
+                    ignore=shutil.ignore_patterns("models", "docs", "tools", "examples", "tests", ".git"))
+    decoy = tmp_path / "decoy"                       # no pin, no patches: the step would fail there
+    decoy.mkdir()
+    env = dict(_env(tmp_path / "cache"), PYLLAMA_KV_ROOT=str(decoy))
+    p = _ok(_run([cmake, "-S", root, "-B", tmp_path / "cmake-build", f"-DPython_EXECUTABLE={sys.executable}"],
+                 tmp_path, env, timeout=600))
+    assert f"pyllama-kv: llama.cpp source: {root / 'vendor' / 'llama.cpp'} (backend cpu)" in p.stdout, p.stdout[-3000:]
