@@ -64,14 +64,14 @@ def _states(ctx: pk.Context, ids) -> dict:
     return out
 
 
-def _fragment(ctx: pk.Context) -> list[int]:
+def _fragment(ctx: pk.Context, first_hole: int = 0) -> list[int]:
     rng = np.random.default_rng(7)
     seqs = [ctx.new_sequence() for _ in range(4)]
     for s in seqs:
         s.extend(rng.integers(3, 300, 48).tolist())
     seqs.append(seqs[3].fork())  # cells shared by two sequences
     rm = ctx._L.llama_kv_self_seq_rm
-    for p in range(0, 48, 3):
+    for p in range(first_hole, 48, 3):
         rm(ctx._ptr, seqs[0].id, p, p + 1)
     rm(ctx._ptr, seqs[1].id, 10, 30)
     for p in range(1, 48, 2):
@@ -79,7 +79,8 @@ def _fragment(ctx: pk.Context) -> list[int]:
     return [s.id for s in seqs]
 
 
-def _defrag(model: pk.Model, type_k: str, type_v: str, fa: bool, path: str | None, monkeypatch) -> dict:
+def _defrag(model: pk.Model, type_k: str, type_v: str, fa: bool, path: str | None, monkeypatch,
+            first_hole: int = 0) -> dict:
     value = PATHS[path] if path is not None else None  # None: the library's choice
     if value is None:
         monkeypatch.delenv("LLAMA_KV_DEFRAG_GRAPH", raising=False)
@@ -87,7 +88,7 @@ def _defrag(model: pk.Model, type_k: str, type_v: str, fa: bool, path: str | Non
         monkeypatch.setenv("LLAMA_KV_DEFRAG_GRAPH", value)
     with model.context(n_ctx=N_CTX, n_seq_max=5, n_batch=64, n_ubatch=32, n_threads=1, flash_attn=fa,
                        type_k=type_k, type_v=type_v) as ctx:
-        ids = _fragment(ctx)
+        ids = _fragment(ctx, first_hole)
         before = _states(ctx, ids)
         cells = ctx.kv_cells()
         holes = np.flatnonzero(cells[: int((cells != -1).sum())] == -1)  # the holes the defrag fills
@@ -97,7 +98,8 @@ def _defrag(model: pk.Model, type_k: str, type_v: str, fa: bool, path: str | Non
         assert st.holes == 0 and st.moves > st0.moves
         assert _states(ctx, ids) == before, f"{path}: a cell's K/V bytes changed in the defrag"
         return {"cells": ctx.kv_cells(), "moves": st.moves - st0.moves, "graphs": st.graphs - st0.graphs,
-                "nodes": st.nodes - st0.nodes, "rewritten": int(holes[-1] + 1 - holes[0])}
+                "nodes": st.nodes - st0.nodes, "lo": int(holes[0]), "hi": int(holes[-1] + 1),
+                "rewritten": int(holes[-1] + 1 - holes[0])}
 
 
 def gather_nodes(n_layer: int, type_v: str, fa: bool, on_cpu: bool = True) -> int:
@@ -156,6 +158,37 @@ def test_gather_chunked_by_cells(wide_model, patched_lib, fa, max_bytes, cells, 
     assert g["graphs"] > 2 and g["nodes"] == g["graphs"] * gather_nodes(m.n_layer, "f16", fa), g
     # the rewritten range is [first hole, used cells): as many graphs as chunks of `cells` cover it
     assert (g["graphs"] - 1) * cells < g["rewritten"] <= g["graphs"] * cells, g
+
+
+def test_gather_graphs_start_at_aligned_cells(wide_model, patched_lib, monkeypatch):
+    """On a device every graph starts at a multiple of 256 cells (Vulkan's get_rows wants its destination at an
+    aligned offset): the rewritten range starts at the aligned cell below the first hole, and the chunks are
+    multiples of the alignment. Here the CPU is told to align to 10 cells; chunks of 16 round down to 10."""
+    monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_ALIGN", "10")
+    monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES", "64")  # 16 cells of indices
+    with pk.Model(wide_model, lib=patched_lib) as m:
+        g = _defrag(m, "f16", "f16", True, "gather", monkeypatch, first_hole=13)
+        host = _defrag(m, "f16", "f16", True, "host", monkeypatch, first_hole=13)
+    np.testing.assert_array_equal(g["cells"], host["cells"])
+    assert g["lo"] == 13 and g["graphs"] == -(-(g["hi"] - 10) // 10), g   # from cell 10, 10 cells a graph
+    assert g["graphs"] != -(-(g["hi"] - 13) // 16), g                      # not from 13, 16 a graph
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_gather_graph_that_cannot_be_allocated_hands_over_to_the_per_move_graphs(
+        wide_model, patched_lib, fail_at, monkeypatch):
+    """Out of device memory for a gather graph (simulated at graph `fail_at`): the per-move graphs do all the
+    moves, after the gather graphs that ran, and the bytes are the host path's."""
+    monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES", "2600")  # 10 cells a graph
+    monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_TEST_FAIL", str(fail_at))
+    with pk.Model(wide_model, lib=patched_lib) as m:
+        g = _defrag(m, "f16", "f16", False, "gather", monkeypatch)
+        monkeypatch.delenv("LLAMA_KV_DEFRAG_GATHER_TEST_FAIL")
+        host = _defrag(m, "f16", "f16", False, "host", monkeypatch)
+        mv = _defrag(m, "f16", "f16", False, "moves", monkeypatch)
+    np.testing.assert_array_equal(g["cells"], host["cells"])
+    assert g["graphs"] == fail_at + mv["graphs"], g
+    assert g["nodes"] == fail_at * gather_nodes(m.n_layer, "f16", False) + mv["nodes"], g
 
 
 def test_vanilla_keeps_its_graph_defrag(wide_model, vanilla_lib, monkeypatch):
