@@ -2,11 +2,14 @@
 model catalogue's wheels): pip's own index settings and proxies apply, and its progress is relayed."""
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
+
+from ._filehash import sha256_file
+
+__all__ = ["Log", "cached_ok", "pip_download", "sha256_file", "stderr_log"]
 
 Log = Callable[[str], None]
 
@@ -16,14 +19,6 @@ _PROGRESS = ("Collecting", "Downloading", "Saved", "Preparing", "Getting", "Inst
 
 def stderr_log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def cached_ok(path: Path, sha256: str, log: Log) -> bool:
