@@ -108,14 +108,19 @@ def probe_rpc(endpoint: str, timeout: float | None = None) -> tuple[int, int, in
     return version[0], version[1], version[2]
 
 
-def _validate_gguf(path: Path) -> None:
-    """Refuse (ModelLoadError) a file that would make llama.cpp abort or misbehave, before it sees it:
-    pyllama_kv.gguf_check.validate_gguf checks the structure, the architecture (llama only), every
-    hyperparameter, tensor shape and type, and the vocabulary that the pinned loader and graph
-    assert on or divide by, reading only the header and tensor table."""
+def _validate_gguf(path: Path, level: str, lib: _kv.Library, n_gpu_layers: int, use_mmap: bool) -> None:
+    """Refuse (ModelLoadError) a file that would make llama.cpp abort or misbehave, before it sees it
+    (``level`` "full" or "static"; see :mod:`pyllama_kv.vetting`): the static checks of
+    pyllama_kv.tools.gguf_check (complete for dense llama models; structure, common hyperparameters
+    and vocabulary for the others), then, at "full", a vetting run in a child process for a file the
+    static checks could not validate completely (cached by the file's sha256)."""
     from .tools.gguf_check import validate_gguf
 
-    validate_gguf(path)
+    if validate_gguf(path) or level != "full":
+        return
+    from .vetting import vet
+
+    vet(path, lib.path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap)
 
 
 class Model(_kv.CResource):
@@ -137,10 +142,17 @@ class Model(_kv.CResource):
     (connect and HELLO, :data:`RPC_TIMEOUT` seconds each): one that cannot be reached is a
     ModelLoadError naming it. A server that dies later aborts this process (the pinned backend
     asserts on a failed RPC call).
+
+    ``validate`` (a GGUF file is untrusted input; :mod:`pyllama_kv.vetting` has the details):
+    ``"full"`` (default, or True): no file may kill this process, whatever its architecture: a
+    dense llama model is checked statically, any other architecture gets the generic static checks
+    and a vetting run in a child process, once per file (the verdict is cached by its sha256).
+    ``"static"``: the static checks only (complete for llama; a lying file of another architecture
+    can still abort). ``"off"`` (or False): llama.cpp reads the file unchecked.
     """
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, *, lib=None,
-                 use_mmap: bool = True, validate: bool = True, rpc=None):
+                 use_mmap: bool = True, validate: bool | str = "full", rpc=None):
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"the model path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)
@@ -150,17 +162,20 @@ class Model(_kv.CResource):
             from . import catalogue
 
             self.path = catalogue.resolve(path)
-        for name, v in (("validate", validate), ("use_mmap", use_mmap)):
-            if not isinstance(v, bool):
-                raise InvalidInputError(f"{name} must be a bool, got {type(v).__name__}")
-        if validate:
-            _validate_gguf(self.path)
+        if not isinstance(use_mmap, bool):
+            raise InvalidInputError(f"use_mmap must be a bool, got {type(use_mmap).__name__}")
+        from .vetting import validate_level
+
+        level = validate_level(validate)
         endpoints = parse_rpc(rpc) if rpc is not None else []
         if n_gpu_layers is None:
             n_gpu_layers = -1 if endpoints else 0
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
         self._lib = _kv.load_library(lib)
+        if level != "off":
+            # a vetting child runs on this machine's devices (rpc endpoints serve one client at a time)
+            _validate_gguf(self.path, level, self._lib, 0 if endpoints else n_gpu_layers, use_mmap)
         self.rpc: tuple[str, ...] = ()
         with _rpc_lock if endpoints else _NO_LOCK:
             devices = None

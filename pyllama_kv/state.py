@@ -230,78 +230,15 @@ _SAMPLE = 1024  # bytes hashed at the start, middle and end of each tensor's dat
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _fp_lock = threading.Lock()
 
-# GGUF value types -> struct format (8: string, 9: array)
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
+def _gguf_layout(path) -> tuple[int, list[int]]:
+    """(data offset, sorted tensor data offsets) of a GGUF file, read by the one GGUF reader
+    (pyllama_kv.tools.gguf_check); ValueError when it is not a GGUF that reader accepts."""
+    from .tools.gguf_check import read_gguf_header
 
-def _gguf_layout(mm) -> tuple[int, list[int]]:
-    """(data offset, sorted tensor data offsets) of a GGUF file; ValueError/struct.error when malformed."""
-    off = 0
-
-    def take(fmt: str):
-        nonlocal off
-        v = struct.unpack_from("<" + fmt, mm, off)
-        off += struct.calcsize("<" + fmt)
-        return v[0]
-
-    def skip_string():
-        nonlocal off
-        n = take("Q")
-        if n > len(mm) - off:
-            raise ValueError("string past the end")
-        off += n
-
-    def skip_value(t: int, depth: int = 0):
-        nonlocal off
-        if t in _GGUF_SCALARS:
-            off += struct.calcsize("<" + _GGUF_SCALARS[t])
-        elif t == 8:
-            skip_string()
-        elif t == 9 and depth < 4:
-            et, n = take("I"), take("Q")
-            if et in _GGUF_SCALARS:
-                off += n * struct.calcsize("<" + _GGUF_SCALARS[et])
-            else:
-                if n > len(mm):
-                    raise ValueError("array too long")
-                for _ in range(n):
-                    skip_value(et, depth + 1)
-        else:
-            raise ValueError(f"GGUF value type {t}")
-        if off > len(mm):
-            raise ValueError("value past the end")
-
-    if mm[:4] != b"GGUF":
-        raise ValueError("not GGUF")
-    off = 4
-    version = take("I")
-    if version < 2:
-        raise ValueError(f"GGUF version {version}")
-    n_tensors, n_kv = take("Q"), take("Q")
-    if n_tensors > len(mm) or n_kv > len(mm):
-        raise ValueError("counts past the end")
-    alignment = 32
-    for _ in range(n_kv):
-        klen = take("Q")
-        key = bytes(mm[off:off + klen])
-        off += klen
-        t = take("I")
-        if key == b"general.alignment" and t == 4:
-            alignment = struct.unpack_from("<I", mm, off)[0] or 32
-        skip_value(t)
-    offsets = []
-    for _ in range(n_tensors):
-        skip_string()
-        n_dims = take("I")
-        if n_dims > 8:
-            raise ValueError("too many dimensions")
-        off += 8 * n_dims
-        take("I")
-        offsets.append(take("Q"))
-    data_off = -(-off // alignment) * alignment
-    if data_off > len(mm):
-        raise ValueError("tensor data past the end")
-    return data_off, sorted(data_off + o for o in offsets if data_off + o <= len(mm))
+    header = read_gguf_header(path)
+    data_off = header.data_offset
+    return data_off, sorted(data_off + t.offset for t in header.tensors if data_off + t.offset <= header.file_size)
 
 
 def _compute_fingerprint(path) -> str:
@@ -313,8 +250,8 @@ def _compute_fingerprint(path) -> str:
             return "sha256:" + h.hexdigest()
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
-                data_off, starts = _gguf_layout(mm)
-            except (ValueError, struct.error, IndexError, OverflowError):
+                data_off, starts = _gguf_layout(path)
+            except (ValueError, OSError):
                 # not a GGUF this parser reads: the first 16 MiB and 256 spread samples
                 data_off, starts = min(size, 16 << 20), [size * i // 256 for i in range(256)]
             h.update(mm[:data_off])  # header, metadata, tensor table

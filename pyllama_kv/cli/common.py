@@ -50,12 +50,13 @@ def resolve_model(spec: str):
     return resolve(spec)
 
 
-def open_model(path: str, lib: str | None, rpc: list[str] | None = None):
+def open_model(path: str, lib: str | None, rpc: list[str] | None = None, validate: str | None = None):
     """The model at ``path`` on library ``lib``; with ``rpc`` (the --rpc endpoints), every layer runs
-    on those rpc-server processes."""
+    on those rpc-server processes; ``validate`` is the --validate level (None: the default)."""
     from .. import Model
+    from ..vetting import DEFAULT_VALIDATE
 
-    return Model(path, lib=lib, rpc=rpc)
+    return Model(path, lib=lib, rpc=rpc, validate=validate or DEFAULT_VALIDATE)
 
 
 def check_ctx(model, n_ctx: int | None, flag: str = "--ctx") -> None:

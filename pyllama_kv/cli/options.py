@@ -63,6 +63,13 @@ def _rpc_endpoints(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _validate_help() -> str:
+    from ..vetting import DEFAULT_VALIDATE, VALIDATE_HELP
+
+    levels = "; ".join(f"{k}: {v}" for k, v in VALIDATE_HELP.items())
+    return f"how a GGUF file is checked before llama.cpp reads it (default {DEFAULT_VALIDATE}): {levels}"
+
+
 def _threads_help() -> str:
     return f"CPU threads (default: every core this process may use, {default_threads()} here)"
 
@@ -91,11 +98,16 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "also the default (default {default})", metavar="N"),
     Flag(EngineConfig, "prefix_cache", ("--prefix-cache",), "idle cached sequences kept for prefix reuse "
          "(system prompts, conversations) (default {default})", metavar="N"),
-    # the model: where its layers run (pk.Model(..., rpc=[...]))
+    # the model: how its file is checked (pk.Model(..., validate=...)) and where its layers run
+    Flag(None, "validate", ("--validate",), "", str, metavar="LEVEL", choices=("full", "static", "off")),
     Flag(None, "rpc", ("--rpc",), "offload every layer to the rpc-server processes at these endpoints (ggml's RPC "
          "backend, a library built with `pyllama-kv build --rpc`); never expose rpc-server to an untrusted "
          "network", _rpc_endpoints, metavar="HOST:PORT[,HOST:PORT...]"),
 )}
+
+
+#: flags whose help text is computed (it names this machine's core count, or the validation levels)
+_HELP_FUNCS: dict[str, Callable[[], str]] = {"n_threads": _threads_help, "validate": _validate_help}
 
 
 def add(parser: argparse.ArgumentParser, *names: str, defaults: dict[str, Any] | None = None,
@@ -107,7 +119,7 @@ def add(parser: argparse.ArgumentParser, *names: str, defaults: dict[str, Any] |
     for name in names:
         f = FLAGS[name]
         default = defaults.get(name, f.default)
-        text = helps.get(name) or (f.help if name != "n_threads" else _threads_help())
+        text = helps.get(name) or (_HELP_FUNCS[name]() if name in _HELP_FUNCS else f.help)
         text = text.format(default=default)
         kw: dict[str, Any] = {"dest": f.field, "default": default, "help": text}
         if f.type is not None:

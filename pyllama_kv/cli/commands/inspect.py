@@ -39,10 +39,15 @@ def run(args) -> int:
           f"(kv {info['n_head_kv']})   n_ff {info['n_ff']}   n_ctx_train {info['n_ctx_train']}")
     types = ", ".join(f"{k} x{v}" for k, v in sorted(t["types"].items()))
     print(f"tensors       {t['count']} ({types}), {t['params']:,} parameters, {human_bytes(t['bytes'])}")
+    print(f"attention     head size {info['head_dim_k']}" + (f"/{info['head_dim_v']}" if info['head_dim_v']
+          != info['head_dim_k'] else "") + "   sliding window " + (str(info['sliding_window'])
+          if info['sliding_window'] else "none"))
     v = info["vocab"]
-    print(f"vocabulary    {v['model']}, {v['size']} tokens (bos {v['bos']}, eos {v['eos']})")
-    val = info.get("validation") or {}
-    print(f"validation    {'ok' if val.get('ok') else 'refused: ' + str(val.get('error'))}")
+    print(f"vocabulary    {v['model']}, {v['size']} tokens (bos {v['bos']}, eos {v['eos']})   chat template "
+          + ("yes" if info["chat_template"] else "no (chat needs --template)"))
+    shift = {True: "yes", False: "no", None: "maybe"}[info["can_shift"]]
+    print(f"K-shift       {shift}: {info['can_shift_why']}")
+    print(f"validation    {_validation(info.get('validation') or {})}")
     kv = info.get("kv_cache")
     if kv:
         print(f"KV cache      {human_bytes(kv['bytes_per_token'])} per token "
@@ -51,3 +56,13 @@ def run(args) -> int:
         print(f"              {human_bytes(kv['bytes_total'])} for n_ctx {kv['n_ctx']} cells, shared by "
               f"{kv['n_seqs']} sequence(s): {kv['cells_per_seq']} cells each on average")
     return 0
+
+
+def _validation(val: dict) -> str:
+    if not val.get("ok"):
+        return "refused: " + str(val.get("error"))
+    if val.get("level") == "static":
+        return "ok (every check of a dense llama model, statically)"
+    vetted = {True: "vetted ok (cached)", False: "refused by an earlier vetting run (cached)",
+              None: "not vetted yet: the first load runs it in a child process"}[val.get("vetted")]
+    return f"structure and vocabulary ok; {vetted}"

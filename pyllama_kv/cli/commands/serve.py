@@ -50,7 +50,7 @@ def register(subparsers) -> None:
     s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "n_batch", "type_k", "type_v", "n_threads", "max_body", "body_timeout", "shutdown_grace",
-                "rpc",
+                "rpc", "validate",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request (default: min({ctx}, the model's "
                                 "n_ctx_train))".format(ctx=options.field_default(options.EngineConfig, "n_ctx")),
@@ -86,7 +86,7 @@ def run(args) -> int:
             from None
     set_phase("loading the model")
     path = Path(resolve_model(args.model))
-    model = open_model(str(path), args.lib, args.rpc)
+    model = open_model(str(path), args.lib, args.rpc, args.validate)
     try:
         check_ctx(model, args.n_ctx)
         n_ctx = args.n_ctx or min(options.field_default(EngineConfig, "n_ctx"), model.n_ctx_train)

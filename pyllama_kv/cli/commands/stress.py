@@ -45,7 +45,7 @@ def register(subparsers) -> None:
     s.add_argument("--map", metavar="FILE.png", help="draw the cache occupancy over time into this image (needs "
                                                      "matplotlib; .png is added to a name without a suffix; "
                                                      "checked before the workload runs)")
-    options.add(s, "n_threads", "rpc")
+    options.add(s, "n_threads", "rpc", "validate")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -63,13 +63,13 @@ def stress_config(n_seqs: int, n_ctx: int, steps: int, seed: int, sequential: bo
 
 
 def run_workload(model_path: str, lib: str | None, cfg, label: str, progress: bool,
-                 rpc: list[str] | None = None) -> tuple[dict, Any]:
+                 rpc: list[str] | None = None, validate: str | None = None) -> tuple[dict, Any]:
     """Run the workload once on a model opened with ``lib``; return the result (as a dict) and the
     occupancy map (when cfg.record_map). Ctrl-C stops the workload with what ran (``interrupted``)."""
     from ...tools.workload import run_stress
 
     set_phase(f"loading the model ({label})")
-    model = open_model(model_path, lib, rpc)
+    model = open_model(model_path, lib, rpc, validate)
     try:
         check_ctx(model, cfg.n_ctx)
         set_phase(f"starting the workload ({label})")  # run_stress itself stops cleanly on Ctrl-C
@@ -105,7 +105,8 @@ def run(args) -> int:
     map_path = check_map_path(args.map) if args.map is not None else None  # before the workload, not after
     cfg.record_map = map_path is not None
     label = args.lib if args.lib in ("patched", "vanilla") else Path(args.lib).name
-    d, occ = run_workload(args.model, args.lib, cfg, label, progress=not args.json, rpc=args.rpc)
+    d, occ = run_workload(args.model, args.lib, cfg, label, progress=not args.json, rpc=args.rpc,
+                           validate=args.validate)
     rc = EXIT_INTERRUPTED if d.get("interrupted") else 0
     if not args.json:  # the results first: a failure to draw the map must not lose them
         print(stress_table([(label, d)]), flush=True)

@@ -1,0 +1,277 @@
+"""Vetting: a GGUF model of any architecture is run in a child process before this process loads it.
+
+A GGUF file is untrusted input, and the pinned llama.cpp (8733e0c) asserts on much of what a file
+says. For dense ``llama`` models, :mod:`pyllama_kv.tools.gguf_check` knows every key and tensor the
+loader and graph read and refuses a lying file statically. The other ~80 architectures the pinned
+llama.cpp implements have their own keys, tensors and graphs; writing a static validator for each
+would be a second llama.cpp. So for them, after the generic structural checks (header, key types,
+tensor table, offsets and sizes inside the file, tensor types ggml knows, the vocabulary), a child
+process does what this process is about to do, stage by stage:
+
+====================  ==============================================================================
+stage                 what the child does (the same library, ``n_gpu_layers`` and ``use_mmap``)
+====================  ==============================================================================
+load                  ``llama_model_load_from_file``
+context               a context of :data:`VET_CTX` cells and 2 sequences (f16 cache)
+tokenize              tokenize and detokenize a short text (the vocabulary at work)
+decode batch          one ``llama_decode`` of a multi-token batch
+decode token          one more single token
+fork                  a prefix copy of the sequence, and one token decoded for both sequences at once
+k-shift               drop tokens in the middle and K-shift the tail (where the cache can shift; a
+                      cache that cannot is recorded, not an error)
+defrag                a full defragmentation of the cache
+state                 a sequence's state exported and imported into a new sequence (round trip)
+====================  ==============================================================================
+
+A signal or abort in the child (SIGABRT from GGML_ASSERT, SIGSEGV, SIGFPE, ...) becomes a
+:class:`~pyllama_kv.errors.ModelLoadError` naming the file, the stage and the signal, and this
+process never hands the file to llama.cpp. A child that runs past :data:`VET_TIMEOUT` seconds is
+killed and refused the same way.
+
+The verdict is cached under ``<cache>/vetted/``, keyed by the file's sha256 (computed once and
+remembered by :mod:`pyllama_kv._filehash` under its path, inode, size and mtime) and the library's
+(so a rebuilt library vets again), plus the options that change what runs (``n_gpu_layers``,
+``use_mmap``). A later load of the same bytes costs a ``stat`` and one small JSON read. A refusal is
+cached too (loading a bad file again is refused at once); delete the folder to vet again.
+
+What vetting does *not* prove: that another context shape (a larger ``n_ctx``, a quantized cache,
+flash attention, more sequences) or a prompt the child did not try runs without abort. It catches
+the file-level lies (a missing tensor, a wrong shape, a bad hyperparameter) that abort at load, at
+graph build or at the first decode, which is where a lying file strikes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import _filehash, _paths
+from .errors import InvalidInputError, ModelLoadError
+
+#: the levels of ``Model(..., validate=...)`` and ``--validate``; True means "full", False "off"
+VALIDATE_LEVELS = ("full", "static", "off")
+VALIDATE_HELP = {
+    "full": "refuse every file that would crash llama.cpp: dense llama models are checked statically "
+            "(every key, tensor and vocabulary field the loader asserts on), every other architecture "
+            "gets the generic checks and then a vetting run in a child process (load, decode, fork, "
+            "K-shift, defrag, state round trip; the verdict is cached by the file's sha256)",
+    "static": "the static checks only (for a llama model, the same guarantee as full; for another "
+              "architecture only the header, tensor table and vocabulary: a lying file can still abort)",
+    "off": "no checks: llama.cpp reads the file as it is (a bad file can abort the process)",
+}
+DEFAULT_VALIDATE = "full"
+
+#: seconds a vetting child may take (loading a large model from a cold disk is the slow part)
+VET_TIMEOUT = 600.0
+#: cells of the vetting child's context
+VET_CTX = 256
+#: the text the vetting child tokenizes
+_VET_TEXT = "Vetting run: the quick brown fox jumps over the lazy dog. 12345 ++ <|x|> \u00e9\u4e2d\U0001f600"
+
+STAGES = ("load", "context", "tokenize", "decode batch", "decode token", "fork", "k-shift", "defrag",
+          "state")
+
+
+def validate_level(value) -> str:
+    """``value`` (True, False, "full", "static" or "off") as one of :data:`VALIDATE_LEVELS`."""
+    if value is True:
+        return "full"
+    if value is False:
+        return "off"
+    if isinstance(value, str) and value in VALIDATE_LEVELS:
+        return value
+    raise InvalidInputError(f"validate must be one of {', '.join(map(repr, VALIDATE_LEVELS))} (or True/False), "
+                            f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a vetting run found: ``ok``, the ``stage`` that failed and why (``error``), whether the
+    cache could K-shift, the seconds the run took, and whether this verdict came from the cache."""
+
+    ok: bool
+    error: str | None = None
+    stage: str | None = None
+    can_shift: bool | None = None
+    seconds: float = 0.0
+    cached: bool = False
+
+
+def _vet_dir() -> Path:
+    return _paths.cache_dir() / "vetted"
+
+
+def _verdict_path(file_sha: str, lib_sha: str, n_gpu_layers: int, use_mmap: bool) -> Path:
+    return _vet_dir() / f"{file_sha[:32]}-{lib_sha[:16]}-ngl{n_gpu_layers}-mmap{int(use_mmap)}.json"
+
+
+def _signal_name(rc: int) -> str:
+    try:
+        return signal.Signals(-rc).name
+    except ValueError:
+        return f"signal {-rc}"
+
+
+def cached_verdict(path: str | os.PathLike, lib_path: str | os.PathLike, n_gpu_layers: int = 0,
+                   use_mmap: bool = True) -> Verdict | None:
+    """The cached verdict for this file on this library, or None (never vetted, or the file changed)."""
+    try:
+        vp = _verdict_path(_filehash.file_sha256(path), _filehash.file_sha256(lib_path), n_gpu_layers, use_mmap)
+        data = json.loads(vp.read_text())
+        return Verdict(**{**data, "cached": True})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _store(vp: Path, verdict: Verdict) -> None:
+    try:
+        vp.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=vp.parent, prefix=".verdict-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({k: v for k, v in asdict(verdict).items() if k != "cached"}, f)
+        os.replace(tmp, vp)
+    except OSError:
+        pass   # a read-only cache: vet again next time
+
+
+def vet(path: str | os.PathLike, lib_path: str | os.PathLike, n_gpu_layers: int = 0, use_mmap: bool = True,
+        timeout: float | None = None) -> Verdict:
+    """Vet ``path`` on the library at ``lib_path`` (see the module docstring): the cached verdict if
+    there is one, else a vetting run in a child process, cached. Returns the verdict; raises
+    ModelLoadError (naming the stage, and the signal if one killed the child) when it is a refusal."""
+    path = Path(path)
+    timeout = VET_TIMEOUT if timeout is None else timeout
+    try:
+        file_sha = _filehash.file_sha256(path)
+        lib_sha = _filehash.file_sha256(lib_path)
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    vp = _verdict_path(file_sha, lib_sha, n_gpu_layers, use_mmap)
+    try:
+        verdict = Verdict(**{**json.loads(vp.read_text()), "cached": True})
+    except (OSError, ValueError, TypeError):
+        verdict = _run_child(path, lib_path, n_gpu_layers, use_mmap, timeout)
+        if verdict.stage != "timeout":   # a slow disk is not the file's fault: try again next time
+            _store(vp, verdict)
+    if not verdict.ok:
+        raise ModelLoadError(f"{path}: refused by vetting at stage '{verdict.stage}': {verdict.error}")
+    return verdict
+
+
+def _run_child(path: Path, lib_path: str | os.PathLike, n_gpu_layers: int, use_mmap: bool,
+               timeout: float) -> Verdict:
+    cmd = [sys.executable, "-m", "pyllama_kv.vetting", "--lib", os.fspath(lib_path), "--n-gpu-layers",
+           str(n_gpu_layers), "--mmap", str(int(use_mmap)), os.fspath(path)]
+    env = dict(os.environ)
+    env.setdefault("LLAMA_LOG_LEVEL", "error")
+    t0 = time.perf_counter()
+    stage = "start"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,
+                              timeout=timeout, env=env, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or b""
+        for line in out.decode("utf-8", "replace").splitlines():
+            if line.startswith("stage "):
+                stage = line[6:]
+        return Verdict(False, f"the vetting run took longer than {timeout:g}s (at stage '{stage}')", "timeout",
+                       seconds=time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    result: dict = {}
+    for line in proc.stdout.decode("utf-8", "replace").splitlines():
+        if line.startswith("stage "):
+            stage = line[6:]
+        elif line.startswith("{"):
+            try:
+                result = json.loads(line)
+            except ValueError:
+                pass
+    if proc.returncode < 0:
+        return Verdict(False, f"llama.cpp was killed by {_signal_name(proc.returncode)} "
+                              f"({_last_error_line(proc.stderr)})", stage, seconds=seconds)
+    if result.get("ok"):
+        return Verdict(True, None, None, bool(result.get("can_shift")), seconds)
+    error = result.get("error") or f"the vetting run exited with status {proc.returncode} " \
+                                   f"({_last_error_line(proc.stderr)})"
+    return Verdict(False, str(error), stage, seconds=seconds)
+
+
+def _last_error_line(stderr: bytes) -> str:
+    """The most telling line of llama.cpp's stderr: the last GGML_ASSERT/abort/error line, else the last."""
+    lines = [ln.strip() for ln in stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if any(w in ln for w in ("GGML_ASSERT", "error", "Error", "abort", "exception")):
+            return ln[-300:]
+    return lines[-1][-300:] if lines else "nothing on stderr"
+
+
+# ---------------------------------------------------------------------------------------------
+# the child
+
+def _child(path: str, lib: str, n_gpu_layers: int, use_mmap: bool) -> dict:
+    from .model import Model
+
+    def stage(name: str) -> None:
+        print(f"stage {name}", flush=True)
+
+    stage("load")
+    model = Model(path, n_gpu_layers, lib=lib, use_mmap=use_mmap, validate="off")
+    stage("context")
+    n_ctx = max(16, min(VET_CTX, model.n_ctx_train))
+    with model.context(n_ctx=n_ctx, n_seq_max=2, n_batch=n_ctx, n_ubatch=n_ctx) as ctx:
+        stage("tokenize")
+        toks = model.tokenize(_VET_TEXT, add_bos=True, special=True)
+        model.detokenize(toks)
+        n = max(2, min(len(toks), n_ctx // 4))
+        toks = (toks * (n // max(1, len(toks)) + 1))[:n]
+        stage("decode batch")
+        a = ctx.new_sequence()
+        a.extend(toks)
+        stage("decode token")
+        a.extend([toks[-1]])
+        stage("fork")
+        b = a.fork()
+        ctx.decode({a: [toks[0]], b: [toks[1]]})
+        stage("k-shift")
+        can_shift = bool(ctx.can_shift)
+        if can_shift and len(a.tokens) > 4:
+            a.shift_out(1, 2)
+            a.extend([toks[0]])
+        stage("defrag")
+        b.close()
+        ctx.defrag()
+        stage("state")
+        st = a.export_state()
+        c = ctx.import_sequence(st)
+        c.extend([toks[0]])
+    model.close()
+    return {"ok": True, "can_shift": can_shift}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m pyllama_kv.vetting",
+                                description="Vet a GGUF model in this process (the parent of a vetting run "
+                                            "reads the stages and the verdict on stdout).")
+    p.add_argument("path")
+    p.add_argument("--lib", required=True)
+    p.add_argument("--n-gpu-layers", type=int, default=0)
+    p.add_argument("--mmap", type=int, default=1)
+    a = p.parse_args(argv)
+    try:
+        result = _child(a.path, a.lib, a.n_gpu_layers, bool(a.mmap))
+    except Exception as exc:   # a clean refusal by llama.cpp (a missing tensor throws in the loader)
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(result), flush=True)
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
