@@ -26,6 +26,16 @@ def default_threads() -> int:
     return max(1, n)
 
 
+def on_off(text: str) -> bool:
+    """A command-line switch's value: on/off (also true/false, yes/no, 1/0); ValueError otherwise."""
+    t = str(text).strip().lower()
+    if t in ("on", "true", "yes", "1"):
+        return True
+    if t in ("off", "false", "no", "0"):
+        return False
+    raise ValueError(f"expected on or off, got {text!r}")
+
+
 def int_param(name: str, v, lo: int, hi: int = INT32_MAX) -> int:
     """``v`` as an int in [lo, hi], else InvalidInputError (bools and floats are refused; numpy
     integers are fine)."""
@@ -144,6 +154,13 @@ class EngineConfig(_Config):
     times. Idle cached prefixes (``prefix_cache`` sequence ids) are evicted before a
     request waits for cells. Preemption (a running continuation put back in the queue, resumed
     later with its tokens so far) happens only when the cache fills beyond the reserves.
+
+    Context shift and truncation (each also a per-request option of ``Engine.submit``): a
+    continuation whose sequence reaches ``n_ctx`` keeps its first ``n_keep`` tokens, drops half of
+    the rest (the oldest) and goes on (``context_shift``; off: it finishes "length"); a prompt that
+    does not fit is cut after its first ``n_keep`` tokens, at a turn boundary when the caller gave
+    some (``truncate``; off: it is refused). ``n_keep`` -1 keeps the whole prompt; at most half the
+    context is ever kept, so that a shift always frees a quarter of it.
     """
 
     n_ctx: int = 2048
@@ -159,9 +176,16 @@ class EngineConfig(_Config):
     output_reserve: int = 64     # cells reserved per continuation at admission
     max_tokens: int = 4096       # the cap on one request's max_tokens
     keep_finished: bool = True   # cache a finished sequence (prompt + answer) for the next turn
+    context_shift: bool = True   # a full sequence drops half its tokens after n_keep and goes on
+    n_keep: int = 4              # tokens a context shift or truncation keeps at the start (-1: the prompt)
+    truncate: bool = False       # cut a prompt that does not fit the context (else it is refused)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parallel", _int("parallel", self.parallel, 1, 255))
+        for name in ("context_shift", "truncate"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name} must be a bool")
+        object.__setattr__(self, "n_keep", _int("n_keep", self.n_keep, -1))
         object.__setattr__(self, "prefix_cache", _int("prefix_cache", self.prefix_cache, 0, 255))
         if self.parallel + self.prefix_cache > 256:
             raise InvalidInputError("parallel + prefix_cache must be <= 256")
@@ -171,6 +195,8 @@ class EngineConfig(_Config):
         self.context()  # validates the context fields
 
     def context(self) -> ContextConfig:
-        return ContextConfig(n_ctx=self.n_ctx, n_seq_max=self.parallel + self.prefix_cache, n_batch=self.n_batch,
-                             n_ubatch=min(self.n_ubatch, self.n_batch), flash_attn=self.flash_attn,
+        # the batch within the context: a batch of more tokens than the cache has cells can never fit
+        n_batch = min(self.n_batch, self.n_ctx)
+        return ContextConfig(n_ctx=self.n_ctx, n_seq_max=self.parallel + self.prefix_cache, n_batch=n_batch,
+                             n_ubatch=min(self.n_ubatch, n_batch), flash_attn=self.flash_attn,
                              type_k=self.type_k, type_v=self.type_v, n_threads=self.n_threads)

@@ -327,6 +327,13 @@ class FakeKV:
     def length(self, seq):
         return len(self.seqs[seq])
 
+    def shift(self, seq, n_keep, n_discard):
+        del self.seqs[seq][n_keep:n_keep + n_discard]
+        return True
+
+    def truncate(self, seq, n):
+        del self.seqs[seq][n:]
+
     def finish(self, seq, keep):
         del self.seqs[seq]
 

@@ -52,6 +52,17 @@ class KVCache(Protocol):
     def length(self, seq: Hashable) -> int:
         """Positions ``seq`` holds."""
 
+    def shift(self, seq: Hashable, n_keep: int, n_discard: int) -> bool:
+        """Context shift without a decode: drop positions [n_keep, n_keep + n_discard) of ``seq`` and
+        move the later ones down by ``n_discard`` (a K-shift of their cells), so that ``seq`` holds
+        0..n-1 again. False, with nothing changed, where that cannot be done in place: a cache that
+        cannot K-shift, or a tail whose cells another sequence shares (the caller then truncates
+        and re-evaluates)."""
+
+    def truncate(self, seq: Hashable, n: int) -> None:
+        """Keep the first ``n`` positions of ``seq`` and free the rest (cells shared with another
+        sequence stay for it)."""
+
     def finish(self, seq: Hashable, keep: bool) -> None:
         """Done with ``seq``: kept as an idle cached sequence for later prefixes when ``keep`` (it may be
         evicted any time), else closed. Its id is free for start()/fork() either way."""
@@ -113,6 +124,27 @@ class ContextKV:
 
     def length(self, seq) -> int:
         return len(seq)
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether this cache K-shifts at all: the library says so (llama_kv_self_can_shift: a RoPE
+        model, and a cache type the device holding K can rotate), and it is the patched build (the
+        vanilla one aborts on the K-shift of some cache types while saying it can: patches/0009)."""
+        return bool(self.ctx.can_shift and self.ctx.patched)
+
+    def shift(self, seq, n_keep: int, n_discard: int) -> bool:
+        if not self.can_shift:
+            return False
+        ctx = self.ctx
+        with ctx._critical():
+            end = n_keep + n_discard
+            if end < len(seq) and ctx._shared_in(seq.id, end, len(seq)):
+                return False   # copy-on-write: the engine re-evaluates the tail into cells of its own
+            seq.remove(n_keep, end)
+        return True
+
+    def truncate(self, seq, n: int) -> None:
+        seq.truncate(n)
 
     def finish(self, seq, keep: bool) -> None:
         self._live -= 1

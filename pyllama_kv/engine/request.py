@@ -36,13 +36,27 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    #: the tokens the continuation's sequence held at the end (the prompt as evaluated, less what
+    #: truncation and context shifts dropped, then the answer): a next turn that starts with them
+    #: reuses the cached cells. None for a continuation that never started.
+    context_tokens: list[int] | None = None
+    #: the caller's turn boundaries (``submit(boundaries=...)``) as indices into ``context_tokens``
+    boundaries: list[int] | None = None
 
 
 @dataclass
 class Usage:
-    prompt_tokens: int = 0        # tokens of the prompt
+    prompt_tokens: int = 0        # tokens of the prompt (after truncation: what the model was given)
     reused_tokens: int = 0        # of which served from cached cells (not evaluated)
     completion_tokens: int = 0    # tokens generated, all continuations together
+    truncated_tokens: int = 0     # prompt tokens dropped so that the prompt fits the context
+    dropped_tokens: int = 0       # tokens dropped by context shifts, all continuations together
+    context_shifts: int = 0       # context shifts, all continuations together
+
+    @property
+    def dropped_total(self) -> int:
+        """Every token the model no longer sees: truncated from the prompt or shifted out."""
+        return self.truncated_tokens + self.dropped_tokens
 
 
 class RequestHandle:
@@ -127,6 +141,9 @@ class Request:
     n: int
     handle: RequestHandle
     keep: bool = True
+    context_shift: bool = False   # shift a full sequence instead of finishing it "length"
+    n_keep: int = 0               # tokens a shift keeps at the start (already clamped)
+    boundaries: list[int] = field(default_factory=list)   # turn starts in ``prompt`` (sorted)
     admitted: bool = False
     cancelled: bool = False
     skipped: int = 0          # times a later request was admitted before this one

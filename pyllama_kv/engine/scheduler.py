@@ -18,6 +18,18 @@ cache.
   yet (at most 8 times, so the head is never starved). Only when
   the cache fills beyond the reserves is a running continuation preempted: put back in front of
   the queue with its tokens so far, and resumed (mostly from cached prefixes) when there is room.
+* **Context shift.** A continuation whose sequence reaches the end of the context (``n_ctx``)
+  does not end there (unless ``context_shift`` is off): as in Ollama's runner and llama.cpp's
+  examples, its first ``n_keep`` tokens stay, half of the rest (the oldest) is dropped, and
+  generation goes on. Where the cache can K-shift (patched build, a RoPE model, a cache type the
+  device can rotate) and the kept tail is this sequence's own, the tail's cells are moved down in
+  place (no decode); otherwise (the vanilla build, a cache that cannot shift, a tail whose cells a
+  fork or a cached prefix shares) the sequence is cut after ``n_keep`` and the kept tail is
+  evaluated again through the normal batches (Ollama's ``KvCacheCanShift`` -> reprocess), so
+  forks never see a sibling's shift. Either way the sequence holds positions 0..n-1 afterwards.
+* **Truncation.** A prompt that does not fit the context is refused, or with ``truncate`` cut
+  after its first ``n_keep`` tokens, at one of the caller's turn ``boundaries`` when one is in
+  reach (a chat turn is never split when it can be avoided), leaving room for the answer.
 * **Threads.** ``submit`` and ``cancel`` are safe from any thread. Either call :meth:`step` yourself
   (one thread), or :meth:`start` a loop thread.
 
@@ -38,7 +50,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import EngineConfig, SamplingParams
+from ..config import EngineConfig, SamplingParams, int_param
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefix import shared_prefix
 from .detok import TextStream
@@ -63,6 +75,12 @@ class EngineStats:
     finished: dict = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
     preempted: int = 0
     slot_failures: int = 0        # batches refused although the free cells sufficed (vanilla)
+    context_shifts: int = 0       # full sequences shifted instead of finished
+    shifts_reevaluated: int = 0   # of which by re-evaluating the kept tail (no K-shift possible)
+    dropped_tokens: int = 0       # tokens dropped by context shifts
+    reevaluated_tokens: int = 0   # tokens decoded again after a shift (re-evaluation path)
+    truncated_prompts: int = 0    # prompts cut to fit the context
+    truncated_tokens: int = 0     # prompt tokens dropped by truncation
     rejected: int = 0             # submits refused with QueueFullError
     queue_peak: int = 0
 
@@ -74,9 +92,10 @@ class _Slot:
     """One continuation: its sequence, the tokens still to decode, its sampler and text stream."""
 
     __slots__ = ("req", "index", "seq", "pending", "tokens", "generated", "stream", "sampler", "close_sampler",
-                 "logits", "reserve", "forked", "admit_order", "last_token")
+                 "logits", "reserve", "forked", "admit_order", "last_token", "boundaries")
 
-    def __init__(self, req: Request, index: int, tokens: list[int], sampler, reserve: int, admit_order: int):
+    def __init__(self, req: Request, index: int, tokens: list[int], sampler, reserve: int, admit_order: int,
+                 boundaries: list[int] | None = None):
         self.req = req
         self.index = index
         self.seq: Hashable | None = None
@@ -90,6 +109,7 @@ class _Slot:
         self.forked = index > 0 or req.n == 1
         self.admit_order = admit_order
         self.last_token: int | None = None
+        self.boundaries = list(req.boundaries if boundaries is None else boundaries)   # turn starts in tokens
 
     @property
     def prefilling(self) -> bool:
@@ -116,6 +136,8 @@ class Engine:
             kv = ContextKV(ctx, config.parallel, config.prefix_cache)
         self.kv = kv
         self.n_ctx = kv.n_cells
+        # the batch within the context: a small context shrinks the batch to fit
+        self.n_batch = max(1, min(config.n_batch, self.n_ctx))
         self.n_vocab = n_vocab if n_vocab is not None else model.n_vocab
         self._piece = token_piece or (lambda t: model.token_to_piece(t))
         self._is_eog = is_eog or model.is_eog
@@ -138,10 +160,16 @@ class Engine:
 
     def submit(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *, max_tokens: int = 256,
                stop: Iterable[str] | str = (), n: int = 1, keep: bool | None = None,
-               on_event: Callable[[Event], None] | None = None) -> RequestHandle:
+               on_event: Callable[[Event], None] | None = None, context_shift: bool | None = None,
+               n_keep: int | None = None, truncate: bool | None = None,
+               boundaries: Iterable[int] | None = None) -> RequestHandle:
         """Queue a request; its handle streams events. ``prompt`` is token ids (or text, tokenized
         with BOS). ``n`` continuations are served by forking after the prompt. InvalidInputError for
-        bad values, QueueFullError when the admission queue is full."""
+        bad values, QueueFullError when the admission queue is full.
+
+        ``context_shift``, ``n_keep`` and ``truncate`` override the engine's config for this request
+        (see the module docstring); ``boundaries`` are indices into the prompt where a turn starts (a
+        chat's messages), where truncation prefers to cut."""
         if self._closed:
             raise InvalidInputError("the engine is closed")
         params = params or SamplingParams()
@@ -152,12 +180,26 @@ class Engine:
         toks = self.model.check_tokens(prompt).tolist() if self.model is not None else [int(t) for t in prompt]
         if not toks:
             raise InvalidInputError("the prompt is empty")
-        if len(toks) >= self.n_ctx:
-            raise InvalidInputError(f"the prompt has {len(toks)} tokens; the context holds {self.n_ctx} "
-                                    "(and at least one more is needed to generate)")
         if (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                 or not 1 <= max_tokens <= self.config.max_tokens):
             raise InvalidInputError(f"max_tokens must be an integer in [1, {self.config.max_tokens}]")
+        cfg = self.config
+        shift = cfg.context_shift if context_shift is None else context_shift
+        trunc = cfg.truncate if truncate is None else truncate
+        for name, v in (("context_shift", shift), ("truncate", trunc)):
+            if not isinstance(v, bool):
+                raise InvalidInputError(f"{name} must be a bool or None")
+        keep_n = cfg.n_keep if n_keep is None else int_param("n_keep", n_keep, -1)
+        keep_n = min(len(toks) if keep_n < 0 else keep_n, self.n_ctx // 2)
+        bounds = _boundaries(boundaries, len(toks))
+        truncated = 0
+        if len(toks) >= self.n_ctx:
+            if not trunc:
+                raise InvalidInputError(f"the prompt has {len(toks)} tokens; the context holds {self.n_ctx} "
+                                        "(and at least one more is needed to generate): shorten it, use a larger "
+                                        "context, or let the engine truncate it (truncate=True)")
+            room = max(1, min(max_tokens, (self.n_ctx - keep_n) // 2))
+            toks, bounds, truncated = truncate_prompt(toks, self.n_ctx - room, keep_n, bounds)
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.kv.n_seq_ids:
             raise InvalidInputError(f"n must be an integer in [1, {self.kv.n_seq_ids}] (the engine's parallel)")
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -166,8 +208,10 @@ class Engine:
         stops = tuple(s for s in stops if s)
         keep = self.config.keep_finished if keep is None else bool(keep)
         handle = RequestHandle(next(self._ids), n, len(toks), on_event)
+        handle.usage.truncated_tokens = truncated
         handle.submitted_at = time.perf_counter()
-        req = Request(prompt=toks, params=params, max_tokens=max_tokens, stop=stops, n=n, handle=handle, keep=keep)
+        req = Request(prompt=toks, params=params, max_tokens=max_tokens, stop=stops, n=n, handle=handle, keep=keep,
+                      context_shift=shift, n_keep=keep_n, boundaries=bounds)
         handle._cancel = lambda: self._post(("cancel", req))
         with self._cv:
             if self._n_waiting >= self.config.max_queue:
@@ -175,6 +219,9 @@ class Engine:
                 raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting): try again later")
             self._n_waiting += 1
             self.stats.submitted += 1
+            if truncated:
+                self.stats.truncated_prompts += 1
+                self.stats.truncated_tokens += truncated
             self.stats.queue_peak = max(self.stats.queue_peak, self._n_waiting)
             self._inbox.append(("submit", req))
             self._cv.notify_all()
@@ -435,7 +482,7 @@ class Engine:
     def _build_batch(self) -> tuple[dict, dict]:
         batch: dict = {}
         owners: dict = {}
-        budget = self.config.n_batch
+        budget = self.n_batch
         gen = [s for s in self._slots if not s.prefilling and s.pending]
         for s in gen:
             batch[s.seq] = [s.pending[0]]
@@ -518,7 +565,8 @@ class Engine:
             self.kv.remember(slot.seq)
             slot.forked = True
             for i in range(1, req.n):
-                child = _Slot(req, i, list(slot.tokens), self._make_sampler(req, i), slot.reserve, slot.admit_order)
+                child = _Slot(req, i, list(slot.tokens), self._make_sampler(req, i), slot.reserve, slot.admit_order,
+                              slot.boundaries)
                 child.seq = self.kv.fork(slot.seq)
                 child.logits = slot.logits
                 self._slots.append(child)
@@ -540,21 +588,47 @@ class Engine:
         self.stats.generated_tokens += 1
         req.handle.usage.completion_tokens += 1
         text, stopped = slot.stream.feed(self._piece(tok))
+        slot.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
+        self._emit(req, slot.index, text, (tok,), None)
         if stopped:
-            self._emit(req, slot.index, text, (tok,), None)
             self._finish(slot, "stop")
             return
-        if slot.generated >= req.max_tokens or len(slot.tokens) + 1 >= self.n_ctx:
-            self._emit(req, slot.index, text, (tok,), None)
+        if slot.generated >= req.max_tokens:
             self._finish(slot, "length")
             return
-        if text:
-            self._emit(req, slot.index, text, (tok,), None)
-        else:
-            self._emit(req, slot.index, "", (tok,), None)
-        slot.tokens.append(tok)
         slot.pending = [tok]
         slot.last_token = tok
+        # the end of the context: the sequence would hold n_ctx positions after this token
+        if len(slot.tokens) >= self.n_ctx and not (req.context_shift and self._shift(slot)):
+            self._finish(slot, "length")
+
+    def _shift(self, slot: _Slot) -> bool:
+        """Context shift of a full continuation: keep ``n_keep`` tokens, drop half of the rest (the
+        oldest), by a K-shift of the kept tail where the cache can, else by cutting the sequence after
+        ``n_keep`` and re-evaluating the tail in the next batches. False when nothing can be dropped."""
+        req = slot.req
+        held = len(slot.tokens) - len(slot.pending)       # positions the sequence holds
+        n_keep = min(req.n_keep, held)
+        discard = (held - n_keep) // 2
+        if discard < 1:
+            return False
+        end = n_keep + discard
+        if not self.kv.shift(slot.seq, n_keep, discard):
+            # re-evaluate: the sequence keeps [0, n_keep); the kept tail (with the pending token) is
+            # decoded again at its new positions, chunked and batched like a prompt
+            self.kv.truncate(slot.seq, n_keep)
+            slot.pending = slot.tokens[end:]
+            self.stats.shifts_reevaluated += 1
+            self.stats.reevaluated_tokens += len(slot.pending) - 1
+        # (K-shift: positions [end, held) are now [n_keep, held - discard), nothing to decode)
+        del slot.tokens[n_keep:end]
+        slot.boundaries = _drop_range(slot.boundaries, n_keep, end)
+        self.stats.context_shifts += 1
+        self.stats.dropped_tokens += discard
+        usage = req.handle.usage
+        usage.context_shifts += 1
+        usage.dropped_tokens += discard
+        return True
 
     def _emit(self, req: Request, index: int, text: str, tokens: tuple, reason: str | None,
               error: str | None = None) -> None:
@@ -566,6 +640,9 @@ class Engine:
                 release: bool = True) -> None:
         req = slot.req
         tail = slot.stream.flush() if reason in ("eos", "length") else ""
+        comp = req.handle.completions[slot.index]
+        comp.context_tokens = list(slot.tokens)
+        comp.boundaries = list(slot.boundaries)
         if release and slot.seq is not None:
             self.kv.finish(slot.seq, keep=req.keep if keep is None else keep)
         slot.seq = None
@@ -606,3 +683,43 @@ class Engine:
         smp = Sampler(self.kv.ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p,   # type: ignore[union-attr]
                       min_p=p.min_p, seed=seed)
         return smp.sample_logits, smp.close
+
+
+# -- truncation and shifting: index bookkeeping -----------------------------------------------------
+
+
+def _boundaries(boundaries: Iterable[int] | None, n: int) -> list[int]:
+    """The caller's turn boundaries as sorted, distinct indices inside (0, n); InvalidInputError for
+    anything but integers."""
+    if boundaries is None:
+        return []
+    out = set()
+    for b in boundaries:
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+            raise InvalidInputError(f"boundaries must be token indices (integers), got {b!r}")
+        if 0 < int(b) < n:
+            out.add(int(b))
+    return sorted(out)
+
+
+def _drop_range(boundaries: list[int], lo: int, hi: int) -> list[int]:
+    """``boundaries`` after the tokens [lo, hi) were dropped (those inside the range go)."""
+    d = hi - lo
+    return sorted({b if b <= lo else b - d for b in boundaries if b <= lo or b >= hi})
+
+
+def truncate_prompt(tokens: list[int], target: int, n_keep: int,
+                    boundaries: Sequence[int] = ()) -> tuple[list[int], list[int], int]:
+    """``tokens`` cut to at most ``target`` tokens: the first ``n_keep`` stay, and the oldest tokens
+    after them are dropped, up to the first of the ``boundaries`` (turn starts) that drops enough, so
+    that a turn is not split; exactly enough when no boundary is in reach (the last turn alone is too
+    long). Returns (tokens, boundaries re-indexed, tokens dropped)."""
+    need = len(tokens) - target
+    if need <= 0:
+        return list(tokens), list(boundaries), 0
+    n_keep = max(0, min(n_keep, target - 1))
+    end = n_keep + need
+    at_turn = [b for b in boundaries if end <= b < len(tokens)]
+    if at_turn:
+        end = min(at_turn)
+    return tokens[:n_keep] + tokens[end:], _drop_range(list(boundaries), n_keep, end), end - n_keep

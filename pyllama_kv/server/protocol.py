@@ -4,6 +4,16 @@ responses, stream chunks and errors.
 Unknown fields are ignored, as OpenAI does; known ones with a bad value get HTTP 400 with OpenAI's
 error object, naming the field in ``param``. Fields OpenAI has but this server cannot honour
 (``logprobs``, ``echo``, ``suffix``, ``tools``) get 400 too rather than being silently dropped.
+
+Extensions (fields OpenAI does not have; each optional, the server's engine config when absent):
+
+* ``context_shift`` (bool): when the conversation reaches the end of the context during the
+  answer, drop the oldest half after the first ``n_keep`` tokens and go on (true, the default), or
+  finish with ``finish_reason: "length"`` (false).
+* ``n_keep`` (int >= -1): tokens at the start of the prompt that a shift or truncation never drops
+  (-1: the whole prompt; at most half the context is kept).
+* ``truncate`` (bool): a prompt longer than the context is cut after its first ``n_keep`` tokens
+  instead of refused with ``context_length_exceeded`` (off by default).
 """
 from __future__ import annotations
 
@@ -54,8 +64,17 @@ class GenRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    context_shift: bool | None = None   # extensions (None: the engine's config)
+    n_keep: int | None = None
+    truncate: bool | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+    def engine_options(self) -> dict:
+        """The extension fields the request set, as keyword arguments of ``Engine.submit``."""
+        opts = {"context_shift": self.context_shift, "n_keep": self.n_keep, "truncate": self.truncate}
+        return {k: v for k, v in opts.items() if v is not None}
 
 
 # -- field checks ----------------------------------------------------------------------------------
@@ -192,7 +211,10 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
         raise bad("stream_options", "stream_options must be an object")
     include_usage = bool(opts and opts.get("include_usage") is True)
     return GenRequest(kind=kind, model=model, prompt=prompt, params=SamplingParams(**sp), max_tokens=max_tokens,
-                      stop=_stop(body), n=n or 1, stream=stream, include_usage=include_usage)
+                      stop=_stop(body), n=n or 1, stream=stream, include_usage=include_usage,
+                      context_shift=_bool(body, "context_shift") if body.get("context_shift") is not None else None,
+                      n_keep=_integer(body, "n_keep", -1, 2**31 - 1),
+                      truncate=_bool(body, "truncate") if body.get("truncate") is not None else None)
 
 
 # -- responses -------------------------------------------------------------------------------------
