@@ -137,6 +137,14 @@ def chat(client, question: str, system: str | None = SYSTEM, **kw):
     return client.chat.completions.create(model=MODEL, messages=msgs, **kw)
 
 
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    """Until ``predicate()`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
 # ---------------------------------------------------------------------------------------------
 # the API
 
@@ -328,6 +336,31 @@ def test_disconnect_mid_stream_frees_cells(server, client):
     assert after["pyllama_kv_completion_tokens_total"] - base["pyllama_kv_completion_tokens_total"] < 256
 
 
+def test_clients_that_leave_are_counted_not_logged(server, client):
+    """A client that leaves a stream, or stops waiting for a non-streaming answer: each is one
+    counted client disconnect (stage "generating"), no internal error, nothing in the log."""
+    key = 'pyllama_kv_client_disconnects_total{stage="generating"}'
+    prompt = "Write a very long essay about the history of the bicycle, with many details."
+    base = server.idle_metrics()
+    n_lines = len(server.lines)
+    stream = chat(client, prompt, max_tokens=256, temperature=0.7, seed=2, stream=True)
+    for i, _ in enumerate(stream):
+        if i >= 3:
+            break
+    stream.close()
+    _wait_for(lambda: server.metrics()[key] >= base[key] + 1)
+    body = {"model": MODEL, "max_tokens": 256, "temperature": 0.7, "seed": 3,
+            "messages": [{"role": "user", "content": prompt}]}
+    with pytest.raises(httpx.ReadTimeout):   # it stops waiting: httpx closes the connection
+        httpx.post(server.url + "/chat/completions", json=body, headers=server.headers(), timeout=0.5)
+    _wait_for(lambda: server.metrics()[key] >= base[key] + 2)
+    after = server.idle_metrics()
+    assert after[key] == base[key] + 2 and after["pyllama_kv_kv_request_cells"] == 0
+    assert after["pyllama_kv_internal_errors_total"] == 0
+    log = "".join(server.lines[n_lines:])
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
 def test_concurrent_requests_share_a_new_system_prompt(client):
     """Requests that arrive together with one long system prompt: it is evaluated once (the others
     wait for it and fork it), not once per request."""
@@ -481,6 +514,28 @@ def test_half_sent_body_gets_408(tiny):
             data += part
     assert data.startswith(b"HTTP/1.1 408 "), data
     assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+    assert httpx.get(tiny.root + "/health", timeout=10).status_code == 200
+
+
+def test_half_a_body_then_gone_is_a_quiet_disconnect(tiny):
+    """A client that sends half of its Content-Length and closes: a counted client disconnect, with
+    no traceback in the log and no internal error; the server keeps serving."""
+    host, port = tiny.root[len("http://"):].rsplit(":", 1)
+    key = 'pyllama_kv_client_disconnects_total{stage="body"}'
+    before = tiny.metrics()
+    n_lines = len(tiny.lines)
+    for path in (b"/v1/chat/completions", b"/v1/completions"):
+        with socket.create_connection((host, int(port)), timeout=15) as s:
+            s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 500\r\n\r\n{\"model\": \"echo-role\", \"messages\": [")
+        # closed: the server is reading the other 460 bytes
+    _wait_for(lambda: tiny.metrics().get(key, 0) >= before.get(key, 0) + 2 or "Traceback" in tiny.log(), 30)
+    time.sleep(0.5)   # anything it would log about it is logged by now
+    log = "".join(tiny.lines[n_lines:])
+    assert "Traceback" not in log and "ClientDisconnect" not in log and "ERROR" not in log, log
+    after = tiny.metrics()
+    assert after[key] == before[key] + 2
+    assert after["pyllama_kv_internal_errors_total"] == before["pyllama_kv_internal_errors_total"] == 0
     assert httpx.get(tiny.root + "/health", timeout=10).status_code == 200
 
 

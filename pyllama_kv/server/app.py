@@ -11,7 +11,9 @@ thread hands to the asyncio loop (``call_soon_threadsafe`` into a queue per requ
   evicted before a request has to wait for cells.
 * Nothing lost, nothing leaked: a client that goes away (streaming or not) has its request
   cancelled, and the engine frees its cells at its next step. Every failure becomes a JSON error
-  (tracebacks go to the server's log only).
+  (tracebacks go to the server's log only). A client that goes away — while sending its body or
+  while waiting for its answer — is not a failure: it is counted (``client_disconnects``), not
+  logged.
 * Shutdown (SIGINT/SIGTERM): uvicorn stops accepting; running requests get ``shutdown_grace``
   seconds to finish, then are cancelled; the engine and its context are closed; exit 0.
 """
@@ -33,7 +35,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -57,6 +59,14 @@ def _error(e: APIError) -> Response:
     """The error object as ASCII JSON: a message may quote the client's text, lone surrogates included
     (valid in JSON as escapes, but not encodable as UTF-8)."""
     return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
+
+
+class _Gone(Exception):
+    """The client went away (``stage``: "body" while its request body was being read)."""
+
+    def __init__(self, stage: str):
+        super().__init__(stage)
+        self.stage = stage
 
 
 class Server:
@@ -129,8 +139,12 @@ class Server:
                 return await fn(request)
             except APIError as e:
                 return _error(e)
+            except _Gone as e:   # nobody is there to read an answer, and nothing went wrong here
+                self.metrics.client_disconnects.labels(e.stage).inc()
+                return Response(status_code=499)
             except Exception:
                 log.exception("error while serving %s %s", request.method, request.url.path)
+                self.metrics.internal_errors.inc()
                 return _error(APIError(500, "internal server error (see the server's log)", "server_error"))
         return handler
 
@@ -154,6 +168,7 @@ class Server:
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         log.error("error while serving %s %s", request.method, request.url.path, exc_info=exc)
+        self.metrics.internal_errors.inc()
         return _error(APIError(500, "internal server error (see the server's log)", "server_error"))
 
     async def _body(self, request: Request):
@@ -176,6 +191,8 @@ class Server:
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body did not arrive within {timeout:g} seconds", code="timeout",
                            headers={"Connection": "close"}) from None
+        except ClientDisconnect:   # it closed the connection before its Content-Length was sent
+            raise _Gone("body") from None
         try:
             return json.loads(data)
         except (ValueError, RecursionError):
@@ -282,6 +299,7 @@ class Server:
                 if get not in done:
                     get.cancel()
                     handle.cancel()
+                    self.metrics.client_disconnects.labels("generating").inc()
                     return Response(status_code=499)   # nobody is there to read it
                 open_ -= get.result().finish_reason is not None
         finally:
@@ -321,8 +339,13 @@ class Server:
                 if req.include_usage:
                     yield _sse(protocol.usage_chunk(req, handle.usage))
             yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):   # the client went away (starlette cancels the stream)
+            if open_:
+                self.metrics.client_disconnects.labels("generating").inc()
+            raise
         except (LlamaError, ValueError) as e:   # should not happen: say so in the stream, not in a traceback
             log.exception("error while streaming")
+            self.metrics.internal_errors.inc()
             yield _sse(APIError(500, f"internal server error: {type(e).__name__}", "server_error").body())
         finally:
             if open_:

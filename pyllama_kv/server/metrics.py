@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -108,7 +108,8 @@ class _EngineCollector:
 
 
 class Metrics:
-    """The registry: the engine's snapshot, and the latency histograms the handlers fill."""
+    """The registry: the engine's snapshot, and the latency histograms and the HTTP counters the
+    handlers fill."""
 
     def __init__(self, server) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -117,6 +118,14 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.latency = Histogram(_P + "request_duration_seconds", "seconds from the request's arrival to its "
                                  "last token", buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.client_disconnects = Counter(_P + "client_disconnects", "requests whose client went away before "
+                                          "its answer, by stage (body: while sending its request body; "
+                                          "generating: while it was being answered)", ["stage"],
+                                          registry=self.registry)
+        for stage in ("body", "generating"):
+            self.client_disconnects.labels(stage)
+        self.internal_errors = Counter(_P + "internal_errors", "requests answered 500 because of an unexpected "
+                                       "error (its traceback is in the server's log)", registry=self.registry)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
