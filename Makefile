@@ -45,6 +45,7 @@ build: patch
 
 setup: build $(LCP)
 	$(BIN)/pyllama-kv pull smollm2-135m-instruct
+	$(BIN)/pyllama-kv pull gemma3-270m
 
 demo: setup
 	$(BIN)/pyllama-kv demo
