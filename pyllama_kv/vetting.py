@@ -12,7 +12,7 @@ process does what this process is about to do, stage by stage:
 stage                 what the child does (the same library, ``n_gpu_layers`` and ``use_mmap``)
 ====================  ==============================================================================
 load                  ``llama_model_load_from_file``
-context               a context of :data:`VET_CTX` cells and 2 sequences (f16 cache)
+context               a context of :data:`VET_CTX` cells and 2 sequences (f16 cache, one thread)
 tokenize              tokenize and detokenize a short text (the vocabulary at work)
 decode batch          one ``llama_decode`` of a multi-token batch
 decode token          one more single token
@@ -29,7 +29,7 @@ process never hands the file to llama.cpp. A child that runs past :data:`VET_TIM
 killed and refused the same way.
 
 The verdict is cached under ``<cache>/vetted/``, keyed by the file's sha256 (computed once and
-remembered by :mod:`pyllama_kv._filehash` under its path, inode, size and mtime) and the library's
+remembered by :mod:`pyllama_kv._filehash` under its path, inode, size, mtime and ctime) and the library's
 (so a rebuilt library vets again), plus the options that change what runs (``n_gpu_layers``,
 ``use_mmap``). A later load of the same bytes costs a ``stat`` and one small JSON read. A refusal is
 cached too (loading a bad file again is refused at once); delete the folder to vet again.
@@ -70,7 +70,7 @@ DEFAULT_VALIDATE = "full"
 #: seconds a vetting child may take (loading a large model from a cold disk is the slow part)
 VET_TIMEOUT = 600.0
 #: cells of the vetting child's context
-VET_CTX = 256
+VET_CTX = 128
 #: the text the vetting child tokenizes
 _VET_TEXT = "Vetting run: the quick brown fox jumps over the lazy dog. 12345 ++ <|x|> \u00e9\u4e2d\U0001f600"
 
@@ -224,11 +224,12 @@ def _child(path: str, lib: str, n_gpu_layers: int, use_mmap: bool) -> dict:
     model = Model(path, n_gpu_layers, lib=lib, use_mmap=use_mmap, validate="off")
     stage("context")
     n_ctx = max(16, min(VET_CTX, model.n_ctx_train))
-    with model.context(n_ctx=n_ctx, n_seq_max=2, n_batch=n_ctx, n_ubatch=n_ctx) as ctx:
+    # one thread: a vetting run must not compete with a process that is serving (ggml's threads spin)
+    with model.context(n_ctx=n_ctx, n_seq_max=2, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1) as ctx:
         stage("tokenize")
         toks = model.tokenize(_VET_TEXT, add_bos=True, special=True)
         model.detokenize(toks)
-        n = max(2, min(len(toks), n_ctx // 4))
+        n = max(2, min(len(toks), 8))   # a multi-token batch (the context already built the worst-case graph)
         toks = (toks * (n // max(1, len(toks)) + 1))[:n]
         stage("decode batch")
         a = ctx.new_sequence()
