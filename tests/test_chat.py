@@ -97,13 +97,16 @@ MALICIOUS = {
 
 @pytest.mark.parametrize("name", sorted(MALICIOUS))
 def test_malicious_template_refused(tmp_path, monkeypatch, name):
-    monkeypatch.setattr(chat, "MAX_SECONDS", 1.0)
+    old = chat.set_template_limits(time_limit=1.0)
     marker = tmp_path / "pwned"
-    with _model(tmp_path, MALICIOUS[name].replace("{marker}", str(marker)), name) as m:
-        t0 = time.monotonic()
-        with pytest.raises(pk.InvalidInputError, match=rf"chat template of {name}\.gguf"):
-            m.apply_chat_template([{"role": "user", "content": "hi"}])
-        assert time.monotonic() - t0 < chat.MAX_SECONDS + 5
+    try:
+        with _model(tmp_path, MALICIOUS[name].replace("{marker}", str(marker)), name) as m:
+            t0 = time.monotonic()
+            with pytest.raises(pk.InvalidInputError, match=rf"chat template of {name}\.gguf"):
+                m.apply_chat_template([{"role": "user", "content": "hi"}])
+            assert time.monotonic() - t0 < 1.0 + 5
+    finally:
+        chat.set_template_limits(old)
     assert not marker.exists()
 
 
@@ -141,3 +144,4 @@ def test_no_template(tmp_path):
         assert m.chat_template is None
         with pytest.raises(pk.InvalidInputError, match=r"plain\.gguf has no chat template"):
             m.apply_chat_template([{"role": "user", "content": "hi"}])
+

@@ -1,0 +1,273 @@
+"""Chat templates render in worker processes, so that no template can block the calling process.
+
+A worker is ``python -I -c ...`` running :func:`main`: it imports jinja2 and the sandbox
+(pyllama_kv._template_sandbox), limits its own address space (``RLIMIT_AS`` = ``memory_limit``),
+then answers one request at a time on its stdin/stdout (a 4-byte big-endian length, then JSON; JSON
+and never pickle, so a worker can send nothing but data). The calling side (:func:`render`) waits for
+the answer with ``poll`` and a deadline: past ``time_limit`` it kills the worker (SIGKILL: a big-integer
+operation holding the worker's GIL cannot delay it) and the rendering is refused. Whatever a template
+does, the caller waits at most ``time_limit`` for it, and a worker never holds more than
+``memory_limit`` bytes of address space.
+
+Workers are reused (a pool of at most ``workers``, started on demand; a killed one is replaced on the
+next rendering), start in their own session (a terminal's Ctrl-C is not theirs), die with their parent
+(PR_SET_PDEATHSIG, and EOF on their stdin), and are killed at exit.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ._template_sandbox import TemplateFailure, TemplateLimits
+
+_HEADER = struct.Struct(">I")
+MAX_MESSAGE = 1 << 30          # bytes of one JSON message
+START_TIMEOUT = 60.0           # seconds for a worker to start (import jinja2), on a loaded machine
+
+
+class WorkerError(RuntimeError):
+    """A worker could not be started (not the template's fault)."""
+
+
+class _Died(Exception):
+    pass
+
+
+# -- framing ---------------------------------------------------------------------------------------------
+
+def _write(fd: int, obj: Any) -> None:
+    data = json.dumps(obj).encode("ascii")   # ensure_ascii: lone surrogates travel as \\udxxx escapes
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    chunks, got = [], 0
+    poller = None
+    if deadline is not None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    while got < n:
+        if poller is not None and deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(max(1, int(left * 1000 + 0.999))):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError
+                continue
+        b = os.read(fd, min(n - got, 1 << 20))
+        if not b:
+            raise _Died
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _read(fd: int, deadline: float | None) -> Any:
+    (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+    if n > MAX_MESSAGE:
+        raise _Died
+    return json.loads(_read_exact(fd, n, deadline))
+
+
+# -- the worker process ------------------------------------------------------------------------------------
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """The worker: ``argv`` is [memory_limit, parent pid]."""
+    memory_limit, parent = int(argv[0]), int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent)
+    fin, fout = 0, os.dup(1)
+    os.dup2(2, 1)                      # nothing but answers on the answer pipe
+    from . import _template_sandbox as sandbox
+
+    sandbox._env()                     # jinja2 imported and the environment built before the limit
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+    except (ImportError, ValueError, OSError):
+        pass
+    _write(fout, {"ready": os.getpid()})
+    while True:
+        try:
+            req = _read(fin, None)
+        except _Died:
+            return
+        try:
+            limits = TemplateLimits(**req["limits"])
+            text = sandbox.render_inline(req["source"], req["messages"], req["add_generation_prompt"],
+                                         req["bos_token"], req["eos_token"], limits, seconds=req["seconds"])
+            resp: dict = {"text": text}
+        except TemplateFailure as e:
+            resp = {"kind": e.kind, "detail": e.detail}
+        except MemoryError:
+            resp = {"kind": "refused", "detail": f"it runs out of memory (more than {memory_limit} bytes)"}
+        except Exception as e:   # a bad request: not expected from pyllama_kv.chat
+            resp = {"kind": "failed", "detail": f"{type(e).__name__}: {e}"}
+        del req
+        try:
+            _write(fout, resp)
+        except MemoryError:
+            os._exit(3)
+
+
+# -- the calling side -------------------------------------------------------------------------------------
+
+class _Worker:
+    def __init__(self, memory_limit: int) -> None:
+        self.memory_limit = memory_limit
+        code = (f"import sys; sys.path[:] = {sys.path!r}; "
+                "from pyllama_kv._template_worker import main; main(sys.argv[1:])")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", code, str(memory_limit), str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+                start_new_session=True, close_fds=True)
+        except OSError as e:
+            raise WorkerError(f"cannot start a chat-template worker process: {e}") from None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.wfd, self.rfd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        try:
+            ready = _read(self.rfd, time.monotonic() + START_TIMEOUT)
+        except (TimeoutError, _Died, ValueError, OSError):
+            self.kill()
+            raise WorkerError("a chat-template worker process did not start (is jinja2 importable, "
+                              f"and is the memory limit of {memory_limit} bytes enough for Python?)") from None
+        if not isinstance(ready, dict) or "ready" not in ready:
+            self.kill()
+            raise WorkerError("a chat-template worker process did not start")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:   # pragma: no cover (SIGKILL)
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.idle: list[_Worker] = []
+        self.live = 0
+        self.pid = os.getpid()
+        self.started = 0      # workers started (for tests and measurements)
+
+    def _forked(self) -> None:
+        # in a forked child the parent's workers are not ours: forget them (their pipes are shared)
+        if os.getpid() != self.pid:
+            self.cond = threading.Condition()
+            self.idle, self.live, self.pid = [], 0, os.getpid()
+
+    def acquire(self, limits: TemplateLimits) -> _Worker:
+        self._forked()
+        with self.cond:
+            while True:
+                while self.idle:
+                    w = self.idle.pop()
+                    if w.alive() and w.memory_limit == limits.memory_limit:
+                        return w
+                    w.kill()
+                    self.live -= 1
+                if self.live < limits.workers:
+                    self.live += 1
+                    break
+                self.cond.wait()
+        try:
+            w = _Worker(limits.memory_limit)
+        except BaseException:
+            with self.cond:
+                self.live -= 1
+                self.cond.notify()
+            raise
+        self.started += 1
+        return w
+
+    def release(self, w: _Worker, reuse: bool) -> None:
+        if not reuse:
+            w.kill()
+        with self.cond:
+            if reuse and w.alive() and os.getpid() == self.pid:
+                self.idle.append(w)
+            else:
+                self.live -= 1
+            self.cond.notify()
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:
+            return
+        with self.cond:
+            idle, self.idle = self.idle, []
+            self.live -= len(idle)
+        for w in idle:
+            w.kill()
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+
+
+def render(source: str, messages: list[dict], add_generation_prompt: bool, bos_token: str, eos_token: str,
+           limits: TemplateLimits) -> str:
+    """Render in a worker within ``limits.time_limit`` seconds: the text, or TemplateFailure
+    (WorkerError if no worker could be started)."""
+    req = {"source": source, "messages": messages, "add_generation_prompt": add_generation_prompt,
+           "bos_token": bos_token, "eos_token": eos_token, "limits": dataclasses.asdict(limits),
+           "seconds": limits.time_limit * 0.9}   # the worker's own check, before the kill
+    w = _POOL.acquire(limits)
+    reuse = False
+    try:
+        deadline = time.monotonic() + limits.time_limit
+        try:
+            _write(w.wfd, req)
+            del req
+            resp = _read(w.rfd, deadline)
+        except TimeoutError:
+            raise TemplateFailure("timeout", f"it runs for more than {limits.time_limit:g} s "
+                                             "(its worker process was killed)") from None
+        except (_Died, OSError, ValueError):
+            raise TemplateFailure("died", "its worker process died (out of memory, "
+                                             f"more than {limits.memory_limit} bytes, or crashed)") from None
+        reuse = True
+    finally:
+        _POOL.release(w, reuse)
+    if isinstance(resp, dict) and isinstance(resp.get("text"), str):
+        return resp["text"]
+    if isinstance(resp, dict) and isinstance(resp.get("kind"), str) and isinstance(resp.get("detail"), str):
+        raise TemplateFailure(resp["kind"], resp["detail"])
+    raise TemplateFailure("failed", "its worker process answered nonsense")

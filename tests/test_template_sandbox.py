@@ -1,0 +1,301 @@
+"""Hostile chat templates (issue 26, item 1): every one is an InvalidInputError within the time limit,
+with bounded memory, whether the in-process caps or the worker process's limits stop it; a template
+that freezes its renderer does not freeze a server (/health answers, SIGTERM stops it)."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import ROOT, run_py
+from pyllama_kv import chat
+
+BIG = "{% set s = 'x' * 1000000 %}"
+
+# one operation that builds a huge value (or a chain that does), by family
+HOSTILE = {
+    # big integers: one operation holds the GIL for minutes
+    "pow_chain": "{% set a = ((9 ** 4096) ** 4096) ** 4096 %}",
+    "pow_right_assoc": "{{ 9 ** 4096 ** 4096 }}",
+    "pow_big_base": "{% set b = 7 ** 4000 %}{{ b ** 3 }}",
+    "mul_chain": ("{% set ns = namespace(x=2 ** 8000) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+                  "{% endfor %}"),
+    "int_filter_mul": "{% set n = ('9' * 4000)|int %}{{ n * n * n }}",
+    # %-formatting: widths, precisions, * widths, many arguments
+    "printf_star": "{{ '%*d' % (300000000, 1) }}",
+    "printf_width": "{{ '%300000000d' % 1 }}",
+    "printf_precision": "{{ '%.300000000f' % 1.0 }}",
+    "printf_star_precision": "{{ '%.*f' % (300000000, 1.0) }}",
+    "printf_many": BIG + "{{ ('%(a)s' * 300) % {'a': s} }}",
+    "printf_repr": BIG + "{{ '%r' % ([s] * 300,) }}",
+    "format_filter_star": "{{ '%*s'|format(300000000, 'a') }}",
+    "format_filter_kwargs": BIG + "{{ ('%(a)s' * 300)|format(a=s) }}",
+    # str.format
+    "format_width": "{{ '{:>300000000}'.format(1) }}",
+    "format_nested_width": "{{ '{:>{}}'.format(1, 300000000) }}",
+    "format_precision": "{{ '{:.300000000f}'.format(1.0) }}",
+    "format_many": BIG + "{{ ('{0}' * 300).format(s) }}",
+    "format_map": BIG + "{{ ('{a}' * 300).format_map({'a': s}) }}",
+    "format_repr": BIG + "{{ '{!r}'.format([s] * 300) }}",
+    # replace, join, concatenation, repetition
+    "replace_method": BIG + "{{ s.replace('x', 'y' * 300) }}",
+    "replace_filter": BIG + "{{ s|replace('x', 'y' * 300) }}",
+    "replace_empty": BIG + "{{ s.replace('', 'yyy') }}",
+    "join_filter": BIG + "{{ ([s] * 300)|join }}",
+    "join_method": BIG + "{{ ''.join([s] * 300) }}",
+    "join_separator": BIG + "{{ s.join(['a'] * 300) }}",
+    "join_attribute": BIG + "{{ ([{'a': s}] * 300)|join(attribute='a') }}",
+    "concat_tilde": ("{% set ns = namespace(s='x' * 1000) %}{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}"
+                     "{% endfor %}{{ ns.s|length }}"),
+    "concat_plus": ("{% set ns = namespace(s='x' * 1000) %}{% for i in range(30) %}{% set ns.s = ns.s + ns.s %}"
+                    "{% endfor %}{{ ns.s|length }}"),
+    "list_plus": ("{% set ns = namespace(l=[1] * 1000) %}{% for i in range(30) %}{% set ns.l = ns.l + ns.l %}"
+                  "{% endfor %}{{ ns.l|length }}"),
+    "repeat_str": "{{ 'x' * 300000000 }}",
+    "repeat_list": "{{ ([1] * 1000) * 1000000 }}",
+    "sum_lists": "{{ ([['x'] * 1000] * 3000)|sum(start=[]) }}",
+    # padding, widths, other amplifying methods and filters
+    "center_filter": "{{ 'x'|center(300000000) }}",
+    "center_method": "{{ 'x'.center(300000000) }}",
+    "ljust": "{{ 'x'.ljust(300000000) }}",
+    "zfill": "{{ '1'.zfill(300000000) }}",
+    "indent": "{{ ('x\n' * 500000)|indent(300) }}",
+    "indent_str": "{{ ('x\n' * 500000)|indent('y' * 300) }}",
+    "wordwrap": "{{ ('a ' * 500000)|wordwrap(1, wrapstring='x' * 300) }}",
+    "expandtabs": "{{ ('\t' * 1000000).expandtabs(300) }}",
+    "translate": "{{ ('a' * 1000000).translate({97: 'b' * 300}) }}",
+    "to_bytes": "{{ (1).to_bytes(300000000, 'big') }}",
+    "slice": "{{ [1]|slice(300000000)|list }}",
+    "batch": "{{ [1]|batch(300000000, 'x')|list }}",
+    "strftime": "{{ strftime_now('%Y' * 500000) }}",
+    # values turned into text
+    "output_list": BIG + "{{ [s] * 300 }}",
+    "string_filter": BIG + "{{ ([s] * 300)|string }}",
+    "tojson": BIG + "{{ ([s] * 300)|tojson }}",
+    "pprint": BIG + "{{ ([s] * 300)|pprint }}",
+    "deep_nesting": ("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}"
+                     "{% endfor %}{{ ns.l }}"),
+    # globals
+    "lipsum": "{{ lipsum(100000, false, 1000, 1000) }}",
+}
+
+# with the in-process caps lifted, the worker's limits alone: the time limit (kill) and the memory limit
+UNCAPPED = {
+    "pow_chain": ("{% set a = ((9 ** 4096) ** 4096) ** 4096 %}", r"runs for more than 2 s"),
+    "repeat_str": ("{{ 'x' * 10000000000 }}", r"out of memory|process died"),
+    "printf_star": ("{{ '%*d' % (600000000, 1) }}", r"out of memory|process died"),
+}
+
+SCRIPT = textwrap.dedent("""
+    import json, resource, sys, time
+    from pyllama_kv import chat, _template_worker
+    cases, uncapped = json.loads(sys.stdin.read())
+    out = {}
+    msgs = [{"role": "user", "content": "hi"}]
+    for mode, limits in (("worker", chat.TemplateLimits()), ("inline", chat.TemplateLimits(isolate=False))):
+        for name, src in cases.items():
+            t0 = time.monotonic()
+            try:
+                text = chat.render(src, msgs, limits=limits)
+                r = {"ok": len(text)}
+            except chat.InvalidInputError as e:
+                r = {"error": str(e)}
+            except BaseException as e:
+                r = {"other": f"{type(e).__name__}: {e}"}
+            r["seconds"] = time.monotonic() - t0
+            out[f"{mode}:{name}"] = r
+    lifted = chat.TemplateLimits(time_limit=2.0, memory_limit=256 << 20, max_int_bits=10**12, max_size=10**12)
+    for name, (src, _) in uncapped.items():
+        t0 = time.monotonic()
+        try:
+            chat.render(src, msgs, limits=lifted)
+            r = {"ok": 0}
+        except chat.InvalidInputError as e:
+            r = {"error": str(e)}
+        r["seconds"] = time.monotonic() - t0
+        out[f"uncapped:{name}"] = r
+    t0 = time.monotonic()
+    out["after"] = chat.render("{{ messages[0].content }}", msgs, limits=lifted)
+    out["after_seconds"] = time.monotonic() - t0
+    _template_worker._POOL.close()
+    out["self_maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out["children_maxrss_kib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    out["started"] = _template_worker._POOL.started
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def results():
+    """Every hostile template rendered in a subprocess (bounded in time): through the worker, in
+    process (the caps alone), and with the caps lifted (the worker's limits alone)."""
+    p = subprocess.run([sys.executable, "-c", SCRIPT], input=json.dumps([HOSTILE, UNCAPPED]), capture_output=True,
+                       text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["worker", "inline"])
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_template_refused_fast(results, mode, name):
+    r = results[f"{mode}:{name}"]
+    assert "error" in r, r
+    assert r["error"].startswith("the chat template "), r
+    assert "lipsum" in r["error"] if name == "lipsum" else "is refused" in r["error"], r
+    # the caps refuse before anything big is built: far within the 5 s limit
+    assert r["seconds"] < 2.5, r
+
+
+@pytest.mark.parametrize("name", sorted(UNCAPPED))
+def test_worker_limits_alone_bound_time_and_memory(results, name):
+    import re
+
+    r = results[f"uncapped:{name}"]
+    assert "error" in r and re.search(UNCAPPED[name][1], r["error"]), r
+    assert r["seconds"] < 2.0 + 3, r
+
+
+def test_memory_stays_bounded_and_workers_restart(results):
+    assert results["after"] == "hi" and results["after_seconds"] < 30
+    # the calling process never built the big values; no worker went past its address-space limit
+    assert results["self_maxrss_kib"] < 400 * 1024, results["self_maxrss_kib"]
+    assert results["children_maxrss_kib"] < 512 * 1024, results["children_maxrss_kib"]
+    # one worker for the default limits (reused across ~50 refusals), plus the killed and replaced ones
+    assert results["started"] <= 2 + 2 * len(UNCAPPED), results["started"]
+
+
+# ordinary templates must render as plain jinja2 renders them (the caps are not in the way)
+ORDINARY = (
+    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}"
+    "{% if m.role == 'system' %}{% set ns.sys = m.content|trim %}{% endif %}{% endfor %}"
+    "{{ '%-8s|%5d|%.2f|%s' % ('a', 42, 3.14159, ns.sys) }}{{ '{:>6}|{:<4}|{!r}'.format('b', 7, 'c') }}"
+    "{{ ['x', 'y', 'z']|join(', ') }}|{{ 'abc'.replace('b', 'BB') }}|{{ 'ab' * 3 }}|{{ 'q' ~ 1 ~ 'r' }}"
+    "{{ 2 ** 64 }}|{{ 10 * 10 }}|{{ 7 // 2 }}|{{ [1, 2] + [3] }}|{{ 'hi'|center(8) }}|{{ 'a\nb'|indent(2) }}"
+    "{{ messages|length }}{{ messages[-1]|tojson }}{{ 'x'|upper }}{{ [3, 1, 2]|sort|list }}"
+    "{{ {'k': 1}|dictsort }}{{ 'a-b'.split('-') }}{{ 1700000000 }}{{ '%d' % 1700000000 }}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+)
+
+
+def test_ordinary_template_renders_as_plain_jinja2():
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+    msgs = [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "Héllo ✓"}]
+    want = env.from_string(ORDINARY).render(messages=msgs, bos_token="<s>", eos_token="</s>",
+                                            add_generation_prompt=True)
+    for isolate in (True, False):
+        got = chat.render(ORDINARY, msgs, bos_token="<s>", eos_token="</s>",
+                          limits=chat.TemplateLimits(isolate=isolate))
+        assert got == want
+
+
+def test_limits_are_options(monkeypatch):
+    assert chat.TemplateLimits().time_limit == 5.0 and chat.TemplateLimits().memory_limit == 512 << 20
+    old = chat.set_template_limits(time_limit=1.5)
+    try:
+        assert chat.get_template_limits().time_limit == 1.5 and old == chat.TemplateLimits()
+        with pytest.raises(chat.InvalidInputError, match="time_limit"):
+            chat.set_template_limits(time_limit=-1)
+    finally:
+        chat.set_template_limits(old)
+    monkeypatch.setenv(chat.LIMITS_ENV, "time_limit=2.5, memory_limit=1073741824,isolate=false")
+    assert chat._limits_from_env() == chat.TemplateLimits(time_limit=2.5, memory_limit=1 << 30, isolate=False)
+    monkeypatch.setenv(chat.LIMITS_ENV, "nosuch=1")
+    with pytest.raises(chat.LlamaError, match="PYLLAMA_KV_TEMPLATE_LIMITS"):
+        chat._limits_from_env()
+
+
+def test_refusals_are_cached_and_timeouts_are_not():
+    lim = chat.TemplateLimits(time_limit=1.0, max_steps=10**9)
+    src = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{# cache-test #}"
+    src_fast = "{{ 'x' * 300000000 }}{# cache-test #}"
+    for s in (src, src_fast):
+        with pytest.raises(chat.InvalidInputError):
+            chat.render(s, [], limits=lim)
+    t0 = time.monotonic()
+    with pytest.raises(chat.InvalidInputError, match="refused"):
+        chat.render(src_fast, [], limits=lim)
+    assert time.monotonic() - t0 < 0.05
+    t0 = time.monotonic()
+    with pytest.raises(chat.InvalidInputError):
+        chat.render(src, [], limits=lim)
+    assert time.monotonic() - t0 > 0.5      # rendered again: its refusal depends on the time
+
+
+# ---------------------------------------------------------------------------------------------
+# a server whose model's template freezes its renderer
+
+FREEZE = "{% set a = ((9 ** 4096) ** 4096) ** 4096 %}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def test_freezing_template_does_not_stop_the_server(models, monkeypatch):
+    """The in-process caps lifted (only the worker's limits left), a template that holds its
+    renderer's GIL for minutes: the request is a 400 after the time limit, /health answers all the
+    while, and SIGTERM stops the server. (Before the worker processes, this froze the server.)"""
+    from pyllama_kv.tools.gguf import make_tiny_model
+    from test_server import ServerProc
+
+    path = make_tiny_model(models / "freeze.gguf", kv_overrides={"tokenizer.chat_template": FREEZE})
+    monkeypatch.setenv("PYLLAMA_KV_TEMPLATE_LIMITS", "time_limit=3,max_int_bits=1000000000000")
+    s = ServerProc(path, "--ctx", "256", key=None)
+    try:
+        url = s.url + "/chat/completions"
+        body = {"model": "freeze", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        box: dict = {}
+
+        def post():
+            t0 = time.monotonic()
+            try:
+                box["r"] = httpx.post(url, json=body, timeout=60)
+            except Exception as e:   # noqa: BLE001 (reported below)
+                box["r"] = e
+            box["seconds"] = time.monotonic() - t0
+
+        t = threading.Thread(target=post, daemon=True)
+        t.start()
+        worst = 0.0
+        deadline = time.monotonic() + 60
+        while t.is_alive() and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            assert httpx.get(s.root + "/health", timeout=5).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.1)
+        t.join(5)
+        r = box["r"]
+        assert isinstance(r, httpx.Response) and r.status_code == 400, r
+        assert "runs for more than 3 s" in r.json()["error"]["message"], r.text
+        assert box["seconds"] < 3 + 5, box
+        assert worst < 2.0, worst
+        # SIGTERM with a freezing render in flight: the server stops
+        t = threading.Thread(target=post, daemon=True)
+        t.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(30)
+        assert time.monotonic() - t0 < 3 + 10
+        t.join(30)
+    finally:
+        s.stop(timeout=10)
+        if s.proc.poll() is None:   # pragma: no cover
+            s.proc.kill()
+    assert "Traceback" not in s.log(), s.log()
+
+
+def test_module_imports_nothing_but_jinja2():
+    """The worker runs _template_sandbox with jinja2 and the standard library only."""
+    code = ("import sys; import pyllama_kv._template_worker, pyllama_kv._template_sandbox as s; s._env(); "
+            "print(sorted(m for m in sys.modules if m.startswith('pyllama_kv')))")
+    p = run_py(["-c", code], timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert eval(p.stdout) == ["pyllama_kv", "pyllama_kv._template_sandbox", "pyllama_kv._template_worker"]
