@@ -1,7 +1,8 @@
 """Chat templates: a GGUF's ``tokenizer.chat_template``, rendered the way Hugging Face transformers
 renders it (jinja2, ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the
 ``loopcontrols`` extension, ``bos_token``/``eos_token``, ``raise_exception``, ``strftime_now`` and a
-``tojson`` filter with ``ensure_ascii=False``), so the text is byte for byte what the model saw.
+``tojson`` filter with ``ensure_ascii=False``), so the text is byte for byte what the model saw; and
+the prompt's tokens, with control tokens only where the template wrote them.
 
 Threat model. A GGUF is untrusted input, and so is its template (and a ``--template`` file); the
 messages are untrusted too (a server's clients). What is guaranteed:
@@ -21,7 +22,10 @@ messages are untrusted too (a server's clients). What is guaranteed:
 - every failure (a refused operation, the time or memory limit, a syntax error, an undefined name in
   an expression, ``raise_exception``, a Python exception) is
   :class:`~pyllama_kv.errors.InvalidInputError` naming the template; nothing else escapes (except
-  :class:`~pyllama_kv.errors.LlamaError` when no worker process can be started at all).
+  :class:`~pyllama_kv.errors.LlamaError` when no worker process can be started at all);
+- no forged control tokens: text that came from the messages (contents and roles) is tokenized with
+  special-token parsing off, so ``<|im_end|>`` typed by a user stays plain text (see
+  :func:`apply_chat_template` and :func:`tokenize_rendered`).
 
 The limits are :class:`TemplateLimits` (defaults: ``time_limit`` 5 s, ``memory_limit`` 512 MiB,
 ``workers`` 2, ``max_output_chars`` 2**20, ``max_steps`` 10**6, ``max_size`` 2**20,
@@ -38,6 +42,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import threading
 from typing import Any
 
@@ -45,7 +50,7 @@ from . import _template_sandbox, _template_worker
 from ._template_sandbox import TemplateFailure, TemplateLimits
 from .errors import InvalidInputError, LlamaError
 
-__all__ = ["TemplateLimits", "apply_chat_template", "chat_template", "check_messages",
+__all__ = ["Rendered", "TemplateLimits", "apply_chat_template", "chat_template", "check_messages",
            "get_template_limits", "read_chat_template", "render", "set_template_limits", "tokenize_rendered"]
 
 LIMITS_ENV = "PYLLAMA_KV_TEMPLATE_LIMITS"
@@ -236,10 +241,108 @@ def chat_template(model) -> str | None:
     return t
 
 
+class Rendered(str):
+    """A rendered chat prompt: a str (the text), which also knows its ``plain`` spans, the
+    ``(start, end)`` ranges of control-token text that came from the messages, which
+    :func:`tokenize_rendered` tokenizes with special-token parsing off. Slicing keeps the spans
+    (``text[len(past):]`` is still a Rendered); other str operations return a plain str."""
+
+    plain: tuple[tuple[int, int], ...]
+
+    def __new__(cls, text: str, plain=()) -> Rendered:
+        self = super().__new__(cls, text)
+        self.plain = tuple(plain)
+        return self
+
+    def __getitem__(self, key) -> Rendered:
+        part = str.__getitem__(self, key)
+        if not self.plain:
+            return Rendered(part)
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:   # no use for it: all plain, to be safe
+                return Rendered(part, [(0, len(part))] if part else ())
+            return Rendered(part, [(max(a, start) - start, min(b, stop) - start)
+                                   for a, b in self.plain if a < stop and b > start])
+        i = key + len(self) if key < 0 else key
+        return Rendered(part, [(0, 1)] if any(a <= i < b for a, b in self.plain) else ())
+
+    def __reduce__(self):
+        return (Rendered, (str(self), self.plain))
+
+
+def _special_text(model, token: int) -> str | None:
+    """The text of ``token`` if it is one that special-token parsing makes (control or unknown: its
+    piece is empty unless special=True); "" if that text is not UTF-8; None for other tokens."""
+    cache = model.__dict__.setdefault("_chat_special_texts", {})
+    try:
+        return cache[token]
+    except KeyError:
+        pass
+    try:
+        special = model.token_to_piece(token, special=True)
+        text: str | None = None
+        if special and not model.token_to_piece(token, special=False):
+            try:
+                text = special.decode("utf-8")
+            except UnicodeDecodeError:
+                text = ""
+    except LlamaError:
+        text = None
+    if len(cache) < 1 << 16:
+        cache[token] = text
+    return text
+
+
+def _control_texts(model, s: str) -> frozenset[str] | None:
+    """The texts of the control tokens that special-token parsing finds in the message string ``s``
+    (empty for ordinary text), or None if one cannot be located in ``s`` as text (then the whole
+    string is to be plain)."""
+    cache = model.__dict__.setdefault("_chat_control_texts", collections.OrderedDict())
+    hit = cache.get(s, False)
+    if hit is not False:
+        return hit
+    try:
+        with_special = model.tokenize(s, add_bos=False, special=True)
+        found: frozenset[str] | None = frozenset()
+        if with_special != model.tokenize(s, add_bos=False, special=False):
+            texts = {_special_text(model, t) for t in set(with_special)} - {None}
+            found = frozenset(t for t in texts if t) if all(t and t in s for t in texts) else None
+    except InvalidInputError:   # text the vocabulary cannot tokenize: tokenizing the prompt says so
+        found = frozenset()
+    if len(s) <= 1 << 16:
+        cache[s] = found
+        while len(cache) > 256:
+            cache.popitem(last=False)
+    return found
+
+
+def _placeholders(n: int, texts: list[str]) -> list[str]:
+    """``n`` characters of the supplementary private use area that occur in none of ``texts``."""
+    out: list[str] = []
+    for cp in range(0xF0000, 0x10FFFE):
+        c = chr(cp)
+        if not any(c in t for t in texts):
+            out.append(c)
+            if len(out) == n:
+                return out
+    raise InvalidInputError("the messages use every private-use character")  # pragma: no cover
+
+
 def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, source: str | None = None,
-                        name: str | None = None) -> str:
+                        name: str | None = None) -> Rendered:
     """``model.apply_chat_template``: render the model's template with its own BOS/EOS texts; or,
-    given ``source`` (a template from elsewhere, called ``name`` in errors), render that one with them."""
+    given ``source`` (a template from elsewhere, called ``name`` in errors), render that one with them.
+
+    The result is a :class:`Rendered`. Control-token text inside a message's role or content (say
+    ``<|im_end|>``, which the tokenizer would parse as the control token) is handed to the template as
+    a placeholder character (one the template, the messages and BOS/EOS do not contain), and each
+    placeholder in the output is put back as the same text, marked plain: tokenize_rendered then
+    tokenizes it as ordinary characters. Messages without control-token text (the usual case) are
+    rendered as they are, so the text is byte for byte the template's. A template that inspects or
+    rewrites that text (``replace('<|im_end|>', '')``, ``split``) sees the placeholder instead; a
+    string where a control token is found but its text cannot be (not UTF-8) is handed over as one
+    placeholder for the whole string."""
     if source is None:
         source = chat_template(model)
         name = _name(model)
@@ -247,12 +350,65 @@ def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, 
         check_messages(messages)
         raise InvalidInputError(f"{model.path.name} has no chat template (no tokenizer.chat_template in the GGUF)")
     model._check_open()
-    return render(source, messages, add_generation_prompt, bos_token=_token_text(model, model.bos),
-                  eos_token=_token_text(model, model.eos), name=name or "the chat template")
+    if not isinstance(add_generation_prompt, bool):
+        raise InvalidInputError("add_generation_prompt must be a bool")
+    msgs = check_messages(messages)
+    bos, eos = _token_text(model, model.bos), _token_text(model, model.eos)
+    name = name or "the chat template"
+    strings = {m[k] for m in msgs for k in ("role", "content") if m[k]}
+    found = {s: _control_texts(model, s) for s in strings}
+    texts = set().union(*[f for f in found.values() if f])
+    whole = [s for s, f in found.items() if f is None]
+    if not texts and not whole:
+        return Rendered(render(source, msgs, add_generation_prompt, bos_token=bos, eos_token=eos, name=name))
+    ordered = sorted(texts, key=lambda t: (-len(t), t)) + sorted(whole)
+    marks = _placeholders(len(ordered), [source, bos, eos, *strings])
+    to_mark = dict(zip(ordered, marks))
+    pattern = re.compile("|".join(re.escape(t) for t in ordered[:len(texts)])) if texts else None
+
+    def mark(s: str) -> str:
+        if s in to_mark and found.get(s) is None:
+            return to_mark[s]
+        return pattern.sub(lambda m: to_mark[m.group()], s) if pattern is not None and found.get(s) else s
+
+    marked = [{"role": mark(m["role"]), "content": mark(m["content"])} for m in msgs]
+    text = render(source, marked, add_generation_prompt, bos_token=bos, eos_token=eos, name=name)
+    back = dict(zip(marks, ordered))
+    out, plain, pos = [], [], 0
+    for piece in re.split("([" + "".join(marks) + "])", text):
+        if piece in back:
+            piece = back[piece]
+            plain.append((pos, pos + len(piece)))
+        out.append(piece)
+        pos += len(piece)
+    return Rendered("".join(out), plain)
 
 
 def tokenize_rendered(model, text: str, start: bool = True) -> list[int]:
     """The token ids of a rendered chat prompt: its special tokens (``<|im_start|>``...) parsed, and,
-    at the ``start`` of a prompt, the model's BOS added unless the template wrote it already."""
+    at the ``start`` of a prompt, the model's BOS added unless the template wrote it already.
+
+    ``text`` is what :func:`apply_chat_template` returned (or a slice of it): its plain spans
+    (control-token text that came from the messages) are tokenized with special-token parsing off,
+    each on its own, so no token spans their boundaries (the text around them is tokenized in pieces
+    too: at those boundaries the ids can differ from tokenizing the whole, as when the text is typed).
+    A plain str is taken as trusted text: all of its special tokens are parsed."""
+    plain = text.plain if isinstance(text, Rendered) else ()
+    raw = str.__str__(text)
     bos = _token_text(model, model.bos)
-    return model.tokenize(text, add_bos=start and not (bos and text.startswith(bos)), special=True)
+    wrote_bos = bool(bos) and raw.startswith(bos) and not (plain and plain[0][0] < len(bos))
+    add_bos = start and not wrote_bos
+    if not plain:
+        return model.tokenize(raw, add_bos=add_bos, special=True)
+    out: list[int] = []
+    first = True
+    pos = 0
+    for a, b in [*plain, (len(raw), len(raw))]:
+        for part, special in ((raw[pos:a], True), (raw[a:b], False)):
+            if part:
+                out += model.tokenize(part, add_bos=add_bos and first, special=special)
+                first = False
+        pos = b
+    if first and add_bos:
+        out = model.tokenize("", add_bos=True, special=True)
+    return out
