@@ -10,8 +10,11 @@ does, the caller waits at most ``time_limit`` for it, and a worker never holds m
 ``memory_limit`` bytes of address space.
 
 Workers are reused (a pool of at most ``workers``, started on demand; a killed one is replaced on the
-next rendering), start in their own session (a terminal's Ctrl-C is not theirs), die with their parent
-(PR_SET_PDEATHSIG, and EOF on their stdin), and are killed at exit.
+next rendering), start in their own session (a terminal's Ctrl-C is not theirs), are killed at exit,
+and outlive a parent that dies by at most one rendering: an idle worker reads EOF and exits, a busy
+one has a CPU-time limit per rendering (``RLIMIT_CPU``, ``time_limit`` + 2 s: SIGXCPU kills it).
+(Not PR_SET_PDEATHSIG: it fires when the *thread* that started the worker ends, and a server starts
+them from pool threads that come and go.)
 """
 from __future__ import annotations
 
@@ -82,32 +85,20 @@ def _read(fd: int, deadline: float | None) -> Any:
 
 # -- the worker process ------------------------------------------------------------------------------------
 
-def _die_with_parent(parent: int) -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 def main(argv: list[str]) -> None:
-    """The worker: ``argv`` is [memory_limit, parent pid]."""
-    memory_limit, parent = int(argv[0]), int(argv[1])
+    """The worker: ``argv`` is [memory_limit]."""
+    import resource
+
+    memory_limit = int(argv[0])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent)
     fin, fout = 0, os.dup(1)
     os.dup2(2, 1)                      # nothing but answers on the answer pipe
     from . import _template_sandbox as sandbox
 
     sandbox._env()                     # jinja2 imported and the environment built before the limit
     try:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-    except (ImportError, ValueError, OSError):
+    except (ValueError, OSError):
         pass
     _write(fout, {"ready": os.getpid()})
     while True:
@@ -117,6 +108,7 @@ def main(argv: list[str]) -> None:
             return
         try:
             limits = TemplateLimits(**req["limits"])
+            _cpu_limit(resource, limits.time_limit + 2)
             text = sandbox.render_inline(req["source"], req["messages"], req["add_generation_prompt"],
                                          req["bos_token"], req["eos_token"], limits, seconds=req["seconds"])
             resp: dict = {"text": text}
@@ -133,6 +125,18 @@ def main(argv: list[str]) -> None:
             os._exit(3)
 
 
+def _cpu_limit(resource, seconds: float) -> None:
+    """SIGXCPU (which kills) once this rendering has used ``seconds`` of CPU time."""
+    try:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        soft = int(r.ru_utime + r.ru_stime + seconds) + 1
+        if hard == resource.RLIM_INFINITY or soft <= hard:
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+    except (ValueError, OSError):
+        pass
+
+
 # -- the calling side -------------------------------------------------------------------------------------
 
 class _Worker:
@@ -142,7 +146,7 @@ class _Worker:
                 "from pyllama_kv._template_worker import main; main(sys.argv[1:])")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", code, str(memory_limit), str(os.getpid())],
+                [sys.executable, "-I", "-c", code, str(memory_limit)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
                 start_new_session=True, close_fds=True)
         except OSError as e:

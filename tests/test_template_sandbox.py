@@ -299,3 +299,45 @@ def test_module_imports_nothing_but_jinja2():
     p = run_py(["-c", code], timeout=60)
     assert p.returncode == 0, p.stderr
     assert eval(p.stdout) == ["pyllama_kv", "pyllama_kv._template_sandbox", "pyllama_kv._template_worker"]
+
+
+def test_a_worker_does_not_outlive_its_parent_by_more_than_one_rendering():
+    """The parent dies while its worker is frozen in one big-integer operation (minutes, in little
+    memory): the worker's CPU limit for the rendering (time_limit + 2 s) kills it; an idle worker
+    exits on EOF. The workers were started from a thread that has ended since (which must not kill
+    them)."""
+    code = textwrap.dedent("""
+        import os, sys, threading, time, dataclasses
+        from pyllama_kv import _template_worker as W, chat
+        lim = chat.TemplateLimits(time_limit=1.0, max_int_bits=10**12)
+        box = {}
+        def start():
+            box.update(idle=W._Worker(lim.memory_limit), busy=W._Worker(lim.memory_limit))
+        t = threading.Thread(target=start)
+        t.start(); t.join()
+        time.sleep(0.5)
+        assert box["busy"].alive() and box["idle"].alive()
+        W._write(box["busy"].wfd, {"source": "{% set a = 3 ** 100000000 %}", "messages": [],
+                                  "add_generation_prompt": True, "bos_token": "", "eos_token": "",
+                                  "limits": dataclasses.asdict(lim), "seconds": 0.9})
+        time.sleep(0.5)
+        print(box["busy"].proc.pid, box["idle"].proc.pid, flush=True)
+        os._exit(0)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    pids = [int(x) for x in p.stdout.split()]
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.2)
+    assert not alive, f"workers {alive} outlived their parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
