@@ -341,3 +341,29 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_concurrent_renderings_share_the_pool():
+    """8 threads render at once through 2 workers, while a template that runs into the time limit
+    holds one of them: every rendering is right, the ordinary ones are not held up by it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lim = chat.TemplateLimits(time_limit=2.0, max_steps=10**9)
+    slow = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+
+    def slow_one():
+        t0 = time.monotonic()
+        with pytest.raises(chat.InvalidInputError, match="more than 2 s"):
+            chat.render(slow, [], limits=lim)
+        return time.monotonic() - t0
+
+    def one(i: int) -> float:
+        t0 = time.monotonic()
+        assert chat.render("{{ messages[0].content }}!", [{"role": "user", "content": f"n{i}"}], limits=lim) == f"n{i}!"
+        return time.monotonic() - t0
+
+    with ThreadPoolExecutor(8) as pool:
+        s = pool.submit(slow_one)
+        times = list(pool.map(one, range(200)))
+        assert s.result() < 2.0 + 5
+    assert sorted(times)[len(times) // 2] < 0.5
