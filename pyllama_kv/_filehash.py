@@ -40,11 +40,25 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def quick_key(path: str | os.PathLike) -> str:
+def sha256_fd(fd: int) -> str:
+    """The sha256 of the bytes of the open file ``fd`` (read with pread from offset 0: the
+    descriptor's own offset is left alone)."""
+    h = hashlib.sha256()
+    off = 0
+    while True:
+        chunk = os.pread(fd, 1 << 20, off)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+        off += len(chunk)
+
+
+def quick_key(path: str | os.PathLike, fd: int | None = None) -> str:
     """Resolved path, device, inode, size, mtime and ctime: what says "the same file, unchanged"
-    without reading it (OSError if it cannot be stat'ed)."""
+    without reading it (OSError if it cannot be stat'ed). With ``fd`` (``path`` opened), the
+    identity is the open file's (fstat), whatever ``path`` names now."""
     p = Path(path).resolve()
-    st = p.stat()
+    st = os.fstat(fd) if fd is not None else p.stat()
     return f"{p}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
 
@@ -95,16 +109,18 @@ def cached_sha256(path: str | os.PathLike) -> str | None:
         return _load().get(key)
 
 
-def file_sha256(path: str | os.PathLike) -> str:
+def file_sha256(path: str | os.PathLike, fd: int | None = None) -> str:
     """The sha256 of ``path``: remembered if the file is unchanged (quick key), else computed and
-    remembered. OSError if the file cannot be read."""
-    key = quick_key(path)
+    remembered. With ``fd`` (``path`` opened), of the open file's bytes, read through ``fd``: what
+    the caller then hands on by that descriptor is what was hashed, even if ``path`` was replaced
+    meanwhile. OSError if the file cannot be read."""
+    key = quick_key(path, fd)
     with _lock:
         got = _load().get(key)
     if got is not None:
         return got
-    digest = sha256_file(path)
-    if quick_key(path) != key:   # changed while it was read: do not remember a torn hash
+    digest = sha256_fd(fd) if fd is not None else sha256_file(path)
+    if quick_key(path, fd) != key:   # changed while it was read: do not remember a torn hash
         return digest
     with _lock:
         index = _load()

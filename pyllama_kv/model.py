@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import socket
+import stat
 import struct
 import threading
 from collections.abc import Iterable, Sequence as _Seq
@@ -108,19 +109,36 @@ def probe_rpc(endpoint: str, timeout: float | None = None) -> tuple[int, int, in
     return version[0], version[1], version[2]
 
 
-def _validate_gguf(path: Path, level: str, lib: _kv.Library, n_gpu_layers: int, use_mmap: bool) -> None:
+def _open_model_file(path: Path) -> int:
+    """``path`` opened for reading: the one open file that validation, vetting and llama.cpp's load
+    all read (through :func:`pyllama_kv.vetting.fd_path`), so that a file swapped in at the path
+    meanwhile is never what gets loaded. ModelLoadError naming the path."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot open: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ModelLoadError(f"{path}: not a file")
+    return fd
+
+
+def _validate_gguf(path: Path, fd: int, level: str, lib: _kv.Library, n_gpu_layers: int, use_mmap: bool) -> None:
     """Refuse (ModelLoadError) a file that would make llama.cpp abort or misbehave, before it sees it
     (``level`` "full" or "static"; see :mod:`pyllama_kv.vetting`): the static checks of
     pyllama_kv.tools.gguf_check (complete for dense llama models; structure, common hyperparameters
     and vocabulary for the others), then, at "full", a vetting run in a child process for a file the
-    static checks could not validate completely (cached by the file's sha256)."""
+    static checks could not validate completely (cached by the file's sha256). Reads the open file
+    ``fd`` (``path`` names it in messages)."""
     from .tools.gguf_check import validate_gguf
 
-    if validate_gguf(path) or level != "full":
+    if validate_gguf(path, fd) or level != "full":
         return
     from .vetting import vet
 
-    vet(path, lib.path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap)
+    vet(path, lib.path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, fd=fd)
 
 
 class Model(_kv.CResource):
@@ -173,34 +191,25 @@ class Model(_kv.CResource):
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
         self._lib = _kv.load_library(lib)
+        fd = None
+        load_path: Path = self.path
         if level != "off":
-            # a vetting child runs on this machine's devices (rpc endpoints serve one client at a time)
-            _validate_gguf(self.path, level, self._lib, 0 if endpoints else n_gpu_layers, use_mmap)
-        self.rpc: tuple[str, ...] = ()
-        with _rpc_lock if endpoints else _NO_LOCK:
-            devices = None
-            if endpoints:
-                devices = _kv.rpc_devices(self._lib, endpoints)
-                if devices is None:
-                    raise LibraryError(f"{self._lib.path} was built without ggml's RPC backend: rebuild it with "
-                                       "`pyllama-kv build --rpc` to use rpc servers")
-                for ep in endpoints:
-                    if not _rpc_open.get(ep):   # else this process is connected already
-                        probe_rpc(ep)
-            native, err = _kv.NativeModel.load(self._lib, os.fsencode(self.path),
-                                               2**31 - 1 if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap),
-                                               devices)
-            if native is None:
-                raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
-            for ep in endpoints:
-                _rpc_open[ep] = _rpc_open.get(ep, 0) + 1
-            self.rpc = tuple(endpoints)
-        self._native: _kv.NativeModel | None = native
-        self._lock = threading.RLock()
-        # the identity a saved sequence state is checked against (the file as loaded now)
-        from . import state as _state
+            from .vetting import fd_path
 
-        _state.model_fingerprint(self)
+            fd = _open_model_file(self.path)
+            load_path = Path(fd_path(fd))
+        try:
+            if fd is not None:
+                # a vetting child runs on this machine's devices (rpc endpoints serve one client at a time)
+                _validate_gguf(self.path, fd, level, self._lib, 0 if endpoints else n_gpu_layers, use_mmap)
+            native = self._load(load_path, n_gpu_layers, use_mmap, endpoints)
+            # the identity a saved sequence state is checked against (the file as loaded now)
+            from . import state as _state
+
+            _state.model_fingerprint(self, load_path)
+        finally:
+            if fd is not None:
+                os.close(fd)
         self._contexts: set = set()
         info = native.info()
         self.n_vocab: int = info.n_vocab
@@ -220,6 +229,32 @@ class Model(_kv.CResource):
         self.size: int = info.size
         self.n_params: int = info.n_params
         self.n_gpu_layers = n_gpu_layers
+
+    def _load(self, load_path: Path, n_gpu_layers: int, use_mmap: bool, endpoints: list[str]) -> _kv.NativeModel:
+        """llama_model_load_from_file on ``load_path`` (the checked open file, or the path itself
+        with validation off), the RPC devices connected first; sets _native and _lock."""
+        self.rpc: tuple[str, ...] = ()
+        with _rpc_lock if endpoints else _NO_LOCK:
+            devices = None
+            if endpoints:
+                devices = _kv.rpc_devices(self._lib, endpoints)
+                if devices is None:
+                    raise LibraryError(f"{self._lib.path} was built without ggml's RPC backend: rebuild it with "
+                                       "`pyllama-kv build --rpc` to use rpc servers")
+                for ep in endpoints:
+                    if not _rpc_open.get(ep):   # else this process is connected already
+                        probe_rpc(ep)
+            native, err = _kv.NativeModel.load(self._lib, os.fsencode(load_path),
+                                               2**31 - 1 if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap),
+                                               devices)
+            if native is None:
+                raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
+            for ep in endpoints:
+                _rpc_open[ep] = _rpc_open.get(ep, 0) + 1
+            self.rpc = tuple(endpoints)
+        self._native: _kv.NativeModel | None = native
+        self._lock = threading.RLock()
+        return native
 
     def _head_dim(self, key: str) -> int:
         arch = self.meta("general.architecture") or ""

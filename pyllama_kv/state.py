@@ -262,16 +262,17 @@ def _compute_fingerprint(path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def model_fingerprint(model) -> str:
+def model_fingerprint(model, path=None) -> str:
     """A fingerprint of ``model``'s GGUF file, computed once per Model and cached: SHA-256 of its
     size, header, metadata and tensor table, and of 1 KiB at the start, middle and end of each
     tensor's data. Two models of the same shape with different weights differ; the whole file is
-    not read (a few KiB per tensor)."""
+    not read (a few KiB per tensor). ``path``: where to read the file the first time (the open file
+    the model was loaded from), else ``model.path``."""
     with _fp_lock:
         fp = _fingerprints.get(model)
     if fp is None:
         try:
-            fp = _compute_fingerprint(model.path)
+            fp = _compute_fingerprint(model.path if path is None else path)
         except OSError as exc:
             raise LlamaError(f"cannot fingerprint the model file {model.path}: {exc}") from None
         with _fp_lock:

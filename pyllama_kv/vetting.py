@@ -28,16 +28,26 @@ A signal or abort in the child (SIGABRT from GGML_ASSERT, SIGSEGV, SIGFPE, ...) 
 process never hands the file to llama.cpp. A child that runs past :data:`VET_TIMEOUT` seconds is
 killed and refused the same way.
 
-The verdict is cached under ``<cache>/vetted/``, keyed by the file's sha256 (computed once and
-remembered by :mod:`pyllama_kv._filehash` under its path, inode, size, mtime and ctime) and the library's
-(so a rebuilt library vets again), plus the options that change what runs (``n_gpu_layers``,
-``use_mmap``). A later load of the same bytes costs a ``stat`` and one small JSON read. A refusal is
-cached too (loading a bad file again is refused at once); delete the folder to vet again.
+**One file, one identity.** The caller opens the file once; the static checks, the hash, the
+vetting child and this process's own load all read that open file (the child inherits the
+descriptor and loads ``/proc/self/fd/N``), so a file swapped in at the path after the hash is never
+what gets loaded. (A process that can write into the model file itself can change it under any
+reader, mmap'ed weights included: that is outside what a loader can guard.)
 
-What vetting does *not* prove: that another context shape (a larger ``n_ctx``, a quantized cache,
-flash attention, more sequences) or a prompt the child did not try runs without abort. It catches
-the file-level lies (a missing tensor, a wrong shape, a bad hyperparameter) that abort at load, at
-graph build or at the first decode, which is where a lying file strikes.
+The verdict is cached under ``<cache>/vetted/``, keyed by the file's sha256 (computed once and
+remembered by :mod:`pyllama_kv._filehash` under its inode, size, mtime and ctime), the library's
+(a rebuilt library vets again), the options that change what runs (``n_gpu_layers``, ``use_mmap``)
+and :data:`VET_VERSION` (a changed vetting procedure vets again). A later load of the same bytes costs
+a ``stat`` and one small JSON read. Only deterministic verdicts are cached: a pass, a crash signal
+(SIGABRT, SIGSEGV, SIGFPE, SIGBUS, SIGILL) and llama.cpp's own refusal to load; a child killed from
+outside (SIGKILL, say, by the OOM killer), a timeout or a failure of the child's Python is not, and
+the next load vets again.
+
+What vetting does *not* prove: that another context shape (a much larger ``n_ctx``, a quantized
+cache, flash attention, more sequences or threads, a batch large enough to move work to a GPU) or a
+prompt the child did not try runs without abort. It catches the file-level lies (a missing tensor, a
+wrong shape, a bad hyperparameter) that abort at load, at graph build or at the first decodes,
+which is where a lying file strikes.
 """
 from __future__ import annotations
 
@@ -57,7 +67,7 @@ from .errors import InvalidInputError, ModelLoadError
 #: the levels of ``Model(..., validate=...)`` and ``--validate``; True means "full", False "off"
 VALIDATE_LEVELS = ("full", "static", "off")
 VALIDATE_HELP = {
-    "full": "refuse every file that would crash llama.cpp: dense llama models are checked statically "
+    "full": "refuse files that would crash llama.cpp: dense llama models are checked statically "
             "(every key, tensor and vocabulary field the loader asserts on), every other architecture "
             "gets the generic checks and then a vetting run in a child process (load, decode, fork, "
             "K-shift, defrag, state round trip; the verdict is cached by the file's sha256)",
@@ -69,8 +79,12 @@ DEFAULT_VALIDATE = "full"
 
 #: seconds a vetting child may take (loading a large model from a cold disk is the slow part)
 VET_TIMEOUT = 600.0
-#: cells of the vetting child's context
+#: cells of the vetting child's context (at most the model's n_ctx_train)
 VET_CTX = 128
+#: the vetting procedure's version: part of the verdict cache key, raised when the child changes
+VET_VERSION = 2
+#: the signals a file can cause (llama.cpp's asserts and bad memory accesses): such a verdict is cached
+_FILE_SIGNALS = frozenset((signal.SIGABRT, signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS, signal.SIGILL))
 #: the text the vetting child tokenizes
 _VET_TEXT = "Vetting run: the quick brown fox jumps over the lazy dog. 12345 ++ <|x|> \u00e9\u4e2d\U0001f600"
 
@@ -101,6 +115,8 @@ class Verdict:
     can_shift: bool | None = None
     seconds: float = 0.0
     cached: bool = False
+    #: whether the same file would give the same verdict again (what is cached)
+    deterministic: bool = True
 
 
 def _vet_dir() -> Path:
@@ -108,7 +124,7 @@ def _vet_dir() -> Path:
 
 
 def _verdict_path(file_sha: str, lib_sha: str, n_gpu_layers: int, use_mmap: bool) -> Path:
-    return _vet_dir() / f"{file_sha[:32]}-{lib_sha[:16]}-ngl{n_gpu_layers}-mmap{int(use_mmap)}.json"
+    return _vet_dir() / f"v{VET_VERSION}-{file_sha[:32]}-{lib_sha[:16]}-ngl{n_gpu_layers}-mmap{int(use_mmap)}.json"
 
 
 def _signal_name(rc: int) -> str:
@@ -120,10 +136,13 @@ def _signal_name(rc: int) -> str:
 
 def cached_verdict(path: str | os.PathLike, lib_path: str | os.PathLike, n_gpu_layers: int = 0,
                    use_mmap: bool = True) -> Verdict | None:
-    """The cached verdict for this file on this library, or None (never vetted, or the file changed)."""
+    """The cached verdict for this file on this library, or None (never vetted, the file changed
+    since it was hashed, or it was never hashed: this reads no file, only the caches)."""
+    file_sha, lib_sha = _filehash.cached_sha256(path), _filehash.cached_sha256(lib_path)
+    if file_sha is None or lib_sha is None:
+        return None
     try:
-        vp = _verdict_path(_filehash.file_sha256(path), _filehash.file_sha256(lib_path), n_gpu_layers, use_mmap)
-        data = json.loads(vp.read_text())
+        data = json.loads(_verdict_path(file_sha, lib_sha, n_gpu_layers, use_mmap).read_text())
         return Verdict(**{**data, "cached": True})
     except (OSError, ValueError, TypeError):
         return None
@@ -134,21 +153,28 @@ def _store(vp: Path, verdict: Verdict) -> None:
         vp.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=vp.parent, prefix=".verdict-", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({k: v for k, v in asdict(verdict).items() if k != "cached"}, f)
+            json.dump({k: v for k, v in asdict(verdict).items() if k not in ("cached", "deterministic")}, f)
         os.replace(tmp, vp)
     except OSError:
         pass   # a read-only cache: vet again next time
 
 
+def fd_path(fd: int) -> str:
+    """A path that opens the file open as ``fd`` in this process (and in a child it is passed to)."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
 def vet(path: str | os.PathLike, lib_path: str | os.PathLike, n_gpu_layers: int = 0, use_mmap: bool = True,
-        timeout: float | None = None) -> Verdict:
+        timeout: float | None = None, fd: int | None = None) -> Verdict:
     """Vet ``path`` on the library at ``lib_path`` (see the module docstring): the cached verdict if
-    there is one, else a vetting run in a child process, cached. Returns the verdict; raises
-    ModelLoadError (naming the stage, and the signal if one killed the child) when it is a refusal."""
+    there is one, else a vetting run in a child process, cached when deterministic. With ``fd`` (the
+    file opened by the caller, which then loads it through :func:`fd_path`), the open file is hashed
+    and vetted, whatever ``path`` names by then. Returns the verdict; raises ModelLoadError (one line,
+    naming the stage, and the signal if one killed the child) when it is a refusal."""
     path = Path(path)
     timeout = VET_TIMEOUT if timeout is None else timeout
     try:
-        file_sha = _filehash.file_sha256(path)
+        file_sha = _filehash.file_sha256(path, fd)
         lib_sha = _filehash.file_sha256(lib_path)
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
@@ -156,32 +182,31 @@ def vet(path: str | os.PathLike, lib_path: str | os.PathLike, n_gpu_layers: int 
     try:
         verdict = Verdict(**{**json.loads(vp.read_text()), "cached": True})
     except (OSError, ValueError, TypeError):
-        verdict = _run_child(path, lib_path, n_gpu_layers, use_mmap, timeout)
-        if verdict.stage != "timeout":   # a slow disk is not the file's fault: try again next time
+        verdict = _run_child(path, lib_path, n_gpu_layers, use_mmap, timeout, fd)
+        if verdict.deterministic:
             _store(vp, verdict)
     if not verdict.ok:
-        raise ModelLoadError(f"{path}: refused by vetting at stage '{verdict.stage}': {verdict.error}")
+        why = " ".join(f"refused by vetting at stage '{verdict.stage}': {verdict.error}".split())
+        raise ModelLoadError(f"{path}: {why}")
     return verdict
 
 
 def _run_child(path: Path, lib_path: str | os.PathLike, n_gpu_layers: int, use_mmap: bool,
-               timeout: float) -> Verdict:
+               timeout: float, fd: int | None = None) -> Verdict:
     cmd = [sys.executable, "-m", "pyllama_kv.vetting", "--lib", os.fspath(lib_path), "--n-gpu-layers",
-           str(n_gpu_layers), "--mmap", str(int(use_mmap)), os.fspath(path)]
-    env = dict(os.environ)
-    env.setdefault("LLAMA_LOG_LEVEL", "error")
+           str(n_gpu_layers), "--mmap", str(int(use_mmap)), fd_path(fd) if fd is not None else os.fspath(path)]
     t0 = time.perf_counter()
     stage = "start"
     try:
-        proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,
-                              timeout=timeout, env=env, start_new_session=True)
+        proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout,
+                              start_new_session=True, pass_fds=(fd,) if fd is not None else ())
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout or b""
         for line in out.decode("utf-8", "replace").splitlines():
             if line.startswith("stage "):
                 stage = line[6:]
         return Verdict(False, f"the vetting run took longer than {timeout:g}s (at stage '{stage}')", "timeout",
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, deterministic=False)
     seconds = time.perf_counter() - t0
     result: dict = {}
     for line in proc.stdout.decode("utf-8", "replace").splitlines():
@@ -193,13 +218,18 @@ def _run_child(path: Path, lib_path: str | os.PathLike, n_gpu_layers: int, use_m
             except ValueError:
                 pass
     if proc.returncode < 0:
-        return Verdict(False, f"llama.cpp was killed by {_signal_name(proc.returncode)} "
-                              f"({_last_error_line(proc.stderr)})", stage, seconds=seconds)
+        crash = -proc.returncode in {int(s) for s in _FILE_SIGNALS} and stage != "start"
+        who = "llama.cpp was" if crash else "the vetting child was"
+        return Verdict(False, f"{who} killed by {_signal_name(proc.returncode)} ({_last_error_line(proc.stderr)})",
+                       stage, seconds=seconds, deterministic=crash)
     if result.get("ok"):
         return Verdict(True, None, None, bool(result.get("can_shift")), seconds)
     error = result.get("error") or f"the vetting run exited with status {proc.returncode} " \
                                    f"({_last_error_line(proc.stderr)})"
-    return Verdict(False, str(error), stage, seconds=seconds)
+    # llama.cpp's own refusal to load is the file's; any other failure (memory, the child's Python)
+    # may not come back: vet again next time
+    return Verdict(False, str(error), stage, seconds=seconds,
+                   deterministic=stage == "load" and str(error).startswith("ModelLoadError"))
 
 
 def _last_error_line(stderr: bytes) -> str:
@@ -223,13 +253,17 @@ def _child(path: str, lib: str, n_gpu_layers: int, use_mmap: bool) -> dict:
     stage("load")
     model = Model(path, n_gpu_layers, lib=lib, use_mmap=use_mmap, validate="off")
     stage("context")
-    n_ctx = max(16, min(VET_CTX, model.n_ctx_train))
+    n_ctx = max(1, min(VET_CTX, model.n_ctx_train))
     # one thread: a vetting run must not compete with a process that is serving (ggml's threads spin)
     with model.context(n_ctx=n_ctx, n_seq_max=2, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1) as ctx:
         stage("tokenize")
-        toks = model.tokenize(_VET_TEXT, add_bos=True, special=True)
+        try:
+            toks = model.tokenize(_VET_TEXT, add_bos=True, special=True)
+        except InvalidInputError:   # a vocabulary that cannot spell this text: its first ids instead
+            toks = list(range(min(8, model.n_vocab)))
         model.detokenize(toks)
-        n = max(2, min(len(toks), 8))   # a multi-token batch (the context already built the worst-case graph)
+        # a multi-token batch (the context already built the worst-case graph), within the context
+        n = max(1, min(len(toks), 8, n_ctx // 4))
         toks = (toks * (n // max(1, len(toks)) + 1))[:n]
         stage("decode batch")
         a = ctx.new_sequence()
@@ -238,10 +272,10 @@ def _child(path: str, lib: str, n_gpu_layers: int, use_mmap: bool) -> dict:
         a.extend([toks[-1]])
         stage("fork")
         b = a.fork()
-        ctx.decode({a: [toks[0]], b: [toks[1]]})
+        ctx.decode({a: [toks[0]], b: [toks[-1]]})
         stage("k-shift")
         can_shift = bool(ctx.can_shift)
-        if can_shift and len(a.tokens) > 4:
+        if can_shift and len(a.tokens) > 4 and len(a.tokens) + 1 <= n_ctx:
             a.shift_out(1, 2)
             a.extend([toks[0]])
         stage("defrag")
@@ -249,6 +283,7 @@ def _child(path: str, lib: str, n_gpu_layers: int, use_mmap: bool) -> dict:
         ctx.defrag()
         stage("state")
         st = a.export_state()
+        a.close()
         c = ctx.import_sequence(st)
         c.extend([toks[0]])
     model.close()

@@ -336,3 +336,68 @@ def test_kv_oracle_per_architecture(oracle_model, monkeypatch):
     finally:
         fresh.ctx.close()
     print(f"{Path(m.path).name}: max |logits - fresh| = {fresh.max_diff:.2e}, noise level {noise:.2e}")
+
+
+SWAP = r"""
+import os, sys
+import pyllama_kv as pk
+from pyllama_kv.tools import gguf_check
+path, bad = sys.argv[1], sys.argv[2]
+check = gguf_check.validate_gguf
+
+def check_then_swap(p, fd=None):
+    ok = check(p, fd)
+    os.replace(bad, path)          # the path now names a lying file: hashing, vetting and loading follow
+    return ok
+
+gguf_check.validate_gguf = check_then_swap
+m = pk.Model(path)
+print("loaded", m.n_head_kv, flush=True)
+with m.context(n_ctx=64, n_seq_max=1) as ctx:
+    ctx.new_sequence().extend([1, 5, 7])
+print("decoded", flush=True)
+"""
+
+
+def test_a_file_swapped_in_after_the_checks_is_never_loaded(lies, archs, tmp_path):
+    """The static checks, the hash, the vetting child and the load all read the one open file: a
+    lying file renamed over the path right after the checks (what a second process racing the
+    vetting run does) is neither vetted nor loaded, and no verdict is cached for its bytes."""
+    path, bad = tmp_path / "m.gguf", tmp_path / "bad.gguf"
+    path.write_bytes(archs["gemma3"].read_bytes())
+    bad.write_bytes(lies["gemma3-head-count-kv"].read_bytes())
+    cache = tmp_path / "cache"
+    r = run_py(["-c", SWAP, str(path), str(bad)], timeout=300, env={"PYLLAMA_KV_CACHE": str(cache)})
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stdout.split() == ["loaded", "2", "decoded"]             # the good file's 2 KV heads
+    from pyllama_kv._filehash import sha256_file
+
+    assert sha256_file(path) == sha256_file(lies["gemma3-head-count-kv"])   # the path names the lie now
+    verdicts = [p.name for p in (cache / "vetted").glob("*.json")]
+    good_sha = sha256_file(archs["gemma3"])
+    assert len(verdicts) == 1 and good_sha[:32] in verdicts[0], verdicts
+
+
+def test_only_deterministic_verdicts_are_cached(archs, own_cache, monkeypatch):
+    """A vetting child killed from outside (SIGKILL: the OOM killer) is a refusal this time, not a
+    cached one: the next load vets again. A crash signal is the file's, and is cached."""
+    import subprocess
+
+    real_run = subprocess.run
+    rc = {"value": -signal.SIGKILL}
+
+    def fake_run(cmd, **kw):
+        if "pyllama_kv.vetting" in cmd:
+            return subprocess.CompletedProcess(cmd, rc["value"], b"stage load\nstage context\n", b"")
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    path = archs["qwen2"]
+    lib = pk.Model(path, validate="off")._lib.path
+    with pytest.raises(pk.ModelLoadError, match=r"stage 'context': the vetting child was killed by SIGKILL"):
+        vetting.vet(path, lib)
+    assert not list((own_cache / "vetted").glob("*.json"))
+    rc["value"] = -signal.SIGSEGV
+    with pytest.raises(pk.ModelLoadError, match=r"stage 'context': llama.cpp was killed by SIGSEGV"):
+        vetting.vet(path, lib)
+    assert len(list((own_cache / "vetted").glob("*.json"))) == 1

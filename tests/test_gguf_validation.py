@@ -60,7 +60,7 @@ HOSTILE = {
     "dim_0": (dict(tensor_overrides={"blk.0.attn_q.weight": np.zeros((0, 64), np.float32)}),
               r"tensor blk\.0\.attn_q\.weight has shape \[64, 0\]: dimension 1 is 0, expected >= 1"),
     "bert": (dict(kv_overrides={"tokenizer.ggml.model": "bert"}),
-             r"tokenizer\.ggml\.model = 'bert': pyllama_kv validates the 'llama' .* and 'gpt2'"),
+             r"tokenizer\.ggml\.model = 'bert': pyllama_kv runs the 'llama' .* and 'gpt2'"),
     "kv_heads_3": (dict(kv_overrides={"llama.attention.head_count_kv": 3},
                         tensor_overrides=_per_layer("blk.{i}.attn_{x}.weight", _mat(48, 64), "kv")),
                    r"head_count = 4 is not a multiple of llama\.attention\.head_count_kv = 3"),

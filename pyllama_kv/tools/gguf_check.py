@@ -171,12 +171,13 @@ def _pad(x: int, n: int) -> int:
     return (x + n - 1) // n * n
 
 
-def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+def read_gguf_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHeader:
     """Read a GGUF file's metadata and tensor table (never the tensor data) as llama.cpp's
     gguf_init_from_file does, with its checks plus those it would crash on. GGUFFileError if the
-    file is not one llama.cpp can parse; OSError if it cannot be read."""
+    file is not one llama.cpp can parse; OSError if it cannot be read. With ``fd``, the open file
+    is read (``path`` only names it in messages)."""
     path = Path(path)
-    with open(path, "rb") as f:
+    with (os.fdopen(os.dup(fd), "rb") if fd is not None else open(path, "rb")) as f:
         size = os.fstat(f.fileno()).st_size
         magic = f.read(4)
         if magic != b"GGUF":
@@ -426,20 +427,21 @@ class _Checker:
         return kv.value
 
 
-def validate_gguf(path: str | os.PathLike) -> bool:
+def validate_gguf(path: str | os.PathLike, fd: int | None = None) -> bool:
     """Raise ModelLoadError unless ``path`` passes the static checks (see the module docstring).
     True: a dense llama model, validated completely (the pinned llama.cpp loads and runs it without
     crashing); False: another architecture, of which the structure, the common hyperparameters and
     the vocabulary were checked: :func:`pyllama_kv.vetting.vet` decides the rest.
 
-    Reads the header and tensor table only. Reusable anywhere a file is about to reach llama.cpp."""
+    Reads the header and tensor table only (of the open file ``fd`` if given, ``path`` naming it).
+    Reusable anywhere a file is about to reach llama.cpp."""
     path = Path(path)
-    if not path.exists():
+    if fd is None and not path.exists():
         raise ModelLoadError(f"{path}: no such file")
-    if not path.is_file():
+    if fd is None and not path.is_file():
         raise ModelLoadError(f"{path}: not a file")
     try:
-        header = read_gguf_header(path)
+        header = read_gguf_header(path, fd)
     except GGUFFileError as exc:
         raise ModelLoadError(str(exc)) from None
     except (OSError, ValueError) as exc:   # ValueError: mmap of a file that shrank under us
@@ -564,8 +566,8 @@ def _check_vocab(c: _Checker) -> int:
         why = {"bert": "llama.cpp's WPM tokenizer aborts on byte tokens",
                "no_vocab": "without a vocabulary llama.cpp aborts in tokenize and detokenize",
                "none": "without a vocabulary llama.cpp aborts in tokenize and detokenize"}.get(model)
-        raise c.error(f"{T}model = {model!r}: pyllama_kv validates the 'llama' (SentencePiece) and 'gpt2' (BPE) "
-                      f"tokenizers for the llama architecture" + (f" ({why})" if why else ""))
+        raise c.error(f"{T}model = {model!r}: pyllama_kv runs the 'llama' (SentencePiece) and 'gpt2' (BPE) "
+                      f"tokenizers, for every architecture" + (f" ({why})" if why else ""))
     pre = c.string(T + "pre")
     c.u32(T + "token_type_count")
     for k in ("add_space_prefix", "remove_extra_whitespaces"):
