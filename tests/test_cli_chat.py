@@ -208,8 +208,9 @@ def test_a_terminal_session(tiny_model, tmp_path):
 def test_custom_template_and_a_full_context(tiny_model, tmp_path):
     (tmp_path / "t.jinja").write_text(SIMPLE)
     long = "the cache " * 40
+    # with --context-shift off (on, the default, truncates and goes on: tests/test_context_shift.py)
     out, r = _chat(tiny_model, ["hi", long, "/reset", "hi"], "--template", str(tmp_path / "t.jinja"),
-                   "--ctx", "64", "-n", "4", "--temp", "0", timeout=120)
+                   "--ctx", "64", "-n", "4", "--temp", "0", "--context-shift", "off", timeout=120)
     t1, full, t3 = out
     assert t1["finish_reason"] == "length" and t1["usage"]["completion_tokens"] == 4
     assert full["finish_reason"] == "context_full" and "/reset" in full["error"]

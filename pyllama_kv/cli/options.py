@@ -12,7 +12,7 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, TypeVar
 
-from ..config import ContextConfig, EngineConfig, SamplingParams, default_threads
+from ..config import ContextConfig, EngineConfig, SamplingParams, default_threads, on_off
 from ..errors import InvalidInputError
 from .common import CLIError
 
@@ -98,6 +98,11 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "also the default (default {default})", metavar="N"),
     Flag(EngineConfig, "prefix_cache", ("--prefix-cache",), "idle cached sequences kept for prefix reuse "
          "(system prompts, conversations) (default {default})", metavar="N"),
+    Flag(EngineConfig, "context_shift", ("--context-shift",), "at the end of the context, keep the first --keep "
+         "tokens, drop half of the rest and go on (on), or stop the answer (off) (default: on)", on_off,
+         metavar="on|off"),
+    Flag(EngineConfig, "n_keep", ("--keep",), "tokens at the start that a context shift never drops; -1: the whole "
+         "prompt (default {default})", metavar="N"),
     # the model: how its file is checked (pk.Model(..., validate=...)) and where its layers run
     Flag(None, "validate", ("--validate",), "", str, metavar="LEVEL", choices=("full", "static", "off")),
     Flag(None, "rpc", ("--rpc",), "offload every layer to the rpc-server processes at these endpoints (ggml's RPC "

@@ -167,7 +167,8 @@ class ContextKV:
 
 class HoldingKV(ContextKV):
     """:class:`ContextKV` whose finished sequences keep their cells until :meth:`release`: for a
-    caller that reads the cache (stats, a map) after its requests are done and before they free."""
+    caller that reads the cache (stats, a map) after its requests are done and before they free.
+    When the engine needs room (it evicts), held sequences are finished first, oldest first."""
 
     def __init__(self, ctx: Context, parallel: int, prefix_cache: int):
         super().__init__(ctx, parallel, prefix_cache)
@@ -175,6 +176,15 @@ class HoldingKV(ContextKV):
 
     def finish(self, seq, keep: bool) -> None:
         self.held.append((seq, keep))
+
+    def evict(self, keep_for=None) -> bool:
+        # the engine needs cells or ids (a preempted continuation is "finished" too): what is held
+        # goes first, or a preemption would free nothing and the engine would wait for ever
+        if self.held:
+            seq, keep = self.held.pop(0)
+            super().finish(seq, keep)
+            return True
+        return super().evict(keep_for=keep_for)
 
     def release(self) -> None:
         """Finish what was held (as ContextKV.finish would have)."""

@@ -469,7 +469,11 @@ class Engine:
             if ids_ok and (need <= room or (not self._slots and len(tokens) - reused < self.kv.free_cells())):
                 return True
             if not self.kv.evict(keep_for=keep_for):
-                return False
+                # with nothing running, nothing else frees cells: the best match goes too (a prompt
+                # that shares a short prefix with a long cached sequence in a small cache, as a
+                # truncated conversation does, would otherwise wait for ever)
+                if self._slots or not self.kv.evict():
+                    return False
 
     def _place(self, slot: _Slot, tokens: list[int]) -> None:
         seq, n = self.kv.start(tokens)

@@ -9,6 +9,12 @@ llama.cpp's own chat does): re-tokenizing the whole text could merge differently
 answer. If the template renders the earlier turns differently (it trims them, say), the whole text
 is tokenized and the prefix cache reuses what still matches.
 
+A conversation that outgrows the context goes on (``--context-shift``, on by default): a prompt that
+does not fit is truncated by whole turns from the oldest (the system prompt stays: it is the
+request's ``n_keep``), and an answer that reaches the end of the context shifts it (half of what
+follows the system prompt is dropped). The conversation then keeps the tokens the engine kept, so
+the next turn still starts from the cached cells. ``/stats`` counts what was dropped.
+
 Also ``ChatTemplate``, which `run --chat` renders and tokenizes its prompt with.
 """
 from __future__ import annotations
@@ -26,7 +32,7 @@ from ..render import Streamer, log
 DEFAULT_ANSWER_TOKENS = 512
 
 COMMANDS_HELP = """\
-/stats   turns, tokens evaluated and reused (this turn and in total), speed, KV cache cells
+/stats   turns, tokens evaluated, reused and dropped (this turn and in total), speed, KV cache cells
 /reset   forget the conversation (its KV cells are freed); the system prompt stays
 /help    this list
 /exit    leave (so does Ctrl-D, or Ctrl-C twice at the prompt)
@@ -43,8 +49,9 @@ def register(subparsers) -> None:
                     "not a terminal, every line is one user message and the answers are printed plainly (or\n"
                     "as JSON with --json), so a conversation can be scripted.",
         epilog="commands at the prompt (a line that starts with /):\n" + COMMANDS_HELP + "\n\n"
-               "When the conversation no longer fits the context (--ctx), the turn is refused: /reset\n"
-               "starts a new one (nothing is dropped silently).")
+               "When the conversation no longer fits the context (--ctx), its oldest turns are dropped (the\n"
+               "system prompt stays) and it goes on; /stats counts the dropped tokens. With --context-shift\n"
+               "off the turn is refused instead: /reset starts a new one.")
     s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     s.add_argument("--system", metavar="TEXT", help="the system prompt (default: the template's own, if any)")
     s.add_argument("--template", metavar="FILE",
@@ -57,7 +64,10 @@ def register(subparsers) -> None:
                                 "model's n_ctx_train))".format(ctx=options.field_default(options.EngineConfig,
                                                                                         "n_ctx"))})
     s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
-    options.add(s, "n_threads", "rpc")
+    options.add(s, "n_threads", "rpc", "validate")
+    options.add(s, "context_shift", "n_keep", defaults={"n_keep": None},
+                helps={"n_keep": "tokens at the start that truncation and context shifts never drop "
+                                 "(default: the system prompt's)"})
     s.add_argument("--json", action="store_true",
                    help="print one JSON object per turn (answer, finish_reason, usage) instead of streaming")
 
@@ -127,8 +137,11 @@ class Conversation:
 
     def reset(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system is not None else []
-        self.tokens: list[int] = []   # what was submitted and generated, in order
-        self.text = ""                # the rendered text those tokens are
+        self.tokens: list[int] = []   # what was submitted and generated, in order (less what was dropped)
+        self.text = ""                # the rendered text of the whole conversation
+        self.boundaries: list[int] = []   # where each turn starts in ``tokens``
+        self.n_keep: int | None = None    # the tokens before the first turn (BOS, system prompt)
+        self.next_boundaries: list[int] = []   # ``boundaries`` of the prompt next_prompt made
 
     def next_prompt(self, user: str) -> tuple[list[dict], str, list[int]]:
         """The messages, rendered text and tokens of the next turn: the tokens kept so far plus the
@@ -136,28 +149,73 @@ class Conversation:
         msgs = self.messages + [{"role": "user", "content": user}]
         text = self.template.render(msgs)
         if self.tokens and text.startswith(self.text):
-            return msgs, text, self.tokens + self.template.tokenize(text[len(self.text):], start=False)
-        return msgs, text, self.template.tokenize(text)
+            start = len(self.tokens)
+            toks = self.tokens + self.template.tokenize(text[len(self.text):], start=False)
+            bounds = list(self.boundaries)
+        else:
+            start = 0
+            toks = self.template.tokenize(text)
+            bounds = []
+        turn = self._turn_start(text, toks, start)
+        if turn is not None:
+            bounds.append(turn)
+            if self.n_keep is None and not self.boundaries:
+                self.n_keep = turn
+        elif start:
+            bounds.append(start)
+        self.next_boundaries = bounds
+        return msgs, text, toks
+
+    def _turn_start(self, text: str, toks: list[int], start: int) -> int | None:
+        """Where the new user turn starts in ``toks``: after the conversation so far as the template
+        closes it (render without the generation prompt), when its tokens are a prefix there."""
+        try:
+            head = self.template.render(self.messages, add_generation_prompt=False) if self.messages else ""
+        except Exception:   # a template that refuses a conversation ending there: no boundary
+            return None
+        if not text.startswith(head):
+            return None
+        if start:
+            if not head.startswith(self.text):
+                return None
+            closing = self.template.tokenize(head[len(self.text):], start=False) if len(head) > len(self.text) else []
+        else:
+            closing = self.template.tokenize(head, start=True)
+        if toks[start:start + len(closing)] != closing or start + len(closing) >= len(toks):
+            return None
+        return start + len(closing)
 
     def answered(self, msgs: list[dict], text: str, toks: list[int], completion, cells_kept: bool) -> None:
         self.messages = msgs + [{"role": "assistant", "content": completion.text}]
-        if cells_kept:   # the answer's tokens are in the cache (its last one is evaluated next turn)
+        kept = getattr(completion, "context_tokens", None)
+        if cells_kept and kept is not None:
+            # what the engine's sequence holds (less what truncation and shifts dropped), the answer
+            # included: the next turn starts with it and reuses the cached cells
+            self.tokens, self.text = list(kept), text + completion.text
+            self.boundaries = list(completion.boundaries or [])
+        elif cells_kept:   # the answer's tokens are in the cache (its last one is evaluated next turn)
             self.tokens, self.text = toks + list(completion.tokens), text + completion.text
+            self.boundaries = list(self.next_boundaries)
         else:            # its cells were freed (Ctrl-C, error): the answer is tokenized as text next turn
             self.tokens, self.text = toks, text
+            self.boundaries = list(self.next_boundaries)
 
 
 class Session:
     """The engine, the conversation, and what each turn cost."""
 
-    def __init__(self, model, ctx, kv, engine, conv: Conversation, params, n_predict: int, as_json: bool):
+    def __init__(self, model, ctx, kv, engine, conv: Conversation, params, n_predict: int, as_json: bool,
+                 context_shift: bool = True, n_keep: int | None = None):
         self.model, self.ctx, self.kv, self.engine = model, ctx, kv, engine
         self.conv = conv
         self.params = params
         self.n_predict = n_predict
         self.as_json = as_json
+        self.context_shift = context_shift   # truncate prompts and shift answers instead of refusing
+        self.n_keep = n_keep                 # None: the system prompt's tokens (the conversation's n_keep)
         self.turns = 0
-        self.total = {"evaluated_tokens": 0, "reused_tokens": 0, "completion_tokens": 0}
+        self.total = {"evaluated_tokens": 0, "reused_tokens": 0, "completion_tokens": 0, "dropped_tokens": 0,
+                      "context_shifts": 0}
         self.last: dict | None = None
         self._handle = None
         self._stop = False
@@ -181,7 +239,7 @@ class Session:
     def _turn(self, user: str) -> dict:
         n_ctx = self.ctx.n_ctx
         msgs, text, toks = self.conv.next_prompt(user)
-        if len(toks) + 1 >= n_ctx:
+        if not self.context_shift and len(toks) + 1 >= n_ctx:
             msg = (f"the conversation no longer fits the context: the next prompt is {len(toks)} tokens, the "
                    f"context holds {n_ctx} (--ctx). /reset starts a new conversation")
             return self._report({"turn": self.turns + 1, "answer": "", "finish_reason": "context_full", "error": msg})
@@ -191,8 +249,11 @@ class Session:
         stream = None if self.as_json else Streamer(1)
         t0 = time.perf_counter()
         t_first = None
+        n_keep = self.n_keep if self.n_keep is not None else self.conv.n_keep
         h = self._handle = self.engine.submit(toks, self.params, max_tokens=self.n_predict, keep=True,
-                                              on_event=events.append)
+                                              on_event=events.append, context_shift=self.context_shift,
+                                              truncate=self.context_shift, n_keep=n_keep,
+                                              boundaries=self.conv.next_boundaries)
         if self._stop:
             h.cancel()
         while not h.done:
@@ -212,17 +273,21 @@ class Session:
         self.turns += 1
         usage = h.usage
         evaluated = usage.prompt_tokens - usage.reused_tokens
+        dropped = usage.truncated_tokens + usage.dropped_tokens
         for k, v in (("evaluated_tokens", evaluated), ("reused_tokens", usage.reused_tokens),
-                     ("completion_tokens", usage.completion_tokens)):
+                     ("completion_tokens", usage.completion_tokens), ("dropped_tokens", dropped),
+                     ("context_shifts", usage.context_shifts)):
             self.total[k] += v
         t_first = t_first or t_end
         res = {"turn": self.turns, "answer": c.text, "finish_reason": reason,
                "usage": {"prompt_tokens": usage.prompt_tokens, "reused_tokens": usage.reused_tokens,
-                         "evaluated_tokens": evaluated, "completion_tokens": usage.completion_tokens},
+                         "evaluated_tokens": evaluated, "completion_tokens": usage.completion_tokens,
+                         "dropped_tokens": dropped, "truncated_tokens": usage.truncated_tokens,
+                         "context_shifts": usage.context_shifts},
                "prompt_seconds": round(t_first - t0, 4), "generation_seconds": round(t_end - t_first, 4)}
         if c.error:
             res["error"] = c.error
-        elif reason == "length" and len(toks) + usage.completion_tokens + 1 >= n_ctx:
+        elif reason == "length" and not self.context_shift and len(toks) + usage.completion_tokens + 1 >= n_ctx:
             res["error"] = "the context is full: /reset starts a new conversation"
         self.last = res
         return self._report(res)
@@ -266,6 +331,9 @@ class Session:
                          f"generation {last['generation_tokens_per_s']} tok/s (last turn)")
         lines.append(f"total       {t['evaluated_tokens']} prompt tokens evaluated, {t['reused_tokens']} reused; "
                      f"{t['completion_tokens']} generated")
+        shift = "on" if self.context_shift else "off"
+        lines.append(f"context     {t['dropped_tokens']} tokens dropped to fit {kv['n_cells']} cells "
+                     f"({t['context_shifts']} context shifts; --context-shift {shift})")
         lines.append(f"KV cache    {kv['used_cells']} of {kv['n_cells']} cells used, {kv['free_cells']} free")
         print("\n".join(lines), flush=True)
 
@@ -298,13 +366,15 @@ def run(args) -> int:
     params = options.sampling(args, seed=random.randrange(2**31))
     source = read_template(args.template)
     set_phase("loading the model")
-    model = open_model(args.model, args.lib, args.rpc)
+    model = open_model(args.model, args.lib, args.rpc, args.validate)
     try:
         check_ctx(model, args.n_ctx)
         template = ChatTemplate(model, source, args.template)
         n_ctx = args.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
         cfg = options.build(options.EngineConfig, n_ctx=n_ctx, parallel=1, prefix_cache=2, n_threads=args.n_threads,
-                            max_queue=1, max_tokens=args.n_predict, keep_finished=True)
+                            max_queue=1, max_tokens=args.n_predict, keep_finished=True,
+                            context_shift=args.context_shift, truncate=args.context_shift,
+                            **({} if args.n_keep is None else {"n_keep": args.n_keep}))
         set_phase("creating the context")
         ctx = model.context(**cfg.context().context_kwargs())
         try:
@@ -320,7 +390,8 @@ def _session(args, model, ctx, cfg, conv: Conversation, params) -> int:
 
     kv = ContextKV(ctx, cfg.parallel, cfg.prefix_cache)
     eng = Engine(model, cfg, kv=kv)
-    sess = Session(model, ctx, kv, eng, conv, params, args.n_predict, args.json)
+    sess = Session(model, ctx, kv, eng, conv, params, args.n_predict, args.json, context_shift=cfg.context_shift,
+                   n_keep=args.n_keep)
     tty = sys.stdin.isatty()
     set_phase(None)
     if tty:

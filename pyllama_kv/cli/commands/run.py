@@ -42,7 +42,7 @@ def register(subparsers) -> None:
                 helps={"n_ctx": "KV cache cells (default: min({ctx}, the model's n_ctx_train))".format(
                     ctx=options.field_default(options.EngineConfig, "n_ctx"))})
     s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
-    options.add(s, "n_threads", "type_k", "type_v", "rpc")
+    options.add(s, "n_threads", "type_k", "type_v", "rpc", "validate", "context_shift", "n_keep")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
 
 
@@ -66,6 +66,9 @@ class RunSpec:
     template: str | None = None    # with chat: a template's source instead of the model's
     template_file: str | None = None
     rpc: list[str] | None = None   # --rpc: every layer on these rpc-server endpoints
+    validate: str | None = None    # --validate: how the GGUF is checked (None: the default)
+    context_shift: bool = True     # --context-shift: go on past the end of the context
+    n_keep: int | None = None      # --keep: tokens a context shift keeps (None: EngineConfig's)
 
 
 def read_prompt(prompt: str | None, file: str | None) -> bytes:
@@ -116,7 +119,8 @@ def run(args) -> int:
                             parallel=args.parallel, n_ctx=args.n_ctx, n_threads=args.n_threads,
                             type_k=args.type_k, type_v=args.type_v, lib=args.lib, json=args.json,
                             chat=args.chat, system=args.system, template=template, template_file=args.template,
-                            rpc=args.rpc))
+                            rpc=args.rpc, validate=args.validate, context_shift=args.context_shift,
+                            n_keep=args.n_keep))
 
 
 def engine_config(spec: RunSpec, n_ctx: int):
@@ -127,7 +131,8 @@ def engine_config(spec: RunSpec, n_ctx: int):
     n_batch = max(options.field_default(EngineConfig, "n_batch"), spec.parallel)
     return options.build(EngineConfig, n_ctx=n_ctx, parallel=spec.parallel, prefix_cache=0, n_batch=n_batch,
                          n_threads=spec.n_threads, type_k=spec.type_k, type_v=spec.type_v, max_queue=1,
-                         max_tokens=max(1, spec.n_predict), keep_finished=False)
+                         max_tokens=max(1, spec.n_predict), keep_finished=False, context_shift=spec.context_shift,
+                         **({} if spec.n_keep is None else {"n_keep": spec.n_keep}))
 
 
 def generate(spec: RunSpec) -> int:
@@ -136,7 +141,7 @@ def generate(spec: RunSpec) -> int:
     if spec.parallel > 255:
         raise CLIError(f"--parallel must be at most 255, got {spec.parallel}")
     set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
-    model = open_model(spec.model, spec.lib, spec.rpc)
+    model = open_model(spec.model, spec.lib, spec.rpc, spec.validate)
     try:
         check_ctx(model, spec.n_ctx)
         n_ctx = spec.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
@@ -230,6 +235,8 @@ def _serve(spec: RunSpec, model, ctx, cfg, toks: list[int]) -> int:
         "generation_seconds": round(t_gen, 4),
         "generation_tokens_per_s": round(gen_total / t_gen, 1) if t_gen > 0 else None,
         "reused_tokens": len(toks) * (n - 1) if prompt_done else 0,
+        "context_shifts": h.usage.context_shifts,
+        "dropped_tokens": h.usage.dropped_tokens,
         "interrupted": interrupted is not None,
         "interrupted_while": interrupted,
         "kv": st.as_dict(),
@@ -253,7 +260,9 @@ def _print_summary(s: dict, st, stop: list[str]) -> None:
         log(f"prompt      {s['prompt_tokens']} tokens: interrupted after {s['prompt_seconds'] * 1000:.1f} ms, "
             "before it was evaluated")
     log(f"generation  {s['generated_tokens']} tokens in {s['generation_seconds'] * 1000:.1f} ms "
-        f"({s['generation_tokens_per_s']} tok/s), {n} sequence(s) per decode; stop: {', '.join(sorted(set(stop)))}")
+        f"({s['generation_tokens_per_s']} tok/s), {n} sequence(s) per decode; stop: {', '.join(sorted(set(stop)))}"
+        + (f"; {s['context_shifts']} context shifts dropped {s['dropped_tokens']} tokens"
+           if s["context_shifts"] else ""))
     where = s["interrupted_while"]
     log(f"KV cache    {st.used_cells}/{st.n_cells} cells used, largest free block {st.largest_free_block}, "
         f"defrags {st.defrags if st.defrags is not None else 'n/a (vanilla)'}, seed {s['seed']}, "
