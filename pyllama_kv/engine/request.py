@@ -5,12 +5,16 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..config import SamplingParams
 
 #: why a continuation ended
 FINISH_REASONS = ("stop", "length", "eos", "cancelled", "cache_full", "error")
+
+
+#: (token id, its log-probability, the top alternatives as (token id, log-probability) pairs)
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,9 @@ class Event:
     tokens: tuple[int, ...] = ()
     finish_reason: str | None = None
     error: str | None = None
+    #: with ``submit(logprobs=k)``: per token of ``tokens``, (token, logprob, ((token, logprob), ...) of
+    #: the k most likely), from the raw distribution (before temperature, truncation and any grammar)
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass
@@ -42,6 +49,8 @@ class Completion:
     context_tokens: list[int] | None = None
     #: the caller's turn boundaries (``submit(boundaries=...)``) as indices into ``context_tokens``
     boundaries: list[int] | None = None
+    #: with ``submit(logprobs=k)``: one entry per token of ``tokens`` (see Event.logprobs)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -82,6 +91,10 @@ class RequestHandle:
         c = self.completions[ev.index]
         c.text += ev.text
         c.tokens.extend(ev.tokens)
+        if ev.logprobs is not None:
+            if c.logprobs is None:
+                c.logprobs = []
+            c.logprobs.extend(ev.logprobs)
         if ev.finish_reason is not None:
             c.finish_reason = ev.finish_reason
             c.error = ev.error
@@ -144,6 +157,8 @@ class Request:
     context_shift: bool = False   # shift a full sequence instead of finishing it "length"
     n_keep: int = 0               # tokens a shift keeps at the start (already clamped)
     boundaries: list[int] = field(default_factory=list)   # turn starts in ``prompt`` (sorted)
+    grammar: Any = None           # a constrain.CompiledGrammar: each continuation gets its own matcher
+    logprobs: int | None = None   # report log-probabilities with this many top alternatives
     admitted: bool = False
     cancelled: bool = False
     skipped: int = 0          # times a later request was admitted before this one

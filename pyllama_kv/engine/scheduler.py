@@ -92,7 +92,7 @@ class _Slot:
     """One continuation: its sequence, the tokens still to decode, its sampler and text stream."""
 
     __slots__ = ("req", "index", "seq", "pending", "tokens", "generated", "stream", "sampler", "close_sampler",
-                 "logits", "reserve", "forked", "admit_order", "last_token", "boundaries")
+                 "logits", "reserve", "forked", "admit_order", "last_token", "boundaries", "constraint")
 
     def __init__(self, req: Request, index: int, tokens: list[int], sampler, reserve: int, admit_order: int,
                  boundaries: list[int] | None = None):
@@ -110,6 +110,8 @@ class _Slot:
         self.admit_order = admit_order
         self.last_token: int | None = None
         self.boundaries = list(req.boundaries if boundaries is None else boundaries)   # turn starts in tokens
+        # its own grammar matcher (forks too): what this continuation's tokens have matched so far
+        self.constraint = req.grammar.constraint() if req.grammar is not None else None
 
     @property
     def prefilling(self) -> bool:
@@ -162,14 +164,20 @@ class Engine:
                stop: Iterable[str] | str = (), n: int = 1, keep: bool | None = None,
                on_event: Callable[[Event], None] | None = None, context_shift: bool | None = None,
                n_keep: int | None = None, truncate: bool | None = None,
-               boundaries: Iterable[int] | None = None) -> RequestHandle:
+               boundaries: Iterable[int] | None = None, grammar=None, logprobs: int | None = None) -> RequestHandle:
         """Queue a request; its handle streams events. ``prompt`` is token ids (or text, tokenized
         with BOS). ``n`` continuations are served by forking after the prompt. InvalidInputError for
         bad values, QueueFullError when the admission queue is full.
 
         ``context_shift``, ``n_keep`` and ``truncate`` override the engine's config for this request
         (see the module docstring); ``boundaries`` are indices into the prompt where a turn starts (a
-        chat's messages), where truncation prefers to cut."""
+        chat's messages), where truncation prefers to cut.
+
+        ``grammar`` (a :class:`~pyllama_kv.constrain.Grammar`, or one compiled for this model with
+        :func:`~pyllama_kv.constrain.compile_grammar`) constrains every continuation's output (its
+        logits are masked before the sampler); a grammar that cannot compile is a GrammarError (an
+        InvalidInputError). ``logprobs=k`` reports each token's log-probability and the k most likely
+        alternatives (0..20) in the events and completions."""
         if self._closed:
             raise InvalidInputError("the engine is closed")
         params = params or SamplingParams()
@@ -207,11 +215,25 @@ class Engine:
             raise InvalidInputError("stop must be a string or a list of at most 16 strings")
         stops = tuple(s for s in stops if s)
         keep = self.config.keep_finished if keep is None else bool(keep)
+        if grammar is not None:
+            from ..constrain import CompiledGrammar, Grammar, GrammarError, compile_grammar
+
+            if isinstance(grammar, Grammar):
+                if self.model is None:
+                    raise GrammarError("a Grammar needs the engine's model: pass a CompiledGrammar")
+                grammar = compile_grammar(self.model, grammar)
+            elif not isinstance(grammar, CompiledGrammar):
+                raise GrammarError(f"grammar must be a Grammar or a CompiledGrammar, got {type(grammar).__name__}")
+            if grammar.n_vocab != self.n_vocab:
+                raise GrammarError(f"the grammar was compiled for {grammar.n_vocab} tokens; "
+                                   f"the model has {self.n_vocab}")
+        if logprobs is not None:
+            logprobs = int_param("logprobs", logprobs, 0, 20)
         handle = RequestHandle(next(self._ids), n, len(toks), on_event)
         handle.usage.truncated_tokens = truncated
         handle.submitted_at = time.perf_counter()
         req = Request(prompt=toks, params=params, max_tokens=max_tokens, stop=stops, n=n, handle=handle, keep=keep,
-                      context_shift=shift, n_keep=keep_n, boundaries=bounds)
+                      context_shift=shift, n_keep=keep_n, boundaries=bounds, grammar=grammar, logprobs=logprobs)
         handle._cancel = lambda: self._post(("cancel", req))
         with self._cv:
             if self._n_waiting >= self.config.max_queue:
@@ -422,6 +444,8 @@ class Engine:
             if not self._fits(slot.tokens, 1, max(0, slot.reserve - slot.generated), slot.req.prompt):
                 return
             self._resume.popleft()
+            if slot.constraint is not None:   # rebuilt from its tokens, not trusted across the pause
+                slot.constraint.replay()
             self._place(slot, slot.tokens)
         # requests in arrival order; a later one may overtake the head when the head does not fit,
         # but only a bounded number of times (the head is not starved by a stream of small ones)
@@ -581,20 +605,38 @@ class Engine:
 
     def _sample(self, slot: _Slot) -> None:
         req = slot.req
-        tok = slot.sampler(slot.logits)
+        raw = slot.logits
+        assert raw is not None
         slot.logits = None
+        logits: np.ndarray | None = raw
+        con = slot.constraint
+        if con is not None:
+            # the grammar's mask before the sampler (a copy: forks share their first logits)
+            logits = con.mask(raw)
+            if logits is None:   # no token allowed: the grammar is complete, or its matcher broke
+                err = con.error
+                self._finish(slot, "error" if err else "stop", error=f"grammar: {err}" if err else None)
+                return
+        tok = slot.sampler(logits)
         if req.handle.ttft is None:
             req.handle.ttft = time.perf_counter() - req.handle.submitted_at
         if not req.params.ignore_eos and self._is_eog(tok):
             self._finish(slot, "eos")
+            return
+        if con is not None and not con.accept(tok):
+            self._finish(slot, "error", error=f"grammar: the sampled token {tok} was not allowed: {con.error}")
             return
         slot.generated += 1
         self.stats.generated_tokens += 1
         req.handle.usage.completion_tokens += 1
         text, stopped = slot.stream.feed(self._piece(tok))
         slot.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
-        self._emit(req, slot.index, text, (tok,), None)
+        lps = (token_logprobs(raw, tok, req.logprobs),) if req.logprobs is not None else None
+        self._emit(req, slot.index, text, (tok,), None, logprobs=lps)
         if stopped:
+            self._finish(slot, "stop")
+            return
+        if con is not None and con.done:   # the grammar is complete: nothing may follow
             self._finish(slot, "stop")
             return
         if slot.generated >= req.max_tokens:
@@ -635,10 +677,10 @@ class Engine:
         return True
 
     def _emit(self, req: Request, index: int, text: str, tokens: tuple, reason: str | None,
-              error: str | None = None) -> None:
+              error: str | None = None, logprobs: tuple | None = None) -> None:
         if reason is not None:
             self.stats.finished[reason] += 1
-        req.handle._emit(Event(req.handle.id, index, text, tuple(tokens), reason, error))
+        req.handle._emit(Event(req.handle.id, index, text, tuple(tokens), reason, error, logprobs))
 
     def _finish(self, slot: _Slot, reason: str, error: str | None = None, keep: bool | None = None,
                 release: bool = True) -> None:
@@ -687,6 +729,25 @@ class Engine:
         smp = Sampler(self.kv.ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p,   # type: ignore[union-attr]
                       min_p=p.min_p, seed=seed)
         return smp.sample_logits, smp.close
+
+
+# -- log-probabilities ---------------------------------------------------------------------------------
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple:
+    """(token, its log-probability, the ``top`` most likely (token, log-probability)) under the raw
+    distribution of ``logits``: a log-softmax before temperature, truncation and any grammar (what
+    OpenAI reports)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = float(np.max(x))
+    lse = m + float(np.log(np.sum(np.exp(x - m))))
+    alts: tuple = ()
+    if top > 0:
+        k = min(top, x.size)
+        idx = np.argpartition(x, x.size - k)[x.size - k:]
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        alts = tuple((int(i), float(x[i] - lse)) for i in idx)
+    return (int(token), float(x[token] - lse), alts)
 
 
 # -- truncation and shifting: index bookkeeping -----------------------------------------------------
