@@ -20,7 +20,9 @@ thread hands to the asyncio loop (``call_soon_threadsafe`` into a queue per requ
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -40,6 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..chat import tokenize_rendered
+from ..constrain import GrammarError, compile_grammar
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from . import protocol
 from .config import ServerConfig
@@ -88,6 +91,10 @@ class Server:
         self.shutting_down = False
         self._key_digest = hashlib.sha256((config.api_key or "").encode("latin-1")).digest()
         self._grace: threading.Timer | None = None
+        self._piece = functools.lru_cache(maxsize=1 << 16)(model.token_to_piece)
+        # compiled grammars by (kind, source): agents send the same schema and tools again and again
+        self._grammars: collections.OrderedDict = collections.OrderedDict()
+        self._grammar_lock = threading.Lock()
         routes = [
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
@@ -230,8 +237,38 @@ class Server:
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
+    def _compile(self, req: GenRequest):
+        """The request's grammar compiled for the model (on a worker thread; cached), or None; a 400
+        naming the field when llguidance cannot compile it."""
+        g = req.grammar
+        if g is None:
+            return None
+        key = (g.kind, g.source)
+        with self._grammar_lock:
+            hit = self._grammars.get(key)
+            if hit is not None:
+                self._grammars.move_to_end(key)
+                return hit
+        try:
+            compiled = compile_grammar(self.model, g)
+        except GrammarError as e:
+            param = req.grammar_param or "grammar"
+            if param == "response_format" and g.kind == "json_schema":
+                param = "response_format.json_schema.schema"
+            raise protocol.bad(param, str(e)) from None
+        with self._grammar_lock:
+            self._grammars[key] = compiled
+            while len(self._grammars) > 64:
+                self._grammars.popitem(last=False)
+        return compiled
+
+    def _prepare(self, req: GenRequest) -> tuple[list[int], object]:
+        """The prompt's token ids and the compiled grammar (on a worker thread: rendering, tokenizing
+        and compiling take a while)."""
+        return self._tokens(req), self._compile(req)
+
     def _tokens(self, req: GenRequest) -> list[int]:
-        """The prompt's token ids (on a worker thread: rendering and tokenizing take a while)."""
+        """The prompt's token ids."""
         m = self.model
         param = "messages" if req.kind == "chat" else "prompt"
         try:
@@ -251,9 +288,10 @@ class Server:
         cfg = self.engine.config
         req = protocol.parse(body, kind, parallel=cfg.parallel, max_tokens_cap=cfg.max_tokens)
         self._check_model(req.model)
-        toks = await run_in_threadpool(self._tokens, req)
+        toks, grammar = await run_in_threadpool(self._prepare, req)
         n_ctx = self.engine.n_ctx
-        if len(toks) >= n_ctx:
+        truncate = req.truncate if req.truncate is not None else cfg.truncate
+        if len(toks) >= n_ctx and not truncate:   # with "truncate": true the engine cuts it
             raise protocol.bad("messages" if kind == "chat" else "prompt",
                                f"the prompt has {len(toks)} tokens; the context holds {n_ctx} (and at least one more "
                                "is needed to generate)", code="context_length_exceeded")
@@ -261,7 +299,8 @@ class Server:
         events: asyncio.Queue = asyncio.Queue()
         try:
             handle = self.engine.submit(toks, req.params, max_tokens=req.max_tokens or cfg.max_tokens, stop=req.stop,
-                                        n=req.n, on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+                                        n=req.n, on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                        grammar=grammar, logprobs=req.logprobs, **req.engine_options())
         except QueueFullError as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         except InvalidInputError as e:
@@ -311,12 +350,13 @@ class Server:
         if err is not None:
             return _error(err)
         self._observe(handle, t0)
-        return JSONResponse(protocol.response(req, comps, handle.usage))
+        return JSONResponse(protocol.response(req, comps, handle.usage, self._piece))
 
     async def _stream(self, req: GenRequest, handle, events: asyncio.Queue, t0: float) -> AsyncIterator[str]:
         """SSE chunks: text deltas, one finish chunk per continuation, [usage], ``[DONE]``. A client
         that goes away cancels the request (starlette cancels this generator)."""
         open_ = req.n
+        offsets = [0] * req.n   # characters streamed per continuation (the completions' text_offset)
         try:
             if req.kind == "chat":
                 for i in range(req.n):
@@ -329,8 +369,12 @@ class Server:
                     assert err is not None
                     yield _sse(err.body())
                     break
-                if ev.text:
+                if ev.logprobs:
+                    lp = protocol.logprobs_json(req, ev.logprobs, self._piece, offsets[ev.index])
+                    yield _sse(protocol.chunk(req, ev.index, ev.text, logprobs=lp))
+                elif ev.text:
                     yield _sse(protocol.chunk(req, ev.index, ev.text))
+                offsets[ev.index] += len(ev.text)
                 if ev.finish_reason is not None:
                     open_ -= 1
                     yield _sse(protocol.chunk(req, ev.index, None if req.kind == "chat" else "", ev.finish_reason))

@@ -3,7 +3,13 @@ responses, stream chunks and errors.
 
 Unknown fields are ignored, as OpenAI does; known ones with a bad value get HTTP 400 with OpenAI's
 error object, naming the field in ``param``. Fields OpenAI has but this server cannot honour
-(``logprobs``, ``echo``, ``suffix``, ``tools``) get 400 too rather than being silently dropped.
+(``echo``, ``suffix``, image parts, ...) get 400 too rather than being silently dropped.
+
+Structured output: ``response_format`` ``{"type": "json_schema", "json_schema": {"name", "schema",
+"strict"}}`` or ``{"type": "json_object"}`` constrains the output with a grammar (llguidance, see
+pyllama_kv.constrain); a schema it cannot compile is a 400 naming
+``response_format.json_schema.schema``. ``logprobs``/``top_logprobs`` (chat) and ``logprobs``
+(completions) report the raw distribution's log-probabilities.
 
 Extensions (fields OpenAI does not have; each optional, the server's engine config when absent):
 
@@ -14,6 +20,8 @@ Extensions (fields OpenAI does not have; each optional, the server's engine conf
   (-1: the whole prompt; at most half the context is kept).
 * ``truncate`` (bool): a prompt longer than the context is cut after its first ``n_keep`` tokens
   instead of refused with ``context_length_exceeded`` (off by default).
+* ``grammar`` (string): a GBNF grammar (llama.cpp's, when it defines ``root ::=``) or a Lark grammar
+  (llguidance's dialect) the output must match; not with ``response_format``.
 """
 from __future__ import annotations
 
@@ -21,9 +29,10 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..config import SamplingParams
+from ..constrain import Grammar, GrammarError
 
 #: the engine's finish reasons as OpenAI's (cache_full and error are reported as errors instead)
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "cancelled"}
@@ -67,6 +76,9 @@ class GenRequest:
     context_shift: bool | None = None   # extensions (None: the engine's config)
     n_keep: int | None = None
     truncate: bool | None = None
+    grammar: Grammar | None = None     # response_format json_schema / json_object, or the grammar extension
+    grammar_param: str | None = None   # the field it came from (named by a 400 when it cannot compile)
+    logprobs: int | None = None        # top alternatives per token (chat: top_logprobs; completions: logprobs)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -132,6 +144,63 @@ def _unsupported(body: dict, names: tuple[str, ...]) -> None:
             raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
 
 
+def _response_format(body: dict) -> Grammar | None:
+    """OpenAI's ``response_format``: text, json_object, or json_schema ({name, schema, strict})."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise bad("response_format", "response_format must be an object with a type")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise bad("response_format.json_schema", "response_format.json_schema must be an object "
+                      "{name, schema, strict}")
+        name = js.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad("response_format.json_schema.name", "response_format.json_schema.name must be a string")
+        if js.get("strict") is not None and not isinstance(js.get("strict"), bool):
+            raise bad("response_format.json_schema.strict", "response_format.json_schema.strict must be a bool")
+        schema = js.get("schema", {})
+        if not isinstance(schema, (dict, bool)):
+            raise bad("response_format.json_schema.schema", "response_format.json_schema.schema must be an object")
+        try:
+            return Grammar.json_schema(schema)
+        except GrammarError as e:
+            raise bad("response_format.json_schema.schema", str(e)) from None
+    raise bad("response_format.type", f"response_format.type {kind!r} is not one of text, json_object, json_schema")
+
+
+def _grammar(body: dict) -> tuple[Grammar | None, str | None]:
+    """The output constraint: ``response_format``, or the ``grammar`` extension (GBNF when it
+    defines ``root ::=``, else Lark); not both."""
+    g = _response_format(body)
+    raw = body.get("grammar")
+    if raw is None:
+        return g, "response_format" if g is not None else None
+    if not isinstance(raw, str) or not raw.strip():
+        raise bad("grammar", "grammar must be a non-empty string (GBNF or Lark)")
+    if g is not None:
+        raise bad("grammar", "give either response_format or grammar, not both")
+    return Grammar("gbnf" if "::=" in raw else "lark", raw), "grammar"
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20); completions: ``logprobs`` (0..5)."""
+    if kind == "chat":
+        on = _bool(body, "logprobs")
+        top = _integer(body, "top_logprobs", 0, 20)
+        if top is not None and not on:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        return (top or 0) if on else None
+    return _integer(body, "logprobs", 0, 5)
+
+
 def _messages(v) -> list[dict]:
     """OpenAI chat messages as the template's {"role", "content"} dicts (text parts joined)."""
     if not isinstance(v, list) or not v:
@@ -183,12 +252,12 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
         if "messages" not in body:
             raise bad("messages", "messages is required", code="missing_required_parameter")
         prompt: Any = _messages(body["messages"])
-        _unsupported(body, ("logprobs", "tools", "functions"))
+        _unsupported(body, ("tools", "functions"))
     else:
         if "prompt" not in body:
             raise bad("prompt", "prompt is required", code="missing_required_parameter")
         prompt = _prompt(body["prompt"])
-        _unsupported(body, ("logprobs", "echo", "suffix"))
+        _unsupported(body, ("echo", "suffix"))
     max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap)
     if kind == "chat" and max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap)
@@ -210,11 +279,13 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "stream_options must be an object")
     include_usage = bool(opts and opts.get("include_usage") is True)
+    grammar, grammar_param = _grammar(body)
     return GenRequest(kind=kind, model=model, prompt=prompt, params=SamplingParams(**sp), max_tokens=max_tokens,
                       stop=_stop(body), n=n or 1, stream=stream, include_usage=include_usage,
                       context_shift=_bool(body, "context_shift") if body.get("context_shift") is not None else None,
                       n_keep=_integer(body, "n_keep", -1, 2**31 - 1),
-                      truncate=_bool(body, "truncate") if body.get("truncate") is not None else None)
+                      truncate=_bool(body, "truncate") if body.get("truncate") is not None else None,
+                      grammar=grammar, grammar_param=grammar_param, logprobs=_logprobs(body, kind))
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -234,30 +305,56 @@ def _head(req: GenRequest, chunk: bool) -> dict:
     return {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created, "model": req.model}
 
 
-def response(req: GenRequest, completions, u) -> dict:
+def _token(piece: Callable[[int], bytes], t: int, lp: float) -> dict:
+    b = piece(t)
+    return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+
+def logprobs_json(req: GenRequest, entries, piece: Callable[[int], bytes], offset: int = 0) -> dict | None:
+    """The ``logprobs`` of a choice from the engine's (token, logprob, top) entries: chat's
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}``, or the completions' legacy
+    ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``offset``: characters before these)."""
+    if req.logprobs is None or entries is None:
+        return None
+    if req.kind == "chat":
+        return {"content": [{**_token(piece, t, lp), "top_logprobs": [_token(piece, a, alp) for a, alp in top]}
+                            for t, lp, top in entries], "refusal": None}
+    tokens, lps, tops, offsets = [], [], [], []
+    for t, lp, top in entries:
+        text = piece(t).decode("utf-8", "replace")
+        tokens.append(text)
+        lps.append(lp)
+        tops.append({piece(a).decode("utf-8", "replace"): alp for a, alp in top} if req.logprobs else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def response(req: GenRequest, completions, u, piece: Callable[[int], bytes] | None = None) -> dict:
     """The whole answer of a non-streaming request."""
     choices = []
     for c in completions:
         fr = FINISH.get(c.finish_reason or "", c.finish_reason)
+        lp = logprobs_json(req, c.logprobs or [], piece) if piece is not None else None
         if req.kind == "chat":
             choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": fr, "logprobs": None})
+                            "finish_reason": fr, "logprobs": lp})
         else:
-            choices.append({"index": c.index, "text": c.text, "finish_reason": fr, "logprobs": None})
+            choices.append({"index": c.index, "text": c.text, "finish_reason": fr, "logprobs": lp})
     return {**_head(req, False), "choices": choices, "usage": usage(u)}
 
 
 def chunk(req: GenRequest, index: int, text: str | None, finish_reason: str | None = None,
-          role: bool = False) -> dict:
+          role: bool = False, logprobs: dict | None = None) -> dict:
     """One stream chunk: a text delta of continuation ``index`` and/or its finish reason."""
     fr = FINISH.get(finish_reason, finish_reason) if finish_reason else None
     if req.kind == "chat":
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": fr, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": fr, "logprobs": logprobs}
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": fr, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": fr, "logprobs": logprobs}
     return {**_head(req, True), "choices": [choice]}
 
 
