@@ -357,3 +357,23 @@ def test_holding_kv_keeps_shifted_sequences_whole(tiny_model):
             assert ctx.free_cells() == 64
         finally:
             ctx.close()
+
+
+def test_server_truncates_a_long_prompt_only_when_asked(tiny_model):
+    """Over HTTP: a prompt longer than the context is a 400 naming the field, and with the extension
+    field "truncate": true it is cut and answered (the server's own length check defers to it)."""
+    import httpx
+
+    from test_server import ServerProc
+
+    s = ServerProc(str(tiny_model), "--ctx", "128", "--parallel", "1", "--max-tokens-cap", "8")
+    try:
+        prompt = " ".join(["the cache model token"] * 60)           # well over 128 tokens
+        body = {"model": tiny_model.name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        r = httpx.post(s.url + "/completions", json=body, headers=s.headers(), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        r = httpx.post(s.url + "/completions", json={**body, "truncate": True}, headers=s.headers(), timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert s.stop() == 0, s.log()[-2000:]
