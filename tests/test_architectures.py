@@ -261,11 +261,27 @@ def test_chat_needs_a_template_only_when_the_gguf_has_none(archs, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_the_real_gemma3_runs_from_the_catalogue(gemma_model):
-    r = run_cli(["run", GEMMA, "-p", "The capital of France is", "-n", "8", "--temp", "0", "--json"])
+def test_the_real_gemma3_runs_and_serves_by_path(gemma_model, tmp_path):
+    """Gemma 3 270M given by path: `run` with no flag, `chat` with a template of the user's (this GGUF,
+    the base model, has none), and `serve` answering a completion."""
+    path = str(gemma_model)
+    r = run_cli(["run", path, "-p", "The capital of France is", "-n", "8", "--temp", "0", "--json"])
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["generated_tokens"] == 8 and out["outputs"][0]["text"].strip(), out
+    t = tmp_path / "gemma.jinja"
+    t.write_text(GEMMA_TEMPLATE)
+    r = run_cli(["chat", path, "-n", "6", "--temp", "0", "--template", str(t)], input="Hello\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    from test_server import ServerProc
+
+    s = ServerProc(path, "--ctx", "512", "--parallel", "2", "--max-tokens-cap", "16")
+    try:
+        resp = s.client().completions.create(model=Path(path).name, prompt="The capital of France is",
+                                             max_tokens=6, temperature=0)
+        assert resp.choices[0].text.strip() and resp.usage.completion_tokens == 6
+    finally:
+        assert s.stop() == 0, s.log()[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
