@@ -15,24 +15,35 @@ Contract (what every method guarantees):
   are ``None``, ``remove`` re-evaluates instead of K-shifting, and ``defrag`` refuses when the
   vanilla library would abort the process (see patches/0003).
 
-Package interface. sequence.py, state.py, prefix.py, sampling.py and engine/ use a context only
-through its public methods and these single-underscore ones (not public API, but the documented way in;
-nothing else in the package reads a Context's attributes):
+Ownership. The context is the only writer of what its sequences hold: a table keyed by sequence id
+(``_table``, one :class:`_SeqEntry` per open sequence) has each sequence's handle, its tokens (the
+invariant: a sequence of length n holds exactly positions 0..n-1, position i holding ``tokens[i]``)
+and the next-token logits of its last decode (None once its tokens changed otherwise: recomputed on
+demand). A :class:`~pyllama_kv.sequence.Sequence` is a handle (context, id): its methods call the
+context's, which check it, change cells and table together, and keep the invariant. A handle is
+closed when the table no longer holds it under its id (Sequence.close), or when the context is closed
+(the table then keeps the tokens each sequence held, for reading).
+
+Removal shifts with llama.cpp's K-shift when the removed range's tail is private. Cells shared after
+a fork are never changed for the other holder: llama.cpp shifts the position of a shared cell for
+*every* sequence in it, so when a removal would shift shared cells, the sequence drops its claim on
+the tail and re-evaluates it into cells of its own (copy-on-write; the sibling pays nothing).
+
+Package interface. sequence.py, prefix.py, sampling.py and engine/ use a context only through its
+public methods and these single-underscore ones (not public API, but the documented way in; nothing
+else in the package reads a Context's attributes):
 
 * ``_critical()``: ``with ctx._critical():`` the lock, Ctrl-C held back, re-entry from a callback refused.
-  Every call below needs it held.
-* ``_check_open()``, ``_own(seq)``: InvalidInputError for a closed context / a sequence not open in it.
-* ``_release(seq_id)``: free an id and its cells (Sequence.close).
-* ``_free_cells()``: cells no sequence holds.
-* ``_spare_id``: the extra sequence id, never given out, for building a tail before swapping it in.
-* ``_seq_copy(src, dst, p0, p1)``, ``_seq_remove(seq_id, p0, p1)``, ``_seq_shift(seq_id, p0, p1, delta)``:
-  raw cell operations (-1: open end); a shift stays pending until the next update or decode.
-* ``_forget_logits(seq_id)``, ``_move_logits(src, dst)``: what a sampler may take from the latest decode.
-* ``_shared_in(seq_id, lo, hi)``, ``_exclusive_cells(seq_id, lo)``: cell sharing, from the view.
-* ``_raw_decode(plan)``: decode validated [(seq_id, tokens, first_pos)], atomic (see its docstring).
-* ``_uninterruptible()``: ``with`` it, decodes ignore the abort callback and Ctrl-C (a repair must finish).
-* ``_c_update()``: apply pending shifts and a scheduled defrag, to completion.
-* ``_read_seq_state(seq_id)`` / ``_write_seq_state(data, seq_id)``: llama.cpp's state of one sequence.
+* ``_check_open()``, ``_own(seq)``: InvalidInputError for a closed context / a sequence not open in it;
+  ``_own`` returns the sequence's entry (``.tokens``, ``.logits``: read, never written).
+* ``_tokens_of(seq)``, ``_is_closed(seq)``: what a handle holds (its live token list: read, never
+  written) and whether it is closed; no lock taken.
+* ``_next_logits(seq, recompute, copy)``, ``_fork``, ``_truncate``, ``_remove``, ``_shift_out``,
+  ``_export``, ``_close_sequence``: the operations behind Sequence's methods (and Sampler.sample).
+* ``_shared_in(seq_id, lo, hi)``: whether another sequence shares a cell of ``seq_id`` in [lo, hi).
+
+Tests and scripts that go behind the API's back use ``_ptr``, ``_L``, ``_seq_remove`` and
+``_read_seq_state``.
 
 All C calls go through ``self._native`` (:class:`pyllama_kv._native.kv.NativeContext`).
 """
@@ -43,16 +54,19 @@ import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from . import _signals
+from . import _signals, state as _state
 from ._native import kv as _kv
 from .config import default_threads, int_param
 from .errors import DecodeError, InvalidInputError, KVCacheFullError, LlamaError
-from .model import Model
-from .sequence import Sequence as _Sequence, SequenceState as _SequenceState
+from .sequence import Sequence as _Sequence
+from .state import SequenceState as _SequenceState
+
+if TYPE_CHECKING:
+    from .model import Model
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,29 @@ MAX_THREADS = 512          # GGML_MAX_N_THREADS
 _POLL_TOKENS = 32
 
 
+class _SeqEntry:
+    """One row of a context's sequence table: the handle given out for the id, the tokens its cells
+    hold (position i: ``tokens[i]``), and the next-token logits of its last decode (None: to recompute)."""
+
+    __slots__ = ("seq", "id", "tokens", "logits")
+
+    def __init__(self, seq: _Sequence):
+        self.seq = seq
+        self.id: int = seq.id
+        self.tokens: list[int] = []
+        self.logits: np.ndarray | None = None
+
+
+_NO_TOKENS: tuple = ()
+
+
+def _is_model(obj) -> bool:
+    """Whether ``obj`` is a pyllama_kv.Model, by the package interface model.py declares for contexts
+    (this module does not import model.py, which imports it for Model.context)."""
+    return isinstance(obj, _kv.CResource) and isinstance(getattr(obj, "_lib", None), _kv.Library) \
+        and hasattr(obj, "_contexts")
+
+
 class _Critical:
     """The context's lock, with Ctrl-C held back and re-entrant calls from a callback refused."""
 
@@ -142,10 +179,10 @@ class Context(_kv.CResource):
     ``flash_attn`` is needed for a quantized V cache.
     """
 
-    def __init__(self, model, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512, n_ubatch: int = 512,
+    def __init__(self, model: Model, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512, n_ubatch: int = 512,
                  flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16",
                  n_threads: int | None = None, defrag_thold: float | None = None):
-        if not isinstance(model, Model):
+        if not _is_model(model):
             raise InvalidInputError("model must be a pyllama_kv.Model")
         model._check_open()
         n_ctx = int_param("n_ctx", n_ctx, 1)
@@ -183,11 +220,12 @@ class Context(_kv.CResource):
                     or not math.isfinite(defrag_thold):
                 raise InvalidInputError(f"defrag_thold must be a finite number or None, got {defrag_thold!r}")
 
-        if defrag_thold is not None and defrag_thold > 0 and not model._lib.patched:
+        lib = model._lib
+        if defrag_thold is not None and defrag_thold > 0 and not lib.patched:
             raise InvalidInputError("defrag_thold (automatic defrag) on the vanilla build can abort the process "
                                     "inside llama_decode (see patches/0003): use the patched build")
         self.model = model
-        self._libobj = model._lib
+        self._libobj = lib
         # llama.cpp's default is a fixed 4 threads; more threads than cores makes ggml's spinning
         # barriers crawl (a defrag graph of many small copies ran ~30x slower on 2 cores)
         n_threads = n_threads or default_threads()
@@ -200,11 +238,12 @@ class Context(_kv.CResource):
         self._shift_pending = False   # a K-shift (seq_add) not yet applied by an update
         with model._lock:   # the model cannot be closed while a context of it is being made
             model._check_open()
-            assert model._native is not None
+            native_model = model._native
+            assert native_model is not None
             # one id more than asked for: a spare sequence under which a tail is re-evaluated and
             # swapped in only on success (copy-on-write and exact removal stay atomic)
             native, err = _kv.NativeContext.create(
-                self._libobj, model._native, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                lib, native_model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                 n_seq_max=n_seq_max + 1, flash_attn=bool(flash_attn), type_k=_kv.GGML_TYPES[type_k],
                 type_v=_kv.GGML_TYPES[type_v], n_threads=n_threads, defrag_thold=defrag_thold)
             if native is None:
@@ -221,9 +260,7 @@ class Context(_kv.CResource):
         self.patched: bool = self._libobj.patched
         self._batch = _kv.NativeBatch(self.n_batch)
         self._free_ids = list(range(self.n_seq_max))
-        self._seqs: dict[int, _Sequence] = {}
-        self._decode_serial = 0
-        self._last_out: dict[int, tuple[int, int]] = {}  # seq id -> (decode serial, batch index) of its logits
+        self._table: dict[int, _SeqEntry] = {}   # the open sequences by id: the one record of what they hold
         self._abort_fn: Callable[[], bool] | None = None
         native.set_abort_poll(self._on_abort_poll)
         self._abort_installed = False
@@ -268,10 +305,10 @@ class Context(_kv.CResource):
                 # here would pull the context out from under that call
                 raise InvalidInputError("the context cannot be closed from inside one of its own calls "
                                         "(a callback or log handler)")
-            for s in list(self._seqs.values()):
-                s._closed = True
-            self._seqs.clear()
-            self._last_out.clear()
+            # every handle is closed now (see _is_closed); the table stays, so that a sequence closed
+            # with its context still tells the tokens it held (one closed by Sequence.close holds none)
+            for e in self._table.values():
+                e.logits = None
             self._native = None
             native.free()
             self.model._contexts.discard(self)
@@ -283,7 +320,7 @@ class Context(_kv.CResource):
     def __repr__(self) -> str:
         if self.closed:
             return "<pyllama_kv.Context closed>"
-        return (f"<pyllama_kv.Context n_ctx={self.n_ctx} sequences={len(self._seqs)}/{self.n_seq_max} "
+        return (f"<pyllama_kv.Context n_ctx={self.n_ctx} sequences={len(self._table)}/{self.n_seq_max} "
                 f"{'patched' if self.patched else 'vanilla'}>")
 
     def _check_open(self) -> None:
@@ -307,33 +344,53 @@ class Context(_kv.CResource):
             sid = self._free_ids.pop(0)
             self._seq_remove(sid, -1, -1)  # defensive: the id starts empty
             s = _Sequence(self, sid)
-            self._seqs[sid] = s
+            self._table[sid] = _SeqEntry(s)
             return s
 
     @property
     def sequences(self) -> list:
         """The open sequences, by id."""
         with self._lock:
-            return [self._seqs[k] for k in sorted(self._seqs)]
+            if self._native is None:
+                return []
+            return [self._table[k].seq for k in sorted(self._table)]
 
     @property
     def free_sequence_ids(self) -> int:
         with self._lock:
             return len(self._free_ids)
 
-    def _own(self, seq) -> None:
+    def _own(self, seq) -> _SeqEntry:
+        """The table entry of ``seq``; InvalidInputError when it is not a sequence open in this context."""
+        if type(seq) is _Sequence and self._native is not None:
+            e = self._table.get(seq.id)
+            if e is not None and e.seq is seq:
+                return e
         if not isinstance(seq, _Sequence):
             raise InvalidInputError(f"expected a Sequence, got {type(seq).__name__}")
-        if seq._ctx is not self:
+        if seq.context is not self:
             raise InvalidInputError("the sequence belongs to another context")
-        if seq._closed:
-            raise InvalidInputError(f"sequence {seq.id} is closed")
+        raise InvalidInputError(f"sequence {seq.id} is closed")
+
+    def _entry(self, seq) -> _SeqEntry:
+        """The entry of ``seq`` for an operation on it: the context open, ``seq`` open in it."""
+        self._check_open()
+        return self._own(seq)
+
+    def _tokens_of(self, seq) -> list[int] | tuple:
+        """The live token list of ``seq``: read it, never change it. Empty once ``seq`` is closed,
+        except when its context closed: the tokens it held then."""
+        e = self._table.get(seq.id)
+        return e.tokens if e is not None and e.seq is seq else _NO_TOKENS
+
+    def _is_closed(self, seq) -> bool:
+        e = self._table.get(seq.id)
+        return e is None or e.seq is not seq or self._native is None
 
     def _release(self, sid: int) -> None:
-        """Free sequence id ``sid`` and its cells (package interface)."""
+        """Free sequence id ``sid`` and its cells; its handle is closed."""
         self._seq_remove(sid, -1, -1)
-        self._seqs.pop(sid, None)
-        self._last_out.pop(sid, None)   # a new sequence with this id must not sample stale logits
+        del self._table[sid]
         self._free_ids.append(sid)
         self._free_ids.sort()
 
@@ -348,7 +405,7 @@ class Context(_kv.CResource):
             self._check_open()
             return self._free_cells()
 
-    # -- package interface: raw cell operations (the caller holds _critical and validated) --------
+    # -- raw cell operations (the caller holds _critical and validated) ------------------------
 
     def _seq_remove(self, sid: int, p0: int, p1: int) -> None:
         """Drop the cells of ``sid`` with position in [p0, p1) (-1: open end); no shift."""
@@ -366,14 +423,6 @@ class Context(_kv.CResource):
         assert self._native is not None
         self._native.seq_add(sid, p0, p1, delta)
         self._shift_pending = True
-
-    def _forget_logits(self, sid: int) -> None:
-        """``sid`` no longer has logits from the latest decode (its tokens changed)."""
-        self._last_out.pop(sid, None)
-
-    def _move_logits(self, src: int, dst: int) -> None:
-        """The latest-decode logits of ``src`` become ``dst``'s (a tail built under the spare id)."""
-        self._last_out[dst] = self._last_out.pop(src, (0, 0))
 
     @contextlib.contextmanager
     def _uninterruptible(self) -> Iterator[None]:
@@ -413,19 +462,199 @@ class Context(_kv.CResource):
         contiguous run of free cells (llama.cpp's restore has no defrag retry). All or nothing: on any
         error no sequence id is taken and no cell is changed. An empty state gives an empty sequence.
         """
-        from . import state as _state
-
         with self._critical():
             self._check_open()
             if not isinstance(state, _SequenceState):
                 raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
             s = self.new_sequence()  # LlamaError when no id is free; given back on any failure below
             try:
-                _state.import_into(self, s, state)
+                self._import_into(self._table[s.id], state)
             except BaseException:
-                s.close()
+                self._release(s.id)
                 raise
             return s
+
+    def _import_into(self, e: _SeqEntry, state: _SequenceState) -> None:
+        """Fill the new, empty sequence of ``e`` from ``state``; on any error it holds no cells."""
+        sid = e.id
+        toks, data, p = _state.check_import(
+            state, self.model, self.n_ctx,
+            lambda: _state.context_layout(self._read_seq_state(sid), self.type_k, self.type_v))
+        if p.cell_count == 0:
+            return
+        # free cells may still carry the pending delta of a removed cell: the next update would
+        # rotate the imported K by it
+        self._c_update()
+        st = self.kv_stats()
+        if st.largest_free_block < p.cell_count:
+            raise KVCacheFullError(f"could not restore {p.cell_count} cells: they need one contiguous block, the "
+                                   f"largest free block is {st.largest_free_block} of {st.free_cells} free cells")
+        got = self._write_seq_state(data, sid)
+        if got != len(data):
+            self._seq_remove(sid, -1, -1)
+            if got == 0:
+                raise KVCacheFullError(f"llama.cpp found no slot for {p.cell_count} cells")
+            raise LlamaError(f"llama.cpp read {got} of the {len(data)} bytes of a checked state")
+        e.tokens = toks.tolist()
+
+    # -- sequences: the operations behind Sequence's methods (the context writes every entry) ----
+
+    def _next_logits(self, seq, recompute: bool = False, copy: bool = True) -> np.ndarray:
+        """Sequence.logits (``copy=False``: the stored array itself, for a sampler that only reads it)."""
+        with self._critical():
+            e = self._entry(seq)
+            if not e.tokens:
+                raise InvalidInputError(f"sequence {e.id} is empty: it has no next-token logits")
+            if e.logits is None or recompute:
+                self._rebuild_tail(e, len(e.tokens) - 1, np.asarray(e.tokens[-1:], dtype=np.int32))
+            assert e.logits is not None
+            return e.logits.copy() if copy else e.logits
+
+    def _fork(self, seq, n: int | None) -> _Sequence:
+        """Sequence.fork: a new sequence sharing the first ``n`` cells of ``seq``."""
+        with self._critical():
+            e = self._entry(seq)
+            n = len(e.tokens) if n is None else int_param("n", n, 0, len(e.tokens))
+            child = self.new_sequence()
+            if n > 0:
+                self._seq_copy(e.id, child.id, 0, n)
+            c = self._table[child.id]
+            c.tokens = e.tokens[:n]
+            if n == len(e.tokens) and e.logits is not None:
+                c.logits = e.logits.copy()
+            return child
+
+    def _truncate(self, seq, n: int) -> None:
+        """Sequence.truncate."""
+        with self._critical():
+            e = self._entry(seq)
+            self._cut(e, int_param("n", n, 0, len(e.tokens)))
+
+    def _cut(self, e: _SeqEntry, n: int) -> None:
+        """Keep the first ``n`` (validated) positions of ``e``."""
+        if n == len(e.tokens):
+            return
+        self._seq_remove(e.id, n, -1)
+        del e.tokens[n:]
+        e.logits = None
+
+    def _remove(self, seq, start: int, end: int, recompute: bool = False) -> None:
+        """Sequence.remove: a K-shift when the tail is private and the build and model can shift,
+        else the tail re-evaluated (copy-on-write when it is shared)."""
+        with self._critical():
+            e = self._entry(seq)
+            n = len(e.tokens)
+            start = int_param("start", start, 0, n)
+            end = int_param("end", end, start, n)
+            self._remove_range(e, start, end, recompute)
+
+    def _remove_range(self, e: _SeqEntry, start: int, end: int, recompute: bool) -> None:
+        n = len(e.tokens)
+        if start == end:
+            return
+        if end == n:
+            self._cut(e, start)
+            return
+        tail = np.asarray(e.tokens[end:], dtype=np.int32)
+        shift_ok = not recompute and self.can_shift and self.patched and not self._shared_in(e.id, end, n)
+        if not shift_ok:
+            self._rebuild_tail(e, start, tail)
+            return
+        self._seq_remove(e.id, start, end)
+        self._seq_shift(e.id, end, -1, -(end - start))
+        del e.tokens[start:end]
+        e.logits = None
+
+    def _shift_out(self, seq, n_keep: int, n_discard: int) -> None:
+        """Sequence.shift_out."""
+        with self._critical():
+            e = self._entry(seq)
+            if not self.can_shift:
+                raise LlamaError(
+                    "this model/context cannot shift its KV cache (no RoPE, or a cache type without K-shift)")
+            n = len(e.tokens)
+            n_keep = int_param("n_keep", n_keep, 0, n)
+            n_discard = int_param("n_discard", n_discard, 0, n - n_keep)
+            self._remove_range(e, n_keep, n_keep + n_discard, False)
+
+    def _rebuild_tail(self, e: _SeqEntry, start: int, tail: np.ndarray) -> None:
+        """Make positions [start:] of ``e`` hold ``tail``, evaluated afresh into cells of its own.
+
+        Atomic. When ``tail.size`` cells are free, the tail is built under the spare sequence id
+        (which shares our prefix) and swapped in only when the decode succeeded. Otherwise (patched
+        build only) it is rebuilt in place, in the cells our old tail frees: that decode cannot be
+        aborted (the abort callback and Ctrl-C wait for it), and the patched library's
+        defrag-and-retry guarantees it a slot, since the cells were counted first. The vanilla
+        build, which may fail to place a batch in scattered cells, refuses instead
+        (KVCacheFullError, nothing changed).
+        """
+        sid = e.id
+        if tail.size == 0:
+            self._cut(e, start)
+            return
+        free = self._free_cells()
+        if free >= tail.size:
+            tmp = self._spare_id
+            self._seq_remove(tmp, -1, -1)
+            try:
+                if start > 0:
+                    self._seq_copy(sid, tmp, 0, start)
+                (logits,) = self._raw_decode([(tmp, tail, start)])
+            except BaseException:
+                self._seq_remove(tmp, -1, -1)
+                raise
+            # swap: our cells become the spare sequence's
+            self._seq_remove(sid, -1, -1)
+            self._seq_copy(tmp, sid, -1, -1)
+            self._seq_remove(tmp, -1, -1)
+        else:
+            exclusive = self._exclusive_cells(sid, start)
+            if not self.patched or free + exclusive < tail.size:
+                why = ("" if self.patched else
+                       "; the vanilla build cannot re-evaluate in place without risking the sequence")
+                raise KVCacheFullError(
+                    f"re-evaluating {tail.size} tokens of sequence {sid} needs {tail.size} free cells; {free} are "
+                    f"free{why}")
+            old = np.asarray(e.tokens[start:], dtype=np.int32)
+            self._seq_remove(sid, start, -1)
+            with self._uninterruptible():
+                try:
+                    (logits,) = self._raw_decode([(sid, tail, start)])
+                except LlamaError:
+                    self._restore_tail(e, start, old)
+                    raise
+        del e.tokens[start:]
+        e.tokens.extend(tail.tolist())
+        e.logits = logits
+
+    def _restore_tail(self, e: _SeqEntry, start: int, old: np.ndarray) -> None:
+        """Best effort after an in-place re-evaluation failed for a reason no check foresees (a
+        compute error): decode the old tail again, else truncate and say so."""
+        with self._uninterruptible():
+            try:
+                if old.size:
+                    self._raw_decode([(e.id, old, start)])
+            except LlamaError as exc:
+                del e.tokens[start:]
+                e.logits = None
+                raise LlamaError(f"sequence {e.id} could not be restored after a failed re-evaluation and was "
+                                 f"truncated to {start} tokens: {exc}") from exc
+
+    def _export(self, seq) -> _SequenceState:
+        """Sequence.export_state."""
+        with self._critical():
+            e = self._entry(seq)
+            # a state copies K as stored: a K-shift still pending would be lost
+            self._c_update()
+            return _state.export_state(self._read_seq_state(e.id), list(e.tokens), e.id, self.n_ctx, self.model)
+
+    def _close_sequence(self, seq) -> None:
+        """Sequence.close: free the id and cells of ``seq`` (nothing when it is closed already)."""
+        if self._is_closed(seq):
+            return
+        with self._critical():
+            if self._native is not None and not self._is_closed(seq):
+                self._release(seq.id)
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -548,15 +777,13 @@ class Context(_kv.CResource):
                 else:  # a chunk that ends no entry: llama.cpp still wants one output
                     b.np_out[n - 1] = 1
                 rc = self._c_decode(b, n)
-                self._decode_serial += 1
                 if rc != 0:
                     raise self._decode_error(rc)
                 if outs:
                     # one copy for all rows of this call; each sequence gets a row of it
                     rows = native.logits(len(outs), n_vocab)
-                    for i, (e, bidx) in enumerate(outs):
+                    for i, (e, _bidx) in enumerate(outs):
                         results[e] = rows[i]
-                        self._last_out[plan[e][0]] = (self._decode_serial, bidx)
         except BaseException:
             # llama_decode restored its own partial cells; remove what earlier chunks added
             for sid, _toks, pos0 in plan:
@@ -604,9 +831,11 @@ class Context(_kv.CResource):
             # check the state they may have changed: nothing the checks saw can change after them
             items: list[tuple[_Sequence, list[int]]] = []
             n_vocab = self.model.n_vocab
+            table = self._table
             for seq, toks in list(batch.items()):
-                if type(seq) is not _Sequence or seq._ctx is not self or seq._closed:
-                    self._own(seq)  # raises the precise error
+                e = table.get(seq.id) if type(seq) is _Sequence else None
+                if e is None or e.seq is not seq:
+                    e = self._own(seq)  # raises the precise error
                 arr = _fast_tokens(toks, n_vocab)
                 if arr is None:  # not a plain list of ints: the general (numpy) check
                     arr = self.model.check_tokens(toks).tolist()
@@ -615,35 +844,37 @@ class Context(_kv.CResource):
                 raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
             self._check_open()
             plan: list[tuple[int, list[int] | np.ndarray, int]] = []
-            seqs = []
+            entries = []
             seen: set[int] = set()
             total = 0
             for seq, arr in items:
-                if type(seq) is not _Sequence or seq._ctx is not self or seq._closed:
-                    self._own(seq)
-                if seq.id in seen:
-                    raise InvalidInputError(f"sequence {seq.id} appears twice in the batch")
-                seen.add(seq.id)
+                sid = seq.id
+                e = table.get(sid)
+                if e is None or e.seq is not seq:   # closed by the caller's code above
+                    e = self._own(seq)
+                if sid in seen:
+                    raise InvalidInputError(f"sequence {sid} appears twice in the batch")
+                seen.add(sid)
                 if not arr:
-                    raise InvalidInputError(f"empty token list for sequence {seq.id}")
+                    raise InvalidInputError(f"empty token list for sequence {sid}")
                 n_new = len(arr)
-                if len(seq._tokens) + n_new > self.n_ctx:
+                n_old = len(e.tokens)
+                if n_old + n_new > self.n_ctx:
                     raise KVCacheFullError(
-                        f"sequence {seq.id} would hold {len(seq._tokens) + n_new} positions, "
-                        f"more than n_ctx={self.n_ctx}")
-                plan.append((seq.id, arr, len(seq._tokens)))
-                seqs.append(seq)
+                        f"sequence {sid} would hold {n_old + n_new} positions, more than n_ctx={self.n_ctx}")
+                plan.append((sid, arr, n_old))
+                entries.append(e)
                 total += n_new
             free = self._free_cells()
             if total > free:
                 raise KVCacheFullError(f"the batch needs {total} cells but only {free} of {self.n_ctx} are free")
             results = self._raw_decode(plan)
             out: dict[_Sequence, np.ndarray] = {}
-            for seq, (_sid, new, _), logits in zip(seqs, plan, results):
+            for e, (_sid, new, _), logits in zip(entries, plan, results):
                 assert logits is not None   # every entry ends in the batch: it has an output
-                seq._tokens.extend(new)
-                seq._logits = logits
-                out[seq] = logits
+                e.tokens.extend(new)
+                e.logits = logits
+                out[e.seq] = logits
             return out
 
     # -- cache maintenance ----------------------------------------------------------------------
@@ -678,10 +909,9 @@ class Context(_kv.CResource):
             self._check_open()
             assert self._native is not None
             self._native.clear()
-            self._last_out.clear()
-            for s in self._seqs.values():
-                s._tokens.clear()
-                s._logits = None
+            for e in self._table.values():
+                e.tokens.clear()
+                e.logits = None
 
     # -- inspection -----------------------------------------------------------------------------
 

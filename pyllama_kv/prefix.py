@@ -73,11 +73,9 @@ class PrefixCache:
     def _best(self, toks: np.ndarray):
         best, best_n = None, 0
         for s in self._idle.values():
-            st = s._tokens
-            m = min(len(st), toks.size)
-            if m <= best_n:
+            if min(len(s), toks.size) <= best_n:
                 continue
-            n = shared_prefix(st, toks)
+            n = shared_prefix(s.tokens, toks)
             if n > best_n:
                 best, best_n = s, n
         return best, best_n
@@ -101,10 +99,12 @@ class PrefixCache:
         if self.max_sequences == 0:
             s.close()
             return
-        toks = s._tokens
+        toks = s.tokens
         for sid, o in list(self._idle.items()):
-            ot = o._tokens
-            if len(ot) <= len(toks) and toks[:len(ot)] == ot:
+            if len(o) > len(toks):
+                continue
+            ot = o.tokens
+            if toks[:len(ot)] == ot:
                 del self._idle[sid]
                 o.close()
         self._idle[s.id] = s

@@ -67,10 +67,9 @@ class Sampler(_kv.CResource):
             ctx._check_open()
             if self._native is None:
                 raise InvalidInputError("the sampler is closed")
-            ctx._own(seq)
-            logits = seq._logits
+            logits = ctx._own(seq).logits   # read the context's record (it is the only writer)
             if logits is None:
-                logits = seq.logits()
+                logits = ctx._next_logits(seq, copy=False)
             return self._draw(logits)
 
     def sample_logits(self, logits) -> int:

@@ -1,46 +1,20 @@
-"""One sequence in a context's KV cache: its tokens, prefix copies, removal and shifting.
+"""A sequence of a context's KV cache: a handle (its context and its id).
 
-The invariant: a sequence of length n holds exactly positions 0..n-1 in the cache, position i
-holding ``tokens[i]``. Every method keeps it, and every failing method leaves it untouched.
-
-Cells shared after :meth:`Sequence.fork` are never changed for the other holder: llama.cpp shifts
-the position of a shared cell for *every* sequence in it, so when a removal would shift shared
-cells, this sequence drops its claim on the tail and re-evaluates it into cells of its own
-(copy-on-write). Cost: the tokens after the removed range are decoded again; the sibling pays
-nothing. Removals whose tail is private use llama.cpp's K-shift (no decode at all).
-
-A sequence reaches its context only through the context's package interface (see the docstring of
-pyllama_kv.context); it makes no C call itself.
+The context owns what a sequence holds: its tokens (the invariant: a sequence of length n holds
+exactly positions 0..n-1 in the cache, position i holding ``tokens[i]``) and its next-token logits,
+in one table keyed by sequence id (as Ollama's ``Causal`` owns its cells and llama.cpp's server slot
+its ``cache_tokens``). Every method here asks the context, which checks the handle (closed, of another
+context), keeps the invariant, and leaves everything untouched when it fails. How removal, shifting
+and copy-on-write work is in :mod:`pyllama_kv.context`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from . import state as _state
-from .config import int_param
-from .errors import InvalidInputError, KVCacheFullError, LlamaError
+from .errors import InvalidInputError
+from .state import SequenceState
 
-
-@dataclass(frozen=True)
-class SequenceState:
-    """The saved cells and tokens of a sequence (see Sequence.export_state), for Context.import_sequence.
-
-    ``data`` is llama.cpp's state of the sequence (the byte layout is in pyllama_kv.state), its cells in
-    position order. ``model`` is the fingerprint of the model that made it (pyllama_kv.state.model_fingerprint:
-    a hash of the GGUF header, metadata, tensor table and a sample of each tensor's data). ``digest`` is a
-    SHA-256 of the fingerprint, the tokens and the data. Import checks all of them and the structure of
-    ``data`` against the importing context, and refuses (InvalidInputError) a state that was changed after
-    export, comes from another model, or was made with other cache types or flash-attention setting.
-    A digest is no signature: K/V values edited with the digest recomputed cannot be told from real ones;
-    they are trusted (they change outputs, they cannot crash the process or break the cache).
-    """
-
-    tokens: list
-    data: bytes = field(repr=False)
-    model: str = ""
-    digest: str = ""
+__all__ = ["Sequence", "SequenceState"]
 
 
 class Sequence:
@@ -50,9 +24,6 @@ class Sequence:
     def __init__(self, ctx, seq_id: int):
         self._ctx = ctx
         self.id = seq_id
-        self._tokens: list[int] = []
-        self._logits: np.ndarray | None = None
-        self._closed = False
         self.prefix_reused = 0  # set by PrefixCache.acquire: tokens served from cached cells
 
     # -- state ----------------------------------------------------------------------------------
@@ -64,17 +35,17 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         """The token ids the cache holds for this sequence; position i is index i (a copy)."""
-        return list(self._tokens)
+        return list(self._ctx._tokens_of(self))
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._ctx._tokens_of(self))
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._ctx._is_closed(self)
 
     def __repr__(self) -> str:
-        return f"<pyllama_kv.Sequence id={self.id} len={len(self._tokens)}{' closed' if self._closed else ''}>"
+        return f"<pyllama_kv.Sequence id={self.id} len={len(self)}{' closed' if self.closed else ''}>"
 
     def __enter__(self) -> Sequence:
         return self
@@ -92,11 +63,6 @@ class Sequence:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _check(self) -> None:
-        self._ctx._check_open()
-        if self._closed:
-            raise InvalidInputError(f"sequence {self.id} is closed")
-
     # -- decoding -------------------------------------------------------------------------------
 
     def extend(self, tokens) -> np.ndarray:
@@ -111,46 +77,20 @@ class Sequence:
         a direct check of what the cache holds. That needs one cell: KVCacheFullError when the cache is
         full to the last cell and this sequence's last cell is shared with a fork.
         """
-        with self._ctx._critical():
-            self._check()
-            if not self._tokens:
-                raise InvalidInputError(f"sequence {self.id} is empty: it has no next-token logits")
-            if self._logits is None or recompute:
-                self._rebuild_tail(len(self._tokens) - 1, np.asarray(self._tokens[-1:], dtype=np.int32))
-            assert self._logits is not None
-            return self._logits.copy()
+        return self._ctx._next_logits(self, recompute)
 
     # -- prefix copies --------------------------------------------------------------------------
 
     def fork(self, n: int | None = None) -> Sequence:
         """A new sequence sharing this one's first ``n`` positions (default: all). No recompute:
         the cells are shared, not copied. LlamaError when no sequence id is free."""
-        ctx = self._ctx
-        with ctx._critical():
-            self._check()
-            n = len(self._tokens) if n is None else int_param("n", n, 0, len(self._tokens))
-            child = ctx.new_sequence()
-            if n > 0:
-                ctx._seq_copy(self.id, child.id, 0, n)
-            child._tokens = self._tokens[:n]
-            if n == len(self._tokens) and self._logits is not None:
-                child._logits = self._logits.copy()
-            return child
+        return self._ctx._fork(self, n)
 
     # -- removal and shifting -------------------------------------------------------------------
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions, drop the rest."""
-        ctx = self._ctx
-        with ctx._critical():
-            self._check()
-            n = int_param("n", n, 0, len(self._tokens))
-            if n == len(self._tokens):
-                return
-            ctx._seq_remove(self.id, n, -1)
-            del self._tokens[n:]
-            self._logits = None
-            ctx._forget_logits(self.id)   # a sampler must not use the logits of the longer sequence
+        self._ctx._truncate(self, n)
 
     def remove(self, start: int, end: int, recompute: bool = False) -> None:
         """Drop positions [start, end) and shift the later ones down by ``end - start``.
@@ -162,110 +102,12 @@ class Sequence:
         does a removal whose tail shares cells with a fork (copy-on-write), and every removal on a
         vanilla build or a model that cannot shift.
         """
-        ctx = self._ctx
-        with ctx._critical():
-            self._check()
-            n = len(self._tokens)
-            start = int_param("start", start, 0, n)
-            end = int_param("end", end, start, n)
-            if start == end:
-                return
-            if end == n:
-                self.truncate(start)
-                return
-            tail = np.asarray(self._tokens[end:], dtype=np.int32)
-            shift_ok = (not recompute and ctx.can_shift and ctx.patched
-                        and not ctx._shared_in(self.id, end, n))
-            if not shift_ok:
-                self._rebuild_tail(start, tail)
-                return
-            ctx._seq_remove(self.id, start, end)
-            ctx._seq_shift(self.id, end, -1, -(end - start))
-            del self._tokens[start:end]
-            self._logits = None
-            ctx._forget_logits(self.id)
+        self._ctx._remove(self, start, end, recompute)
 
     def shift_out(self, n_keep: int, n_discard: int) -> None:
         """Context shift for generation loops: keep the first ``n_keep`` positions, drop the next
         ``n_discard``, shift the rest down. Refused (LlamaError) when the model cannot shift."""
-        ctx = self._ctx
-        with ctx._critical():
-            self._check()
-            if not ctx.can_shift:
-                raise LlamaError(
-                    "this model/context cannot shift its KV cache (no RoPE, or a cache type without K-shift)")
-            n = len(self._tokens)
-            n_keep = int_param("n_keep", n_keep, 0, n)
-            n_discard = int_param("n_discard", n_discard, 0, n - n_keep)
-            self.remove(n_keep, n_keep + n_discard)
-
-    def _rebuild_tail(self, start: int, tail: np.ndarray) -> None:
-        """Make positions [start:] hold ``tail``, evaluated afresh into cells of this sequence only.
-
-        Atomic. When ``tail.size`` cells are free, the tail is built under the context's spare
-        sequence id (which shares our prefix) and swapped in only when the decode succeeded.
-        Otherwise (patched build only) it is rebuilt in place, in the cells our old tail frees:
-        that decode cannot be aborted (the abort callback and Ctrl-C wait for it), and the patched
-        library's defrag-and-retry guarantees it a slot, since the cells were counted first. The
-        vanilla build, which may fail to place a batch in scattered cells, refuses instead
-        (KVCacheFullError, nothing changed).
-        """
-        ctx = self._ctx
-        sid = self.id
-        if tail.size == 0:
-            self.truncate(start)
-            return
-        free = ctx._free_cells()
-        if free >= tail.size:
-            tmp = ctx._spare_id
-            ctx._seq_remove(tmp, -1, -1)
-            try:
-                if start > 0:
-                    ctx._seq_copy(sid, tmp, 0, start)
-                (logits,) = ctx._raw_decode([(tmp, tail, start)])
-            except BaseException:
-                ctx._seq_remove(tmp, -1, -1)
-                ctx._forget_logits(tmp)
-                raise
-            # swap: our cells become the spare sequence's
-            ctx._seq_remove(sid, -1, -1)
-            ctx._seq_copy(tmp, sid, -1, -1)
-            ctx._seq_remove(tmp, -1, -1)
-            ctx._move_logits(tmp, sid)
-        else:
-            exclusive = ctx._exclusive_cells(sid, start)
-            if not ctx.patched or free + exclusive < tail.size:
-                why = ("" if ctx.patched else
-                       "; the vanilla build cannot re-evaluate in place without risking the sequence")
-                raise KVCacheFullError(
-                    f"re-evaluating {tail.size} tokens of sequence {sid} needs {tail.size} free cells; {free} are "
-                    f"free{why}")
-            old = np.asarray(self._tokens[start:], dtype=np.int32)
-            ctx._seq_remove(sid, start, -1)
-            with ctx._uninterruptible():
-                try:
-                    (logits,) = ctx._raw_decode([(sid, tail, start)])
-                except LlamaError:
-                    self._restore_tail(start, old)
-                    raise
-        del self._tokens[start:]
-        self._tokens.extend(int(t) for t in tail)
-        self._logits = logits
-
-    def _restore_tail(self, start: int, old: np.ndarray) -> None:
-        """Best effort after an in-place re-evaluation failed for a reason no check foresees (a
-        compute error): decode the old tail again, else truncate and say so."""
-        ctx = self._ctx
-        with ctx._uninterruptible():
-            try:
-                if old.size:
-                    ctx._raw_decode([(self.id, old, start)])
-            except LlamaError as exc:
-                del self._tokens[start:]
-                self._logits = None
-                ctx._forget_logits(self.id)
-                raise LlamaError(f"sequence {self.id} could not be restored after a failed re-evaluation and was "
-                                 f"truncated to {start} tokens: {exc}") from exc
+        self._ctx._shift_out(self, n_keep, n_discard)
 
     # -- saving and restoring -------------------------------------------------------------------
 
@@ -275,23 +117,10 @@ class Sequence:
 
         Pending K-shifts are applied first (the state copies K as stored); cells shared with forks are
         copied like the others. LlamaError if the cache does not hold exactly positions 0..n-1 for it."""
-        ctx = self._ctx
-        with ctx._critical():
-            self._check()
-            return _state.export_sequence(self)
+        return self._ctx._export(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Free this sequence's id and its cells (cells shared with forks stay for them)."""
-        ctx = self._ctx
-        if self._closed:
-            return
-        with ctx._critical():
-            if self._closed or ctx.closed:
-                self._closed = True
-                return
-            ctx._release(self.id)
-            self._closed = True
-            self._tokens = []
-            self._logits = None
+        self._ctx._close_sequence(self)

@@ -8,6 +8,9 @@ duplicates or positions past the context break the sequence invariant silently).
 that :func:`parse` has read completely and :func:`check_import` has matched against the importing
 context, its model and the state's tokens.
 
+This module makes no C call and holds no context: the context reads and writes llama.cpp's bytes and
+owns the sequence's tokens; the functions here check, reorder and digest them.
+
 The format, as llama.cpp 8733e0c writes it for one sequence (``llama_state_seq_get_data`` ->
 ``llama_context::state_seq_write_data`` -> ``llama_kv_cache_unified::state_write(io, seq_id)``),
 native byte order, no padding::
@@ -20,7 +23,7 @@ native byte order, no padding::
     v_trans == 1: n_layer x { i32 v_type; u32 v_elem_size; u32 n_embd_v_gqa;
                               n_embd_v_gqa rows of cell_count * v_elem_size bytes }
 
-The cells are in cache order; :func:`export_sequence` reorders them by position, so a valid state
+The cells are in cache order; :func:`export_state` reorders them by position, so a valid state
 holds positions 0..n-1 in that order and ``state_read_meta`` puts them into n contiguous cells.
 """
 from __future__ import annotations
@@ -30,7 +33,8 @@ import mmap
 import struct
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -43,6 +47,26 @@ _TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 
 def _tname(t: int) -> str:
     return _TYPE_NAMES.get(t, f"ggml type {t}")
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """The saved cells and tokens of a sequence (see Sequence.export_state), for Context.import_sequence.
+
+    ``data`` is llama.cpp's state of the sequence (its byte layout: this module's docstring), its cells in
+    position order. ``model`` is the fingerprint of the model that made it (pyllama_kv.state.model_fingerprint:
+    a hash of the GGUF header, metadata, tensor table and a sample of each tensor's data). ``digest`` is a
+    SHA-256 of the fingerprint, the tokens and the data. Import checks all of them and the structure of
+    ``data`` against the importing context, and refuses (InvalidInputError) a state that was changed after
+    export, comes from another model, or was made with other cache types or flash-attention setting.
+    A digest is no signature: K/V values edited with the digest recomputed cannot be told from real ones;
+    they are trusted (they change outputs, they cannot crash the process or break the cache).
+    """
+
+    tokens: list
+    data: bytes = field(repr=False)
+    model: str = ""
+    digest: str = ""
 
 
 # -- the format ---------------------------------------------------------------------------------
@@ -193,32 +217,18 @@ def reorder(data: bytes, p: ParsedState, order: np.ndarray) -> bytes:
     return b"".join(out)
 
 
-# -- C side -------------------------------------------------------------------------------------
+# -- a context's layout ------------------------------------------------------------------------
 
 
-def apply_pending_kv_updates(ctx) -> None:
-    """Run ``llama_kv_self_update`` (pending K-shifts, a scheduled defrag) to completion.
-
-    A state copies K as stored, so a shift still pending at export would be lost; at import, free
-    cells may still carry the pending delta of a removed cell, and the next update would rotate the
-    imported K by it. Context._c_update ignores the abort callback: this is maintenance, not a decode.
-    """
-    ctx._c_update()
-
-
-def _read_c_state(ctx, seq_id: int) -> bytes:
-    return ctx._read_seq_state(seq_id)
-
-
-def context_layout(ctx, empty_seq_id: int) -> Layout:
-    """The layout states of ``ctx`` have, read from C: the state of a sequence with no cells is
-    exactly the headers (V layout, n_layer, per layer K/V type and row size)."""
+def context_layout(empty_state: bytes, type_k: str, type_v: str) -> Layout:
+    """The layout of a context's states, from llama.cpp's state of one of its sequences that holds no
+    cells (exactly the headers: V layout, n_layer, per layer K/V type and row size) and its cache types."""
     try:
-        p = parse(_read_c_state(ctx, empty_seq_id), max_cells=0)
+        p = parse(empty_state, max_cells=0)
     except InvalidInputError as exc:
         raise LlamaError(f"llama.cpp's empty sequence state is not in the expected format: {exc}") from None
     ly = p.layout
-    want_k, want_v = GGML_TYPES[ctx.type_k], GGML_TYPES[ctx.type_v]
+    want_k, want_v = GGML_TYPES[type_k], GGML_TYPES[type_v]
     if any(x.k_type != want_k or x.v_type != want_v for x in ly.layers):
         raise LlamaError("llama.cpp's state headers disagree with the context's cache types")
     return ly
@@ -297,38 +307,33 @@ def state_digest(tokens, data: bytes, model: str) -> str:
 # -- export and import --------------------------------------------------------------------------
 
 
-def export_sequence(seq):
-    """The SequenceState of ``seq`` (the caller holds the context lock and checked ``seq``)."""
-    from .sequence import SequenceState
-
-    ctx = seq._ctx
-    apply_pending_kv_updates(ctx)
-    data = _read_c_state(ctx, seq.id)
+def export_state(data: bytes, tokens: list[int], seq_id: int, max_cells: int, model) -> SequenceState:
+    """The SequenceState of a sequence holding ``tokens``, from llama.cpp's state ``data`` of it (read
+    with no K-shift pending): its cells put in position order, the fingerprint of ``model`` and the
+    digest. LlamaError when the cells do not hold exactly positions 0..len(tokens)-1."""
     try:
-        p = parse(data, max_cells=ctx.n_ctx)
+        p = parse(data, max_cells=max_cells)
     except InvalidInputError as exc:
-        raise LlamaError(f"llama.cpp's state of sequence {seq.id} is not in the expected format: {exc}") from None
-    tokens = list(seq._tokens)
+        raise LlamaError(f"llama.cpp's state of sequence {seq_id} is not in the expected format: {exc}") from None
     order = np.argsort(p.pos, kind="stable")
     if p.cell_count != len(tokens) or not np.array_equal(p.pos[order], np.arange(len(tokens))):
-        raise LlamaError(f"sequence {seq.id} has {len(tokens)} tokens but its cells hold positions "
+        raise LlamaError(f"sequence {seq_id} has {len(tokens)} tokens but its cells hold positions "
                          f"{sorted(p.pos.tolist())[:12]}{'...' if p.cell_count > 12 else ''}: not exported")
     if not np.array_equal(order, np.arange(p.cell_count)):
         data = reorder(data, p, order)
-    fp = model_fingerprint(ctx.model)
+    fp = model_fingerprint(model)
     return SequenceState(tokens=tokens, data=data, model=fp, digest=state_digest(tokens, data, fp))
 
 
-def check_import(ctx, state, seq_id: int) -> tuple[np.ndarray, bytes, ParsedState]:
+def check_import(state: SequenceState, model, n_ctx: int,
+                 layout: Callable[[], Layout]) -> tuple[np.ndarray, bytes, ParsedState]:
     """Everything about ``state`` that import needs, checked before C sees it: the state's model
-    fingerprint and digest, its tokens, and its data parsed against ``ctx``'s layout (``seq_id``: an
-    id with no cells). InvalidInputError for a changed, foreign or malformed state; KVCacheFullError
-    when it holds more cells than ``ctx`` has."""
-    from .sequence import SequenceState
-
+    fingerprint and digest (against ``model``), its tokens, and its data parsed against the importing
+    context's ``layout()`` (called only once the cheap checks passed). InvalidInputError for a changed,
+    foreign or malformed state; KVCacheFullError when it holds more cells than ``n_ctx``."""
     if not isinstance(state, SequenceState):
         raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
-    fp = model_fingerprint(ctx.model)
+    fp = model_fingerprint(model)
     if not isinstance(state.model, str) or state.model != fp:
         raise InvalidInputError(f"the state is from another model (fingerprint {str(state.model)[:23]!r}, this "
                                 f"context's model has {fp[:23]!r})")
@@ -337,7 +342,7 @@ def check_import(ctx, state, seq_id: int) -> tuple[np.ndarray, bytes, ParsedStat
         raise InvalidInputError(f"SequenceState.data must be bytes, got {type(data).__name__}")
     if type(data) is not bytes:
         data = bytes(data)  # an immutable copy: nothing can change it between the checks and C
-    toks = ctx.model.check_tokens(state.tokens)
+    toks = model.check_tokens(state.tokens)
     if not isinstance(state.digest, str) or state.digest != state_digest(toks, data, fp):
         raise InvalidInputError("the state's digest does not match its tokens and data: it was changed after export")
     if len(data) < 4:
@@ -345,31 +350,12 @@ def check_import(ctx, state, seq_id: int) -> tuple[np.ndarray, bytes, ParsedStat
     (cell_count,) = struct.unpack_from("=I", data, 0)
     if cell_count != toks.size:
         raise InvalidInputError(f"the state data holds {cell_count} cells but has {toks.size} tokens")
-    if cell_count > ctx.n_ctx:
-        raise KVCacheFullError(f"the state holds {cell_count} cells, more than n_ctx={ctx.n_ctx}")
-    p = parse(data, max_cells=ctx.n_ctx, expect=context_layout(ctx, seq_id))
+    if cell_count > n_ctx:
+        raise KVCacheFullError(f"the state holds {cell_count} cells, more than n_ctx={n_ctx}")
+    p = parse(data, max_cells=n_ctx, expect=layout())
     if not np.array_equal(p.pos, np.arange(cell_count, dtype=np.int32)):
         bad = int(np.flatnonzero(p.pos != np.arange(cell_count))[0])
         raise InvalidInputError(f"cell {bad} of the state holds position {int(p.pos[bad])}, not {bad}: "
                                 "a state holds positions 0..n-1 in order")
     return toks, data, p
 
-
-def import_into(ctx, seq, state) -> None:
-    """Fill the new, empty sequence ``seq`` from ``state``; on any error ``seq`` holds no cells (the
-    caller closes it). Holds the context lock."""
-    toks, data, p = check_import(ctx, state, seq.id)
-    if p.cell_count == 0:
-        return
-    apply_pending_kv_updates(ctx)
-    st = ctx.kv_stats()
-    if st.largest_free_block < p.cell_count:
-        raise KVCacheFullError(f"could not restore {p.cell_count} cells: they need one contiguous block, the "
-                               f"largest free block is {st.largest_free_block} of {st.free_cells} free cells")
-    got = ctx._write_seq_state(data, seq.id)
-    if got != len(data):
-        ctx._seq_remove(seq.id, -1, -1)
-        if got == 0:
-            raise KVCacheFullError(f"llama.cpp found no slot for {p.cell_count} cells")
-        raise LlamaError(f"llama.cpp read {got} of the {len(data)} bytes of a checked state")
-    seq._tokens = [int(t) for t in toks]

@@ -158,7 +158,7 @@ class KVMachine(RuleBasedStateMachine):
         filler.extend(list(np.arange(n) % 500 + 3))
         for p in range(0, n, 2):
             c._L.llama_kv_self_seq_rm(c._ptr, filler.id, p, p + 1)  # raw: holes, no shift
-        filler._tokens = []  # no longer a checked sequence; it only holds cells
+        # the filler only holds cells: never used through the API again (its tokens no longer match its cells)
         self.filler = filler
         self.filler_cells = list(range(1, n, 2))  # positions of the cells it keeps
 
