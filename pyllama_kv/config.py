@@ -88,6 +88,12 @@ class SamplingParams(_Config):
     min_p: float = 0.05      # 0: off
     seed: int | None = None  # None: a random seed per request
     ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
+    # llama.cpp's penalties sampler over the last ``penalty_last_n`` generated tokens (-1: the whole answer)
+    frequency_penalty: float = 0.0   # OpenAI's: minus this times the count of the token so far
+    presence_penalty: float = 0.0    # OpenAI's: minus this once the token has occurred
+    repeat_penalty: float = 1.0      # llama.cpp's: occurred tokens' logits divided (positive) or multiplied by it
+    penalty_last_n: int = -1
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs added to the logits first
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", _num("temperature", self.temperature, 0.0, 100.0))
@@ -98,10 +104,25 @@ class SamplingParams(_Config):
             object.__setattr__(self, "seed", _int("seed", self.seed, 0, 2**32 - 1))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidInputError("ignore_eos must be a bool")
+        for name in ("frequency_penalty", "presence_penalty"):
+            object.__setattr__(self, name, _num(name, getattr(self, name), -2.0, 2.0))
+        object.__setattr__(self, "repeat_penalty", _num("repeat_penalty", self.repeat_penalty, 0.0, 10.0, lo_open=True))
+        object.__setattr__(self, "penalty_last_n", _int("penalty_last_n", self.penalty_last_n, -1))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            pairs = tuple((_int("logit_bias token", t, 0), _num("logit_bias value", b, -100.0, 100.0)) for t, b in bias)
+        except (TypeError, ValueError):
+            raise InvalidInputError("logit_bias must be (token id, bias) pairs or a {token id: bias} dict") from None
+        object.__setattr__(self, "logit_bias", pairs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties or the logit bias change the logits (llama.cpp's chain is needed)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repeat_penalty != 1.0 or self.logit_bias)
 
 
 GREEDY = SamplingParams(temperature=0.0)

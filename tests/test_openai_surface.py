@@ -142,3 +142,29 @@ def test_completion_logprobs(client):
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
     for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 2 and max(top.values()) == pytest.approx(x) and tok in top
+
+
+# -- penalties and logit_bias -----------------------------------------------------------------------
+
+
+def test_penalties_and_logit_bias_change_the_output(server, client, real_model):
+    kw = dict(model=MODEL, prompt="one, two, one, two, one, two,", max_tokens=16, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(frequency_penalty=2.0, presence_penalty=1.0, **kw).choices[0].text != plain
+    assert client.completions.create(extra_body={"repeat_penalty": 1.5}, **kw).choices[0].text != plain
+    import pyllama_kv as pk
+
+    with pk.Model(real_model) as m:
+        seven = m.tokenize(" seven", add_bos=False)
+    assert len(seven) == 1
+    biased = client.completions.create(logit_bias={str(seven[0]): 100}, **{**kw, "max_tokens": 3}).choices[0].text
+    assert biased == " seven" * 3
+    url, h = server.url + "/completions", server.headers()
+    for extra, param in (({"frequency_penalty": 3}, "frequency_penalty"),
+                         ({"presence_penalty": "x"}, "presence_penalty"), ({"repeat_penalty": 0}, "repeat_penalty"),
+                         ({"logit_bias": {"a": 1}}, "logit_bias"),
+                         ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+                         ({"logit_bias": [1]}, "logit_bias")):
+        err = _error(httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1, **extra}, headers=h,
+                                timeout=60))
+        assert err["param"] == param, (extra, err)

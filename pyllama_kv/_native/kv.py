@@ -357,6 +357,18 @@ class NativeSampler:
         """llama_sampler_init_temp, added to the chain."""
         self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_temp(t))
 
+    def add_penalties(self, last_n: int, repeat: float, freq: float, present: float) -> None:
+        """llama_sampler_init_penalties, added to the chain (it counts the tokens it accepts)."""
+        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_penalties(last_n, repeat, freq, present))
+
+    def add_logit_bias(self, bias: dict[int, float]) -> None:
+        """llama_sampler_init_logit_bias, added to the chain (it copies the array)."""
+        arr = ffi.new("llama_logit_bias[]", max(1, len(bias)))
+        for i, (tok, b) in enumerate(bias.items()):
+            arr[i].token = tok
+            arr[i].bias = b
+        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_logit_bias(self.n_vocab, len(bias), arr))
+
     def add_dist(self, seed: int) -> None:
         """llama_sampler_init_dist, added to the chain."""
         self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_dist(seed))

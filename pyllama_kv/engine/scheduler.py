@@ -229,6 +229,9 @@ class Engine:
                                    f"the model has {self.n_vocab}")
         if logprobs is not None:
             logprobs = int_param("logprobs", logprobs, 0, 20)
+        for t, _ in params.logit_bias:
+            if t >= self.n_vocab:
+                raise InvalidInputError(f"logit_bias token {t} is out of range [0, {self.n_vocab})")
         handle = RequestHandle(next(self._ids), n, len(toks), on_event)
         handle.usage.truncated_tokens = truncated
         handle.submitted_at = time.perf_counter()
@@ -721,11 +724,16 @@ class Engine:
         """(logits -> token, closer) for one continuation: greedy is an argmax in numpy, anything
         else llama.cpp's sampler chain, seeded with the request's seed + the continuation's index."""
         p = req.params
-        if p.greedy:
+        if p.greedy and not p.penalized:
             return (lambda logits: int(np.argmax(logits))), None
         from ..sampling import Sampler
 
         seed = (p.seed + index if p.seed is not None else next(self._seed)) & 0xFFFFFFFF
+        if p.penalized:   # logit bias and penalties: llama.cpp's samplers at the head of the chain
+            from ..penalties import PenalizedSampler
+
+            pen = PenalizedSampler(self.kv.ctx, p, seed=seed, last_n=req.max_tokens)   # type: ignore[union-attr]
+            return pen.sample_logits, pen.close
         smp = Sampler(self.kv.ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p,   # type: ignore[union-attr]
                       min_p=p.min_p, seed=seed)
         return smp.sample_logits, smp.close

@@ -288,6 +288,9 @@ class Server:
         cfg = self.engine.config
         req = protocol.parse(body, kind, parallel=cfg.parallel, max_tokens_cap=cfg.max_tokens)
         self._check_model(req.model)
+        for t, _ in req.params.logit_bias:
+            if t >= self.model.n_vocab:
+                raise protocol.bad("logit_bias", f"logit_bias: token {t} is out of range [0, {self.model.n_vocab})")
         toks, grammar = await run_in_threadpool(self._prepare, req)
         n_ctx = self.engine.n_ctx
         truncate = req.truncate if req.truncate is not None else cfg.truncate

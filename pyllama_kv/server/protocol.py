@@ -20,6 +20,10 @@ Extensions (fields OpenAI does not have; each optional, the server's engine conf
   (-1: the whole prompt; at most half the context is kept).
 * ``truncate`` (bool): a prompt longer than the context is cut after its first ``n_keep`` tokens
   instead of refused with ``context_length_exceeded`` (off by default).
+* ``repeat_penalty`` (number in (0, 10], 1 = off) and ``penalty_last_n`` (tokens looked back over, -1
+  = the whole answer, the default): llama.cpp's repetition penalty, beside OpenAI's
+  ``frequency_penalty`` and ``presence_penalty``; all of them, and ``logit_bias``, are llama.cpp's
+  penalties and logit-bias samplers at the head of the sampler chain.
 * ``grammar`` (string): a GBNF grammar (llama.cpp's, when it defines ``root ::=``) or a Lark grammar
   (llguidance's dialect) the output must match; not with ``response_format``.
 """
@@ -142,6 +146,28 @@ def _unsupported(body: dict, names: tuple[str, ...]) -> None:
     for name in names:
         if body.get(name):
             raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
+
+
+MAX_LOGIT_BIAS = 1024
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: {"token id": bias in [-100, 100]} (ids as strings in JSON)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"logit_bias has {len(v)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out = []
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+            raise bad("logit_bias", f"logit_bias keys must be token ids, got {k!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"logit_bias[{k}] must be a number in [-100, 100], got {b!r}")
+        out.append((int(k), float(b)))
+    return tuple(out)
 
 
 def _response_format(body: dict) -> Grammar | None:
@@ -267,6 +293,17 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
         x = _number(body, name, lo, hi, lo_open)
         if x is not None:
             sp[name] = x
+    for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0),
+                         ("repeat_penalty", 0.0, 10.0)):
+        x = _number(body, name, lo, hi, lo_open=name == "repeat_penalty")
+        if x is not None:
+            sp[name] = x
+    last_n = _integer(body, "penalty_last_n", -1, 1 << 20)
+    if last_n is not None:
+        sp["penalty_last_n"] = last_n
+    bias = _logit_bias(body)
+    if bias:
+        sp["logit_bias"] = bias
     top_k = _integer(body, "top_k", 0, 1 << 30)
     if top_k is not None:
         sp["top_k"] = top_k

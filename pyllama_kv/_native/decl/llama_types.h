@@ -134,6 +134,11 @@ typedef struct llama_token_data {
     float p;
 } llama_token_data;
 
+typedef struct llama_logit_bias {
+    llama_token token;
+    float bias;
+} llama_logit_bias;
+
 typedef struct llama_token_data_array {
     llama_token_data * data;
     size_t size;
