@@ -26,10 +26,6 @@ class PrefixCacheStats:
     evaluated_tokens: int = 0   # tokens decoded by acquire()
     evictions: int = 0
 
-    @property
-    def reuse_ratio(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
 
 class PrefixCache:
     """Serve prompts from cached sequences that share their prefix.
