@@ -143,6 +143,7 @@ class _Critical:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
+        self.sig: _signals.defer_sigint | None = None
 
     def __enter__(self) -> None:
         ctx = self.ctx
@@ -153,6 +154,9 @@ class _Critical:
                 "the context is inside llama_decode: it cannot be used from its own abort callback "
                 "(or log handler) on the decoding thread")
         ctx._depth += 1
+        if ctx._depth > 1:   # nested on this thread: the outer section holds Ctrl-C back already
+            self.sig = None
+            return
         self.sig = _signals.defer_sigint()
         self.sig.__enter__()
 
@@ -161,7 +165,8 @@ class _Critical:
             self.ctx._depth -= 1
             self.ctx._lock.release()
         finally:
-            self.sig.__exit__(*exc)   # delivers a held-back Ctrl-C, now that the state is whole
+            if self.sig is not None:
+                self.sig.__exit__(*exc)   # delivers a held-back Ctrl-C, now that the state is whole
 
 
 class Context(_kv.CResource):
