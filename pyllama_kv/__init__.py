@@ -26,6 +26,7 @@ _LAZY = {
     "PrefixCache": ".prefix",
     "Sampler": ".sampling",
     "Sequence": ".sequence", "SequenceState": ".sequence",
+    "Span": ".span",
 }
 
 if _typing.TYPE_CHECKING:
@@ -36,6 +37,7 @@ if _typing.TYPE_CHECKING:
     from .prefix import PrefixCache
     from .sampling import Sampler
     from .sequence import Sequence, SequenceState
+    from .span import Span
 
 
 def __getattr__(name: str) -> _typing.Any:
@@ -74,5 +76,6 @@ __version__ = _version()
 
 __all__ = [
     "Context", "DecodeError", "InvalidInputError", "KVCacheFullError", "KVStats", "LibraryError", "LlamaError",
-    "Model", "ModelLoadError", "PrefixCache", "Sampler", "Sequence", "SequenceState", "library_info", "__version__",
+    "Model", "ModelLoadError", "PrefixCache", "Sampler", "Sequence", "SequenceState", "Span", "library_info",
+    "__version__",
 ]

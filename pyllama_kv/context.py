@@ -61,12 +61,13 @@ import numpy as np
 from . import _signals, state as _state
 from ._native import kv as _kv
 from .config import default_threads, int_param
-from .errors import DecodeError, InvalidInputError, KVCacheFullError, LlamaError
+from .errors import DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError
 from .sequence import Sequence as _Sequence
 from .state import SequenceState as _SequenceState
 
 if TYPE_CHECKING:
     from .model import Model
+    from .span import Span as _Span
 
 
 @dataclass(frozen=True)
@@ -652,6 +653,70 @@ class Context(_kv.CResource):
             # a state copies K as stored: a K-shift still pending would be lost
             self._c_update()
             return _state.export_state(self._read_seq_state(e.id), list(e.tokens), e.id, self.n_ctx, self.model)
+
+    def _snapshot(self, seq, start: int, end: int | None) -> _Span:
+        """Sequence.snapshot: a compact copy of the cells of ``seq`` over positions [start, end)."""
+        from .span import Span
+
+        with self._critical():
+            e = self._entry(seq)
+            n = len(e.tokens)
+            end = n if end is None else end
+            for name, v in (("start", start), ("end", end)):
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise InvalidInputError(f"{name} must be an int, got {type(v).__name__}")
+            if not 0 <= start < end <= n:
+                raise InvalidInputError(f"a span needs 0 <= start < end <= {n} (the sequence's length), got "
+                                        f"[{start}, {end})")
+            self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
+            data = self._read_seq_state(e.id)
+            p = _state.parse(data, max_cells=self.n_ctx)
+            order = np.argsort(p.pos, kind="stable")
+            if p.cell_count != n or not np.array_equal(p.pos[order], np.arange(n)):
+                raise LlamaError(f"sequence {e.id} has {n} tokens but its cells hold other positions: no span taken")
+            return Span(start, tuple(e.tokens[start:end]), _state.select(data, p, order[start:end]), p.layout,
+                        _state.model_fingerprint(self.model))
+
+    def _restore(self, seq, span: _Span) -> None:
+        """Sequence.restore: add the cells of ``span`` to ``seq``, which holds exactly [0, span.start)."""
+        from .span import Span
+
+        with self._critical():
+            e = self._entry(seq)
+            if not isinstance(span, Span):
+                raise InvalidInputError(f"restore needs a Span from Sequence.snapshot(), got {type(span).__name__}")
+            if span.model != _state.model_fingerprint(self.model):
+                raise InvalidInputError("the span comes from another model")
+            if len(e.tokens) != span.start:
+                raise InvalidInputError(f"a span of positions [{span.start}, {span.end}) goes on a sequence of "
+                                        f"{span.start} tokens; sequence {e.id} has {len(e.tokens)}")
+            if span.end > self.n_ctx:
+                raise KVCacheFullError(f"the span ends at position {span.end}, past the context's {self.n_ctx} cells")
+            layout = _state.context_layout(self._read_seq_state(self._spare_id), self.type_k, self.type_v)
+            if span.layout != layout:
+                raise InvalidInputError("the span was copied from a context with other cache types or V layout "
+                                        "(flash attention)")
+            try:
+                span.parsed()   # the data is exactly len(tokens) cells of this layout, or InvalidInputError
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"the span's data is not {len(span)} cells of this layout: {exc}") from None
+            self._c_update()   # free cells may still carry the pending delta of a removed cell
+            st = self.kv_stats()
+            if st.largest_free_block < len(span) <= st.free_cells:
+                self.defrag()
+                st = self.kv_stats()
+            if st.largest_free_block < len(span):
+                raise KVCacheFullError(f"could not restore {len(span)} cells: they need one contiguous block, the "
+                                       f"largest free block is {st.largest_free_block} of {st.free_cells} free cells")
+            assert self._native is not None
+            got = self._native.state_seq_add(span.data, e.id)
+            if got is None:
+                raise LibraryError(f"{self.model._lib.path} cannot restore a span (llama_state_seq_add_data is "
+                                   "patch 0014 of pyllama_kv's series): use the patched library")
+            if got != len(span.data):   # llama.cpp removed the cells it placed: the sequence is as it was
+                raise KVCacheFullError(f"llama.cpp could not add the span's {len(span)} cells")
+            e.tokens.extend(span.tokens)
+            e.logits = None   # computed from the restored cells at the next logits() or decode
 
     def _close_sequence(self, seq) -> None:
         """Sequence.close: free the id and cells of ``seq`` (nothing when it is closed already)."""

@@ -9,10 +9,15 @@ and copy-on-write work is in :mod:`pyllama_kv.context`.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .errors import InvalidInputError
 from .state import SequenceState
+
+if TYPE_CHECKING:
+    from .span import Span
 
 __all__ = ["Sequence", "SequenceState"]
 
@@ -118,6 +123,20 @@ class Sequence:
         Pending K-shifts are applied first (the state copies K as stored); cells shared with forks are
         copied like the others. LlamaError if the cache does not hold exactly positions 0..n-1 for it."""
         return self._ctx._export(self)
+
+    def snapshot(self, start: int = 0, end: int | None = None) -> Span:
+        """A :class:`~pyllama_kv.span.Span`: a compact host copy of this sequence's cells over
+        positions [start, end) (default: to the end), its K/V rows of every layer and its tokens. The
+        sequence is unchanged; the span refers to no cell (pending K-shifts are applied first)."""
+        return self._ctx._snapshot(self, start, end)
+
+    def restore(self, span: Span) -> None:
+        """Add ``span``'s cells after this sequence's, which must be exactly positions
+        [0, span.start) (they are kept as they are, shared with forks or not): a memcpy into free
+        cells, no evaluation. Needs the patched library (LibraryError otherwise). Atomic: on
+        KVCacheFullError (no contiguous room even after a defrag) or InvalidInputError (a span of
+        another model, cache layout or position) the sequence is as it was."""
+        self._ctx._restore(self, span)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -220,6 +220,37 @@ def reorder(data: bytes, p: ParsedState, order: np.ndarray) -> bytes:
 # -- a context's layout ------------------------------------------------------------------------
 
 
+def select(data: bytes, p: ParsedState, idx: np.ndarray) -> bytes:
+    """``data`` reduced to its cells ``idx``, in that order (positions, K rows, V rows or
+    transposed-V columns), with the cell count to match: a compact copy of just those cells."""
+    idx = np.asarray(idx, dtype=np.intp)
+    return struct.pack("=I", int(idx.size)) + reorder(data, p, idx)[4:]
+
+
+def concat(a: bytes, pa: ParsedState, b: bytes, pb: ParsedState) -> bytes:
+    """The state holding the cells of ``a`` then those of ``b`` (the same layout, checked by the caller)."""
+    ca, cb = pa.cell_count, pb.cell_count
+    A, B = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
+    out = [struct.pack("=I", ca + cb), a[pa.meta_off:pa.meta_off + 8 * ca], b[pb.meta_off:pb.meta_off + 8 * cb]]
+    cur = pa.meta_off + 8 * ca
+    for il, ly in enumerate(pa.layout.layers):
+        off, boff = pa.k_off[il], pb.k_off[il]
+        out += [a[cur:off], a[off:off + ca * ly.k_row], b[boff:boff + cb * ly.k_row]]
+        cur = off + ca * ly.k_row
+    for il, ly in enumerate(pa.layout.layers):
+        off, boff = pa.v_off[il], pb.v_off[il]
+        if pa.layout.v_trans:   # V is stored [n_embd_v][cell]: the cells of b go after a's in each row
+            va = A[off:off + ca * ly.v_row].reshape(ly.n_embd_v, ca, ly.v_elem)
+            vb = B[boff:boff + cb * ly.v_row].reshape(ly.n_embd_v, cb, ly.v_elem)
+            v = np.concatenate([va, vb], axis=1).tobytes()
+        else:
+            v = a[off:off + ca * ly.v_row] + b[boff:boff + cb * ly.v_row]
+        out += [a[cur:off], v]
+        cur = off + ca * ly.v_row
+    out.append(a[cur:])
+    return b"".join(out)
+
+
 def context_layout(empty_state: bytes, type_k: str, type_v: str) -> Layout:
     """The layout of a context's states, from llama.cpp's state of one of its sequences that holds no
     cells (exactly the headers: V layout, n_layer, per layer K/V type and row size) and its cache types."""

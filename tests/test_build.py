@@ -53,8 +53,8 @@ def _exports(lib: str) -> set[str]:
 
 
 def test_patched_exports_stats_vanilla_does_not(patched_lib, vanilla_lib):
-    assert "llama_kv_self_stats" in _exports(patched_lib)
-    assert "llama_kv_self_stats" not in _exports(vanilla_lib)
+    for fn in ("llama_kv_self_stats", "llama_state_seq_add_data"):   # patches 0004 and 0014
+        assert fn in _exports(patched_lib) and fn not in _exports(vanilla_lib), fn
     assert "llama_decode" in _exports(vanilla_lib)
 
 

@@ -43,7 +43,7 @@ TYPES_CDEF = _decl("llama_types.h")
 # Functions present in every build of the pinned revision (llama.h's, and the ggml backend registry's).
 FUNCS_CDEF = _decl("llama_funcs.h") + _decl("ggml_backend.h")
 
-# Functions only our patched build exports (patches/0004-kv-stats-api.patch).
+# Functions only our patched build exports (patches/0004-kv-stats-api.patch, 0014-state-seq-add-data.patch).
 PATCHED_FUNCS_CDEF = _decl("llama_patched.h")
 
 ffi = cffi.FFI()

@@ -321,6 +321,15 @@ class NativeContext:
         """llama_state_seq_set_data: the bytes read (0 on failure)."""
         return int(self.L.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
 
+    def state_seq_add(self, data: bytes, seq_id: int) -> int | None:
+        """llama_state_seq_add_data (patch 0014): the bytes read (0 on failure); None when the library
+        lacks it (the vanilla build)."""
+        try:
+            fn = self.L.llama_state_seq_add_data
+        except AttributeError:
+            return None
+        return int(fn(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
+
 
 class NativeSampler:
     """A llama.cpp sampler chain and a reusable candidate array of n_vocab entries."""

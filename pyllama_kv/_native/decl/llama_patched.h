@@ -2,3 +2,4 @@
  * Read by pyllama_kv/_native/ffi.py with cffi in ABI mode; tests/test_ffi_header.py compiles them
  * against the vendored llama.h, so any drift fails a test. Diff this file against llama.h on a rebase. */
 struct llama_kv_stats llama_kv_self_stats(const struct llama_context * ctx);
+size_t llama_state_seq_add_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);

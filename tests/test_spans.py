@@ -1,0 +1,152 @@
+"""Spans (issue 24, section 1): a compact host copy of a sequence's cells over [start, end), restored
+onto a sequence that holds [0, start) with llama_state_seq_add_data (patch 0014), exactly.
+
+Exactness is checked on the bytes: a restored sequence's state (cells in position order, K and V of
+every layer) equals the original's byte for byte, on an F32 model with an F32 and an F16 cache, with
+V transposed (no flash attention) and not. Logits after a restore are compared too: the cells hold
+the same bytes, but they may sit elsewhere in the cache, and attention sums over cells in cache
+order, so the logits agree to F32 rounding (1e-5 here), not bitwise.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyllama_kv as pk
+from pyllama_kv.tools.gguf import make_tiny_model
+
+CONFIGS = {"f32": dict(type_k="f32", type_v="f32"), "f32-fa": dict(type_k="f32", type_v="f32", flash_attn=True),
+           "f16": dict(type_k="f16", type_v="f16"), "f16-fa": dict(type_k="f16", type_v="f16", flash_attn=True)}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    with pk.Model(tiny_model) as m:
+        yield m
+
+
+@pytest.fixture(params=list(CONFIGS))
+def ctx(request, model):
+    with model.context(n_ctx=256, n_seq_max=4, **CONFIGS[request.param]) as c:
+        yield c
+
+
+def tokens(model, n: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, model.n_vocab, n)]
+
+
+def test_snapshot_then_restore_onto_a_fork_of_the_prefix_is_byte_exact(model, ctx):
+    a = ctx.new_sequence()
+    a.extend(tokens(model, 40))
+    before = a.export_state().data
+    span = a.snapshot(16)
+    assert (span.start, span.end, len(span)) == (16, 40, 24) and span.tokens == tuple(a.tokens[16:])
+    b = a.fork(16)                                   # shares a's cells for [0, 16)
+    b.restore(span)
+    assert b.tokens == a.tokens
+    assert b.export_state().data == before           # K/V of every layer, byte for byte
+    nxt = tokens(model, 1, seed=1)
+    la, lb = a.extend(nxt), b.extend(nxt)
+    assert float(np.abs(la - lb).max()) < 1e-5
+    assert a.export_state().data[:len(before)] != b""  # a is untouched by b's restore
+    st = ctx.kv_stats()
+    assert st.used_cells == 16 + 2 * 25              # the prefix shared, each tail its own
+
+
+def test_page_out_and_back_in(model, ctx):
+    """What a prefix cache does with an idle tail: copy it out, free its cells, bring it back."""
+    a = ctx.new_sequence()
+    a.extend(tokens(model, 50, seed=2))
+    before = a.export_state().data
+    span = a.snapshot(20)
+    a.truncate(20)
+    assert ctx.kv_stats().used_cells == 20
+    a.restore(span)
+    assert a.export_state().data == before and len(a) == 50
+    fresh = ctx.new_sequence()
+    fresh.extend(a.tokens)
+    assert float(np.abs(a.logits() - fresh.logits()).max()) < 1e-4   # logits() recomputes the last token
+
+
+def test_split_and_merge_are_inverse_and_restore_piecewise(model, ctx):
+    a = ctx.new_sequence()
+    a.extend(tokens(model, 30, seed=3))
+    before = a.export_state().data
+    whole = a.snapshot()
+    head, tail = whole.split(12)
+    assert (head.start, head.end, tail.start, tail.end) == (0, 12, 12, 30)
+    assert head.merge(tail).data == whole.data and head.nbytes + tail.nbytes > whole.nbytes - 1
+    c = ctx.new_sequence()
+    c.restore(head)
+    c.restore(tail)
+    assert c.tokens == a.tokens and c.export_state().data == before
+    with pytest.raises(pk.InvalidInputError, match="not adjacent"):
+        tail.merge(head)
+    with pytest.raises(pk.InvalidInputError, match="strictly inside"):
+        whole.split(0)
+
+
+def test_a_bad_restore_leaves_the_sequence_as_it_was(model):
+    with model.context(n_ctx=64, n_seq_max=4, type_k="f32", type_v="f32") as ctx, \
+            model.context(n_ctx=64, n_seq_max=2, type_k="f16", type_v="f16") as other:
+        a = ctx.new_sequence()
+        a.extend(tokens(model, 20, seed=4))
+        span = a.snapshot(10)
+        before = a.export_state().data
+        for bad, err, match in ((span, pk.InvalidInputError, "goes on a sequence of 10 tokens; sequence"),
+                                ("span", pk.InvalidInputError, "needs a Span"),
+                                (a.snapshot(0, 5), pk.InvalidInputError, "goes on a sequence of 0 tokens")):
+            with pytest.raises(err, match=match):
+                a.restore(bad)
+            assert a.export_state().data == before
+        o = other.new_sequence()
+        o.extend(a.tokens[:10])
+        with pytest.raises(pk.InvalidInputError, match="other cache types"):
+            o.restore(span)
+        assert len(o) == 10 and other.kv_stats().used_cells == 10
+        # no room: 64 cells, 20 + 10 + 30 held; a 10-cell span does not fit after a's 20 + b's 30
+        b = ctx.new_sequence()
+        b.extend(tokens(model, 30, seed=5))
+        c = a.fork(10)
+        c.extend(tokens(model, 14, seed=6))
+        with pytest.raises(pk.KVCacheFullError):
+            d = a.fork(10)
+            d.restore(span)
+        assert a.export_state().data == before and len(d) == 10
+
+
+def test_the_c_call_refuses_a_position_the_sequence_holds_and_keeps_its_cells(model):
+    """llama_state_seq_add_data itself (below the Python checks): a span whose positions the
+    destination holds already is refused with 0, and the destination keeps every cell."""
+    with model.context(n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32") as ctx:
+        a = ctx.new_sequence()
+        a.extend(tokens(model, 20, seed=7))
+        before = a.export_state().data
+        span = a.snapshot(5, 15)
+        assert ctx._native.state_seq_add(span.data, a.id) == 0
+        assert a.export_state().data == before and ctx.kv_stats().used_cells == 20
+
+
+def test_a_span_of_another_model_is_refused(model, tmp_path):
+    other = make_tiny_model(tmp_path / "other.gguf", seed=9)
+    with pk.Model(other) as m2, m2.context(n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32") as c2, \
+            model.context(n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32") as c1:
+        s2 = c2.new_sequence()
+        s2.extend(tokens(model, 12))
+        span = s2.snapshot(4)
+        s1 = c1.new_sequence()
+        s1.extend(s2.tokens[:4])
+        with pytest.raises(pk.InvalidInputError, match="another model"):
+            s1.restore(span)
+
+
+def test_the_vanilla_library_says_it_cannot_restore(tiny_model):
+    with pk.Model(tiny_model, lib="vanilla") as m, m.context(n_ctx=64, n_seq_max=2) as ctx:
+        a = ctx.new_sequence()
+        a.extend(tokens(m, 12))
+        span = a.snapshot(6)
+        a.truncate(6)
+        with pytest.raises(pk.LibraryError, match="patch 0014"):
+            a.restore(span)
+        assert len(a) == 6 and ctx.kv_stats().used_cells == 6
