@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Restoring a span vs evaluating its tokens again, per token, side by side in one run.
+
+For each model: a sequence holds a prefix of ``--prefix`` tokens; its next ``--span`` tokens are
+(a) evaluated (``extend``, in the context's batches) and (b) copied out with ``snapshot`` and put
+back with ``restore`` (patch 0014's ``llama_state_seq_add_data``: a memcpy into free cells) after
+truncating the sequence to its prefix. Medians of ``--repeat`` runs; the ratio is (a) / (b restore).
+
+    .venv/bin/python scripts/bench_spans.py --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+import pyllama_kv as pk  # noqa: E402
+from pyllama_kv import catalogue  # noqa: E402
+
+
+def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None) -> dict:
+    model = pk.Model(catalogue.resolve(name))
+    rng = np.random.default_rng(0)
+    toks = [int(t) for t in rng.integers(10, min(model.n_vocab, 30000), prefix + span)]
+    evals, snaps, restores = [], [], []
+    with model.context(n_ctx=prefix + span + 16, n_seq_max=2, n_batch=512, n_threads=threads) as ctx:
+        s = ctx.new_sequence()
+        s.extend(toks[:prefix])
+        for _ in range(repeat):
+            t = time.perf_counter()
+            s.extend(toks[prefix:])
+            evals.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            sp = s.snapshot(prefix)
+            snaps.append(time.perf_counter() - t)
+            s.truncate(prefix)
+            t = time.perf_counter()
+            s.restore(sp)
+            restores.append(time.perf_counter() - t)
+            s.truncate(prefix)
+        nbytes = sp.nbytes
+    model.close()
+    med = statistics.median
+    return {"model": name, "prefix": prefix, "span_tokens": span, "span_bytes": nbytes,
+            "evaluate_ms_per_token": round(1e3 * med(evals) / span, 4),
+            "snapshot_ms_per_token": round(1e3 * med(snaps) / span, 4),
+            "restore_ms_per_token": round(1e3 * med(restores) / span, 4),
+            "evaluate_over_restore": round(med(evals) / med(restores), 1),
+            "evaluate_over_snapshot_plus_restore": round(med(evals) / (med(snaps) + med(restores)), 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m")
+    p.add_argument("--prefix", type=int, default=256)
+    p.add_argument("--span", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    rows = [measure(n, a.prefix, a.span, a.repeat, a.threads) for n in a.models.split(",")]
+    if a.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['model']:<24} evaluate {r['evaluate_ms_per_token']:.3f} ms/token, restore "
+                  f"{r['restore_ms_per_token']:.4f} ms/token ({r['evaluate_over_restore']}x), snapshot "
+                  f"{r['snapshot_ms_per_token']:.4f} ms/token; {r['span_bytes'] / 2**20:.1f} MiB for "
+                  f"{r['span_tokens']} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
