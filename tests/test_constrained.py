@@ -246,3 +246,41 @@ def test_logprobs_match_a_fresh_evaluation(model):
             direct = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
             assert abs(lp - direct[tok]) < 1e-3 and top[0][0] == tok   # greedy: the top one
             logits = seq.extend([tok])
+
+
+def test_masked_draws_are_those_of_the_chain_over_every_candidate(model):
+    """NativeSampler.apply leaves -inf (masked) candidates out (argpartition over tens of thousands of
+    tied -inf is ten times slower): the seeded draws equal the chain's over all n_vocab candidates."""
+    from pyllama_kv._native import kv as native_kv
+
+    def chain(top_k):
+        s = native_kv.NativeSampler(model._lib, model.n_vocab)
+        if top_k:
+            s.add_top_k(top_k)
+        s.add_top_p(0.9, 1)
+        s.add_temp(0.9)
+        s.add_dist(11)
+        return s
+
+    def apply_all(s, logits):   # every candidate, -inf included, as llama.cpp gets them
+        c = s._cand_np
+        c["id"], c["logit"], c["p"] = s._ids, logits, 0.0
+        a = s._arr
+        a.data, a.size, a.selected, a.sorted = s._cand, model.n_vocab, -1, False
+        s.L.llama_sampler_apply(s.ptr, a)
+        return int(a.data[a.selected].id)
+
+    rng = np.random.default_rng(2)
+    for top_k in (0, 3, 40, 5000):
+        fast, full = chain(top_k), chain(top_k)
+        try:
+            for _ in range(60):
+                logits = (rng.standard_normal(model.n_vocab) * 3).astype(np.float32)
+                logits[rng.random(model.n_vocab) < 0.999] = -np.inf
+                got, want = fast.apply(logits, top_k), apply_all(full, logits)
+                assert got == want and np.isfinite(logits[got])
+                fast.accept(got)
+                full.accept(want)
+        finally:
+            fast.free()
+            full.free()
