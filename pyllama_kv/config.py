@@ -173,8 +173,11 @@ class EngineConfig(_Config):
     were promised; otherwise it waits in a queue of at most ``max_queue`` requests (a full queue
     refuses new ones); a later request may overtake one that does not fit yet, a bounded number of
     times. Idle cached prefixes (``prefix_cache`` sequence ids) are evicted before a
-    request waits for cells. Preemption (a running continuation put back in the queue, resumed
-    later with its tokens so far) happens only when the cache fills beyond the reserves.
+    request waits for cells; an evicted prefix is paged out to at most ``cache_ram`` MiB of host
+    memory (a token trie of spans, a shared prefix stored once; patched library) and restored, not
+    evaluated, when a prompt comes back to it (0: dropped). Preemption (a running continuation put
+    back in the queue, resumed later with its tokens so far) happens only when the cache fills
+    beyond the reserves.
 
     Context shift and truncation (each also a per-request option of ``Engine.submit``): a
     continuation whose sequence reaches ``n_ctx`` keeps its first ``n_keep`` tokens, drops half of
@@ -187,6 +190,7 @@ class EngineConfig(_Config):
     n_ctx: int = 2048
     parallel: int = 8            # continuations generating at once (sequence ids for requests)
     prefix_cache: int = 4        # extra sequence ids that keep idle prompts for prefix reuse
+    cache_ram: int = 256         # MiB of host memory for idle prefixes paged out of the cache (0: dropped)
     n_batch: int = 512           # tokens per decode: one per generating sequence + prompt chunks
     n_ubatch: int = 512
     flash_attn: bool = False
@@ -211,6 +215,7 @@ class EngineConfig(_Config):
         if self.parallel + self.prefix_cache > 256:
             raise InvalidInputError("parallel + prefix_cache must be <= 256")
         object.__setattr__(self, "max_queue", _int("max_queue", self.max_queue, 0))
+        object.__setattr__(self, "cache_ram", _int("cache_ram", self.cache_ram, 0))
         object.__setattr__(self, "output_reserve", _int("output_reserve", self.output_reserve, 0))
         object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
         self.context()  # validates the context fields

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from ..context import Context
-from ..prefix import PrefixCache
+from .tier import PagingPrefixCache
 
 
 class KVCache(Protocol):
@@ -80,10 +80,11 @@ class ContextKV:
     """:class:`KVCache` over a :class:`~pyllama_kv.context.Context`: ``parallel`` ids for live
     sequences, the rest of the context's ids for a :class:`~pyllama_kv.prefix.PrefixCache`."""
 
-    def __init__(self, ctx: Context, parallel: int, prefix_cache: int):
+    def __init__(self, ctx: Context, parallel: int, prefix_cache: int, cache_ram: int = 0):
         self.ctx = ctx
         self.parallel = parallel
-        self.cache = PrefixCache(ctx, max_sequences=prefix_cache)
+        # evicted idle prefixes are paged out to a host tier of ``cache_ram`` MiB (0: dropped)
+        self.cache = PagingPrefixCache(ctx, prefix_cache, cache_ram)
         self._live = 0
 
     @property
@@ -106,6 +107,9 @@ class ContextKV:
     def start(self, tokens):
         seq, n = self.cache.fork_prefix(tokens)
         self._live += 1
+        # a longer prefix paged out to host memory is restored (a memcpy), not evaluated; the cells
+        # it takes were counted as prompt tokens to decode when the request was admitted
+        n += self.cache.restore_into(seq, tokens, len(tokens) - 1)
         return seq, n
 
     def fork(self, seq):
@@ -160,6 +164,10 @@ class ContextKV:
 
     def evict(self, keep_for=None) -> bool:
         return self.cache.evict(keep_for=keep_for)
+
+    def tier_stats(self) -> dict:
+        """The host tier's counters (pyllama_kv.engine.tier.TierStats, ``enabled``, ``off_reason``)."""
+        return self.cache.tier_stats()
 
     def logits_of(self, seq) -> np.ndarray:
         return seq.logits()

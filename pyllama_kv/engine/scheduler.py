@@ -135,7 +135,7 @@ class Engine:
         if kv is None:
             ctx = model.context(**config.context().context_kwargs())
             self._own_ctx = ctx
-            kv = ContextKV(ctx, config.parallel, config.prefix_cache)
+            kv = ContextKV(ctx, config.parallel, config.prefix_cache, config.cache_ram)
         self.kv = kv
         self.n_ctx = kv.n_cells
         # the batch within the context: a small context shrinks the batch to fit
