@@ -3,12 +3,15 @@ KV cache are paged out as spans to a token trie in host memory, restored (a memc
 evaluated when a prompt comes back, a shared prefix stored once, the bytes within ``cache_ram``."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 import pyllama_kv as pk
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig
 from pyllama_kv.engine.tier import SpanTrie
+from pyllama_kv.server.metrics import Snapshot, _EngineCollector
 
 F32 = dict(type_k="f32", type_v="f32")
 
@@ -64,6 +67,12 @@ def test_an_evicted_conversation_is_restored_not_evaluated_and_answers_the_same(
         assert evaluated_off >= 130, "without the tier the whole history is evaluated again"
         assert evaluated_on <= 12, "with it only the new message (and the last answer token) is"
         assert got == want
+        # the engine's stats and /metrics say so
+        assert eng_on.stats.as_dict()["prefix_tier"]["restored_tokens"] == st["restored_tokens"]
+        server = SimpleNamespace(snapshot=Snapshot.take(eng_on))
+        fams = {f.name: f.samples[0].value for f in _EngineCollector(server).collect() if f.samples}
+        assert fams["pyllama_kv_prefix_restored_tokens"] == st["restored_tokens"]
+        assert 0 < fams["pyllama_kv_prefix_host_bytes"] <= fams["pyllama_kv_prefix_host_budget_bytes"] == 16 << 20
     finally:
         eng_off.close()
         eng_on.close()
@@ -128,6 +137,7 @@ def test_the_vanilla_library_drops_evicted_prefixes(tiny_model, vanilla_lib):
         try:
             st = eng.kv.tier_stats()
             assert not st["enabled"] and "0014" in st["off_reason"] and st["page_outs"] == 0
+            assert eng.stats.as_dict()["prefix_tier"]["off_reason"] == st["off_reason"]
             assert evaluated >= 130 and got == want
         finally:
             eng_ref.close()

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from ..context import Context
-from .tier import PagingPrefixCache
+from .tier import PagingPrefixCache, TierStats
 
 
 class KVCache(Protocol):
@@ -168,6 +168,11 @@ class ContextKV:
     def tier_stats(self) -> dict:
         """The host tier's counters (pyllama_kv.engine.tier.TierStats, ``enabled``, ``off_reason``)."""
         return self.cache.tier_stats()
+
+    @property
+    def tier_info(self) -> TierStats:
+        """The host tier's live counters (the engine's ``stats.prefix_tier``)."""
+        return self.cache.tier_info
 
     def logits_of(self, seq) -> np.ndarray:
         return seq.logits()

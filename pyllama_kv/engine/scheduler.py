@@ -56,6 +56,7 @@ from ..prefix import shared_prefix
 from .detok import TextStream
 from .kv import ContextKV, KVCache
 from .request import FINISH_REASONS, Event, Request, RequestHandle
+from .tier import TierStats
 
 _LOOKAHEAD = 16        # waiting requests considered for admission per step
 _MAX_OVERTAKES = 8     # times the head of the queue may be overtaken before everything waits for it
@@ -83,6 +84,8 @@ class EngineStats:
     truncated_tokens: int = 0     # prompt tokens dropped by truncation
     rejected: int = 0             # submits refused with QueueFullError
     queue_peak: int = 0
+    # the KV layer's host tier of paged-out prefixes (live TierStats; None for a KV without one)
+    prefix_tier: TierStats | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -144,7 +147,7 @@ class Engine:
         self._piece = token_piece or (lambda t: model.token_to_piece(t))
         self._is_eog = is_eog or model.is_eog
         self._make_sampler = sampler_factory or self._default_sampler
-        self.stats = EngineStats()
+        self.stats = EngineStats(prefix_tier=getattr(kv, "tier_info", None))
         self._ids = itertools.count(1)
         self._admit_counter = itertools.count()
         self._inbox: deque = deque()           # ("submit", Request) | ("cancel", Request)

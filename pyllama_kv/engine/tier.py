@@ -17,7 +17,7 @@ nodes are a few percent more in Python objects).
 
 The tier needs the patched library (restoring a span adds cells to a sequence that keeps its own);
 on the vanilla one it is off and evicted prefixes are dropped, as before (``PagingPrefixCache.tier``
-is None and its ``tier_off`` says why).
+is None and its ``tier_info.off_reason`` says why).
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ from ..span import Span
 
 @dataclass
 class TierStats:
+    enabled: bool = False
+    off_reason: str = ""         # why the tier is off (cache_ram 0, or a library without patch 0014)
     budget_bytes: int = 0
     host_bytes: int = 0          # K/V bytes held by spans now (<= budget_bytes)
     host_tokens: int = 0         # tokens whose cells are paged out now
@@ -69,12 +71,13 @@ class _Node:
 class SpanTrie:
     """A token trie whose nodes own the Span of their tokens (see the module docstring)."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, stats: TierStats | None = None):
         self.budget = int(budget_bytes)
         self.root = _Node(0, (), None, None)
         self.nbytes = 0
         self._clock = itertools.count(1)
-        self.stats = TierStats(budget_bytes=self.budget)
+        self.stats = stats if stats is not None else TierStats()
+        self.stats.enabled, self.stats.budget_bytes = True, self.budget
 
     # -- walking --------------------------------------------------------------------------------
 
@@ -219,14 +222,14 @@ class PagingPrefixCache(PrefixCache):
     def __init__(self, ctx, max_sequences: int | None, cache_ram_mib: int):
         super().__init__(ctx, max_sequences=max_sequences)
         self.tier: SpanTrie | None = None
-        self.tier_off = ""
+        self.tier_info = TierStats()   # live: the engine's stats hold this object
         if cache_ram_mib <= 0:
-            self.tier_off = "cache_ram is 0"
+            self.tier_info.off_reason = "cache_ram is 0"
         elif not can_restore(ctx):
-            self.tier_off = ("the library has no llama_state_seq_add_data (patch 0014): evicted prefixes are "
-                             "dropped, not paged out")
+            self.tier_info.off_reason = ("the library has no llama_state_seq_add_data (patch 0014): evicted "
+                                         "prefixes are dropped, not paged out")
         else:
-            self.tier = SpanTrie(cache_ram_mib << 20)
+            self.tier = SpanTrie(cache_ram_mib << 20, self.tier_info)
 
     def _evict_one(self, keep=None) -> bool:
         if self.tier is not None:
@@ -266,8 +269,5 @@ class PagingPrefixCache(PrefixCache):
         return got
 
     def tier_stats(self) -> dict:
-        """The tier's counters (TierStats), plus ``enabled`` and, when off, why."""
-        d = self.tier.stats.as_dict() if self.tier is not None else TierStats().as_dict()
-        d["enabled"] = self.tier is not None
-        d["off_reason"] = self.tier_off
-        return d
+        """The tier's counters (TierStats.as_dict(): ``enabled`` and, when off, ``off_reason``)."""
+        return self.tier_info.as_dict()

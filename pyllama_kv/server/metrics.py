@@ -102,6 +102,19 @@ class _EngineCollector:
                           st["reused_tokens"])
             yield counter("completion_tokens", "tokens generated", st["generated_tokens"])
             yield counter("decode_calls", "llama_decode calls", st["decode_calls"])
+            tier = st.get("prefix_tier") or {}
+            if tier.get("enabled"):   # idle prefixes paged out to host memory (EngineConfig.cache_ram)
+                yield gauge("prefix_host_bytes", "K/V bytes of prefixes paged out to host memory",
+                            tier["host_bytes"])
+                yield gauge("prefix_host_budget_bytes", "the bound on those bytes (--cache-ram)", tier["budget_bytes"])
+                yield gauge("prefix_host_tokens", "tokens whose K/V is paged out to host memory", tier["host_tokens"])
+                yield counter("prefix_paged_out_tokens", "tokens paged out of the KV cache", tier["paged_out_tokens"])
+                yield counter("prefix_paged_out_bytes", "bytes paged out of the KV cache", tier["paged_out_bytes"])
+                yield counter("prefix_restores", "prompts that restored paged-out prefixes", tier["restores"])
+                yield counter("prefix_restored_tokens", "prompt tokens restored from host memory (not evaluated)",
+                              tier["restored_tokens"])
+                yield counter("prefix_host_evicted_bytes", "paged-out bytes dropped for the host budget",
+                              tier["evicted_bytes"])
         yield gauge("requests_running", "requests generating or evaluating their prompt", s.running_requests)
         yield gauge("sequences_running", "continuations holding a sequence", s.running_sequences)
         yield gauge("requests_queued", "requests waiting for admission", s.waiting)
