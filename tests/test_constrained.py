@@ -284,3 +284,25 @@ def test_masked_draws_are_those_of_the_chain_over_every_candidate(model):
         finally:
             fast.free()
             full.free()
+
+
+def test_run_json_schema_and_grammar_files(real_model, tmp_path):
+    from conftest import run_cli
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
+              "properties": {"answer": {"enum": ["yes", "no"]}}}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    r = run_cli(["run", "smollm2-135m-instruct", "--chat", "-p", "Is the sky blue?", "--json-schema",
+                 str(tmp_path / "s.json"), "-n", "40", "-t", "2", "--parallel", "2", "--json"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    texts = [o["text"] for o in out["outputs"]]
+    assert len(texts) == 2 and all(json.loads(t)["answer"] in ("yes", "no") for t in texts), out["outputs"]
+    (tmp_path / "g.gbnf").write_text('root ::= "A" [0-9] [0-9]\n')
+    r = run_cli(["run", "smollm2-135m-instruct", "-p", "Code:", "--grammar", str(tmp_path / "g.gbnf"), "-n", "10",
+                 "-t", "2", "--json"])
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch("A[0-9]{2}", json.loads(r.stdout)["outputs"][0]["text"]), r.stdout
+    (tmp_path / "bad.json").write_text('{"type": "strin"}')
+    r = run_cli(["run", "smollm2-135m-instruct", "-p", "x", "--json-schema", str(tmp_path / "bad.json")])
+    assert r.returncode != 0 and "strin" in r.stderr

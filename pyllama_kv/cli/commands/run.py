@@ -44,6 +44,10 @@ def register(subparsers) -> None:
     s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
     options.add(s, "n_threads", "type_k", "type_v", "rpc", "validate", "context_shift", "n_keep")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid against this JSON schema")
+    g.add_argument("--grammar", metavar="FILE",
+                   help="constrain the output to a grammar: GBNF (.gbnf), Lark (.lark) or a regex (.regex)")
 
 
 @dataclass
@@ -69,6 +73,7 @@ class RunSpec:
     validate: str | None = None    # --validate: how the GGUF is checked (None: the default)
     context_shift: bool = True     # --context-shift: go on past the end of the context
     n_keep: int | None = None      # --keep: tokens a context shift keeps (None: EngineConfig's)
+    grammar: object = None         # --json-schema / --grammar: a pyllama_kv.constrain.Grammar
 
 
 def read_prompt(prompt: str | None, file: str | None) -> bytes:
@@ -113,6 +118,15 @@ def run(args) -> int:
         from .chat import read_template
 
         template = read_template(args.template)
+    grammar = None
+    if args.json_schema or args.grammar:
+        from ...constrain import Grammar, GrammarError
+
+        try:
+            grammar = (Grammar.from_file(args.json_schema, "json_schema") if args.json_schema
+                       else Grammar.from_file(args.grammar))
+        except GrammarError as e:
+            raise CLIError(str(e)) from None
     set_phase("reading the prompt")
     prompt = read_prompt(args.prompt, args.file)
     return generate(RunSpec(model=args.model, prompt=prompt, params=params, n_predict=args.n_predict,
@@ -120,7 +134,7 @@ def run(args) -> int:
                             type_k=args.type_k, type_v=args.type_v, lib=args.lib, json=args.json,
                             chat=args.chat, system=args.system, template=template, template_file=args.template,
                             rpc=args.rpc, validate=args.validate, context_shift=args.context_shift,
-                            n_keep=args.n_keep))
+                            n_keep=args.n_keep, grammar=grammar))
 
 
 def engine_config(spec: RunSpec, n_ctx: int):
@@ -183,8 +197,16 @@ def _serve(spec: RunSpec, model, ctx, cfg, toks: list[int]) -> int:
     interrupted = None   # what Ctrl-C interrupted
     set_phase("evaluating the prompt")
     try:
+        grammar = None
+        if spec.grammar is not None:
+            from ...constrain import GrammarError, compile_grammar
+
+            try:
+                grammar = compile_grammar(model, spec.grammar)   # type: ignore[arg-type]
+            except GrammarError as e:
+                raise CLIError(str(e)) from None
         h = eng.submit(toks, spec.params, max_tokens=max(1, spec.n_predict), n=n, keep=False,  # type: ignore[arg-type]
-                       on_event=events.append)
+                       on_event=events.append, grammar=grammar)
         try:
             while not h.done:
                 eng.step()
