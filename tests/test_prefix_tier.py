@@ -142,3 +142,17 @@ def test_the_vanilla_library_drops_evicted_prefixes(tiny_model, vanilla_lib):
         finally:
             eng_ref.close()
             eng.close()
+
+
+def test_the_cache_ram_flag_maps_onto_the_engine_config():
+    import argparse
+
+    from pyllama_kv.cli import options
+    from pyllama_kv.cli.common import CLIError
+
+    p = argparse.ArgumentParser()
+    options.add(p, "cache_ram")
+    assert options.from_args(EngineConfig, p.parse_args([])).cache_ram == EngineConfig().cache_ram == 256
+    assert options.from_args(EngineConfig, p.parse_args(["--cache-ram", "0"])).cache_ram == 0
+    with pytest.raises(CLIError, match="--cache-ram"):
+        options.from_args(EngineConfig, p.parse_args(["--cache-ram", "-1"]))

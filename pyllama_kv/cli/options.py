@@ -98,6 +98,9 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "also the default (default {default})", metavar="N"),
     Flag(EngineConfig, "prefix_cache", ("--prefix-cache",), "idle cached sequences kept for prefix reuse "
          "(system prompts, conversations) (default {default})", metavar="N"),
+    Flag(EngineConfig, "cache_ram", ("--cache-ram",), "MiB of host memory for cached prefixes evicted from the KV "
+         "cache: paged out and restored (a memcpy) instead of evaluated again, a shared prefix stored once; 0: "
+         "dropped (default {default})", metavar="MiB"),
     Flag(EngineConfig, "context_shift", ("--context-shift",), "at the end of the context, keep the first --keep "
          "tokens, drop half of the rest and go on (on), or stop the answer (off) (default: on)", on_off,
          metavar="on|off"),

@@ -64,7 +64,7 @@ def register(subparsers) -> None:
                                 "model's n_ctx_train))".format(ctx=options.field_default(options.EngineConfig,
                                                                                         "n_ctx"))})
     s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
-    options.add(s, "n_threads", "rpc", "validate")
+    options.add(s, "n_threads", "rpc", "validate", "cache_ram")
     options.add(s, "context_shift", "n_keep", defaults={"n_keep": None},
                 helps={"n_keep": "tokens at the start that truncation and context shifts never drop "
                                  "(default: the system prompt's)"})
@@ -372,7 +372,7 @@ def run(args) -> int:
         template = ChatTemplate(model, source, args.template)
         n_ctx = args.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
         cfg = options.build(options.EngineConfig, n_ctx=n_ctx, parallel=1, prefix_cache=2, n_threads=args.n_threads,
-                            max_queue=1, max_tokens=args.n_predict, keep_finished=True,
+                            max_queue=1, max_tokens=args.n_predict, keep_finished=True, cache_ram=args.cache_ram,
                             context_shift=args.context_shift, truncate=args.context_shift,
                             **({} if args.n_keep is None else {"n_keep": args.n_keep}))
         set_phase("creating the context")
@@ -388,7 +388,7 @@ def run(args) -> int:
 def _session(args, model, ctx, cfg, conv: Conversation, params) -> int:
     from ...engine import ContextKV, Engine
 
-    kv = ContextKV(ctx, cfg.parallel, cfg.prefix_cache)
+    kv = ContextKV(ctx, cfg.parallel, cfg.prefix_cache, cfg.cache_ram)
     eng = Engine(model, cfg, kv=kv)
     sess = Session(model, ctx, kv, eng, conv, params, args.n_predict, args.json, context_shift=cfg.context_shift,
                    n_keep=args.n_keep)
