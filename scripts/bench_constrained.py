@@ -7,7 +7,10 @@
   matches a schema token by token.
 * ``engine``: tokens/s of the engine at ``--parallel`` streams (8) on the catalogue model, every
   stream constrained by a JSON schema vs unconstrained, same prompts and lengths (``ignore_eos``),
-  best of ``--repeat`` runs each; ``ratio`` = constrained / unconstrained (goal >= 0.9).
+  best of ``--repeat`` runs each, alternating; ``ratio`` = constrained / unconstrained (goal >= 0.9).
+  The decode time is reported apart from the sampling time (mask, draw, text) per token, and
+  ``ratio_same_decode`` is the ratio with both decodes at the faster one's time: on a shared machine
+  the decodes' time swings by several times between runs, the sampling side is what a grammar adds.
 
     .venv/bin/python scripts/bench_constrained.py [--parallel 8] [--tokens 64] [--threads N]
 """
@@ -69,6 +72,27 @@ def engine_rate(model, parallel: int, n_tokens: int, threads: int | None, repeat
     cfg = EngineConfig(n_ctx=4096, parallel=parallel, prefix_cache=0, n_threads=threads)
     out: dict = {}
     with Engine(model, cfg) as eng:
+        # the time in decode vs the time in sampling (mask, draw, detokenize): on a busy machine the
+        # decodes' time swings by several times, the sampling side is what constraints add
+        split = {"decode": 0.0, "sample": 0.0}
+        decode, sample = eng.kv.decode, eng._sample
+
+        def timed_decode(batch):
+            t = time.perf_counter()
+            try:
+                return decode(batch)
+            finally:
+                split["decode"] += time.perf_counter() - t
+
+        def timed_sample(slot):
+            t = time.perf_counter()
+            try:
+                return sample(slot)
+            finally:
+                split["sample"] += time.perf_counter() - t
+
+        eng.kv.decode = timed_decode          # type: ignore[method-assign]
+        eng._sample = timed_sample            # type: ignore[method-assign]
         for _ in range(repeat):
             for label, g in (("unconstrained", None), ("constrained", grammar)):
                 hs = [eng.submit(p, SamplingParams(temperature=0.8, seed=i, ignore_eos=True), max_tokens=n_tokens,
@@ -77,6 +101,7 @@ def engine_rate(model, parallel: int, n_tokens: int, threads: int | None, repeat
                 while any(s.prefilling for s in eng._slots) or eng._waiting or eng._inbox:
                     eng.step()
                 gen0 = eng.stats.generated_tokens
+                split["decode"] = split["sample"] = 0.0
                 t0 = time.perf_counter()
                 eng.run_until_idle()
                 dt = time.perf_counter() - t0
@@ -86,8 +111,14 @@ def engine_rate(model, parallel: int, n_tokens: int, threads: int | None, repeat
                 best = out.get(label)
                 if best is None or rate > best["tokens_per_s"]:
                     out[label] = {"tokens_per_s": round(rate, 1), "tokens": n, "seconds": round(dt, 2),
+                                  "decode_s": round(split["decode"], 2),
+                                  "sampling_ms_per_token": round(split["sample"] / n * 1e3, 3),
                                   "finish_reasons": reasons}
     out["ratio"] = round(out["constrained"]["tokens_per_s"] / out["unconstrained"]["tokens_per_s"], 3)
+    # the same ratio with both runs' decodes at the faster one's time: what the constraint itself costs
+    d = min(out["constrained"]["decode_s"], out["unconstrained"]["decode_s"])
+    per = {k: d + out[k]["sampling_ms_per_token"] * out[k]["tokens"] / 1e3 for k in ("constrained", "unconstrained")}
+    out["ratio_same_decode"] = round(per["unconstrained"] / per["constrained"], 3)
     out["parallel"] = parallel
     return out
 
@@ -98,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--skip-engine", action="store_true")
     args = ap.parse_args(argv)
     result: dict = {"mask": {}}
