@@ -17,7 +17,7 @@ import numpy as np
 from ._native import kv as _kv
 from .config import SamplingParams
 from .errors import InvalidInputError
-from .sampling import Sampler
+from .sampling import Sampler, add_sampling_stages
 
 
 def build_chain(lib, n_vocab: int, p: SamplingParams, seed: int, last_n: int) -> _kv.NativeSampler:
@@ -32,17 +32,7 @@ def build_chain(lib, n_vocab: int, p: SamplingParams, seed: int, last_n: int) ->
         native.add_logit_bias(bias)
     if p.frequency_penalty or p.presence_penalty or p.repeat_penalty != 1.0:
         native.add_penalties(last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
-    if p.greedy:
-        native.add_greedy()
-    else:
-        if p.top_k > 0:
-            native.add_top_k(p.top_k)
-        if p.top_p < 1.0:
-            native.add_top_p(p.top_p, 1)
-        if p.min_p > 0.0:
-            native.add_min_p(p.min_p, 1)
-        native.add_temp(p.temperature)
-        native.add_dist(min(seed & 0xFFFFFFFF, 0xFFFFFFFE))   # as Sampler: 0xFFFFFFFF is not "random"
+    add_sampling_stages(native, p, seed)
     return native
 
 

@@ -9,6 +9,24 @@ from .context import Context
 from .errors import InvalidInputError
 
 
+def add_sampling_stages(native: _kv.NativeSampler, p: SamplingParams, seed: int) -> None:
+    """The drawing end of a llama.cpp sampler chain for ``p`` (after any logit bias and penalties):
+    greedy, or top-k, top-p, min-p, temperature and a draw seeded with ``seed`` (taken modulo 2**32)."""
+    if p.greedy:
+        native.add_greedy()
+        return
+    if p.top_k > 0:
+        native.add_top_k(p.top_k)
+    if p.top_p < 1.0:
+        native.add_top_p(p.top_p, 1)
+    if p.min_p > 0.0:
+        native.add_min_p(p.min_p, 1)
+    native.add_temp(p.temperature)
+    # llama.cpp reads seed 0xFFFFFFFF (LLAMA_DEFAULT_SEED) as "draw a random seed": that one value is
+    # drawn with its neighbour's stream, so that every seed is reproducible
+    native.add_dist(min(seed & 0xFFFFFFFF, 0xFFFFFFFE))
+
+
 class Sampler(_kv.CResource):
     """A llama.cpp sampler chain. ``temp <= 0`` means greedy (argmax).
 
@@ -38,20 +56,8 @@ class Sampler(_kv.CResource):
         p = self.params
         self.temp, self.top_k, self.top_p, self.min_p, self.seed = p.temperature, p.top_k, p.top_p, p.min_p, p.seed
         native = _kv.NativeSampler(ctx.model._lib, self._n_vocab)
-        if p.greedy:
-            native.add_greedy()
-        else:
-            if p.top_k > 0:
-                native.add_top_k(p.top_k)
-            if p.top_p < 1.0:
-                native.add_top_p(p.top_p, 1)
-            if p.min_p > 0.0:
-                native.add_min_p(p.min_p, 1)
-            native.add_temp(p.temperature)
-            assert p.seed is not None   # always set above
-            # llama.cpp reads seed 0xFFFFFFFF (LLAMA_DEFAULT_SEED) as "draw a random seed": that one value is
-            # drawn with its neighbour's stream, so that every seed is reproducible
-            native.add_dist(min(p.seed, 0xFFFFFFFE))
+        assert p.seed is not None   # always set above
+        add_sampling_stages(native, p, p.seed)
         self._native = native
 
     _native: _kv.NativeSampler | None = None   # until built, and once closed
