@@ -33,11 +33,8 @@ MAX_ENTRIES = 512
 
 def sha256_file(path: str | os.PathLike) -> str:
     """The sha256 of ``path``'s bytes, read in 1 MiB chunks (no cache)."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return sha256_fd(f.fileno())
 
 
 def sha256_fd(fd: int) -> str:
@@ -81,22 +78,30 @@ def _key_path(key: str) -> str:
     return key.rsplit("|", 5)[0]
 
 
-def _store(index: dict[str, str]) -> None:
-    path = _index_path()
-    index = {k: v for k, v in index.items() if os.path.exists(_key_path(k))}
-    if len(index) > MAX_ENTRIES:
-        index = dict(list(index.items())[-MAX_ENTRIES:])
+def save_json(path: Path, obj) -> bool:
+    """Write ``obj`` as JSON to the cache file ``path`` atomically (a temporary file beside it, renamed
+    into place). Best effort: False when the cache is read-only or full, and no temporary file is
+    left behind; a reader then finds the old file or none, never a torn one."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".hashes-", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(index, f)
+            json.dump(obj, f)
         os.replace(tmp, path)
-    except OSError:   # a read-only or full cache: hash again next time, and leave no temporary file
+        return True
+    except OSError:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        return False
+
+
+def _store(index: dict[str, str]) -> None:
+    index = {k: v for k, v in index.items() if os.path.exists(_key_path(k))}
+    if len(index) > MAX_ENTRIES:
+        index = dict(list(index.items())[-MAX_ENTRIES:])
+    save_json(_index_path(), index)   # a read-only or full cache: hash again next time
 
 
 def cached_sha256(path: str | os.PathLike) -> str | None:

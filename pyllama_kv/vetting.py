@@ -51,12 +51,12 @@ which is where a lying file strikes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -141,22 +141,20 @@ def cached_verdict(path: str | os.PathLike, lib_path: str | os.PathLike, n_gpu_l
     file_sha, lib_sha = _filehash.cached_sha256(path), _filehash.cached_sha256(lib_path)
     if file_sha is None or lib_sha is None:
         return None
+    return _read_verdict(_verdict_path(file_sha, lib_sha, n_gpu_layers, use_mmap))
+
+
+def _read_verdict(vp: Path) -> Verdict | None:
+    """The verdict stored at ``vp`` (None: none, or not readable as one)."""
     try:
-        data = json.loads(_verdict_path(file_sha, lib_sha, n_gpu_layers, use_mmap).read_text())
-        return Verdict(**{**data, "cached": True})
+        return Verdict(**{**json.loads(vp.read_text()), "cached": True})
     except (OSError, ValueError, TypeError):
         return None
 
 
 def _store(vp: Path, verdict: Verdict) -> None:
-    try:
-        vp.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=vp.parent, prefix=".verdict-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({k: v for k, v in asdict(verdict).items() if k not in ("cached", "deterministic")}, f)
-        os.replace(tmp, vp)
-    except OSError:
-        pass   # a read-only cache: vet again next time
+    # a read-only cache: vet again next time
+    _filehash.save_json(vp, {k: v for k, v in asdict(verdict).items() if k not in ("cached", "deterministic")})
 
 
 def fd_path(fd: int) -> str:
@@ -179,9 +177,8 @@ def vet(path: str | os.PathLike, lib_path: str | os.PathLike, n_gpu_layers: int 
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
     vp = _verdict_path(file_sha, lib_sha, n_gpu_layers, use_mmap)
-    try:
-        verdict = Verdict(**{**json.loads(vp.read_text()), "cached": True})
-    except (OSError, ValueError, TypeError):
+    verdict = _read_verdict(vp)
+    if verdict is None:
         verdict = _run_child(path, lib_path, n_gpu_layers, use_mmap, timeout, fd)
         if verdict.deterministic:
             _store(vp, verdict)
@@ -196,27 +193,15 @@ def _run_child(path: Path, lib_path: str | os.PathLike, n_gpu_layers: int, use_m
     cmd = [sys.executable, "-m", "pyllama_kv.vetting", "--lib", os.fspath(lib_path), "--n-gpu-layers",
            str(n_gpu_layers), "--mmap", str(int(use_mmap)), fd_path(fd) if fd is not None else os.fspath(path)]
     t0 = time.perf_counter()
-    stage = "start"
     try:
         proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout,
                               start_new_session=True, pass_fds=(fd,) if fd is not None else ())
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or b""
-        for line in out.decode("utf-8", "replace").splitlines():
-            if line.startswith("stage "):
-                stage = line[6:]
+        stage, _ = _read_child(exc.stdout)
         return Verdict(False, f"the vetting run took longer than {timeout:g}s (at stage '{stage}')", "timeout",
                        seconds=time.perf_counter() - t0, deterministic=False)
     seconds = time.perf_counter() - t0
-    result: dict = {}
-    for line in proc.stdout.decode("utf-8", "replace").splitlines():
-        if line.startswith("stage "):
-            stage = line[6:]
-        elif line.startswith("{"):
-            try:
-                result = json.loads(line)
-            except ValueError:
-                pass
+    stage, result = _read_child(proc.stdout)
     if proc.returncode < 0:
         crash = -proc.returncode in {int(s) for s in _FILE_SIGNALS} and stage != "start"
         who = "llama.cpp was" if crash else "the vetting child was"
@@ -230,6 +215,18 @@ def _run_child(path: Path, lib_path: str | os.PathLike, n_gpu_layers: int, use_m
     # may not come back: vet again next time
     return Verdict(False, str(error), stage, seconds=seconds,
                    deterministic=stage == "load" and str(error).startswith("ModelLoadError"))
+
+
+def _read_child(stdout: bytes | None) -> tuple[str, dict]:
+    """The last stage the child started ("start" before the first) and its result line ({} if none)."""
+    stage, result = "start", {}
+    for line in (stdout or b"").decode("utf-8", "replace").splitlines():
+        if line.startswith("stage "):
+            stage = line[6:]
+        elif line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                result = json.loads(line)
+    return stage, result
 
 
 def _last_error_line(stderr: bytes) -> str:
