@@ -16,11 +16,15 @@ import struct
 import threading
 from collections.abc import Iterable, Sequence as _Seq
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._native import kv as _kv
 from .errors import InvalidInputError, LibraryError, LlamaError, ModelLoadError
+
+if TYPE_CHECKING:
+    from .tools.gguf_check import GGUFHeader
 
 INT32_MAX = 2**31 - 1
 # what the vocabulary functions return when llama.cpp threw an exception (patch 0005)
@@ -125,20 +129,22 @@ def _open_model_file(path: Path) -> int:
     return fd
 
 
-def _validate_gguf(path: Path, fd: int, level: str, lib: _kv.Library, n_gpu_layers: int, use_mmap: bool) -> None:
+def _validate_gguf(path: Path, fd: int, level: str, lib: _kv.Library, n_gpu_layers: int,
+                   use_mmap: bool) -> GGUFHeader:
     """Refuse (ModelLoadError) a file that would make llama.cpp abort or misbehave, before it sees it
     (``level`` "full" or "static"; see :mod:`pyllama_kv.vetting`): the static checks of
     pyllama_kv.tools.gguf_check (complete for dense llama models; structure, common hyperparameters
     and vocabulary for the others), then, at "full", a vetting run in a child process for a file the
     static checks could not validate completely (cached by the file's sha256). Reads the open file
-    ``fd`` (``path`` names it in messages)."""
-    from .tools.gguf_check import validate_gguf
+    ``fd`` (``path`` names it in messages); returns its header."""
+    from .tools.gguf_check import validated_header
 
-    if validate_gguf(path, fd) or level != "full":
-        return
-    from .vetting import vet
+    header, complete = validated_header(path, fd)
+    if not complete and level == "full":
+        from .vetting import vet
 
-    vet(path, lib.path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, fd=fd)
+        vet(path, lib.path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, fd=fd)
+    return header
 
 
 class Model(_kv.CResource):
@@ -199,14 +205,15 @@ class Model(_kv.CResource):
             fd = _open_model_file(self.path)
             load_path = Path(fd_path(fd))
         try:
+            header = None
             if fd is not None:
                 # a vetting child runs on this machine's devices (rpc endpoints serve one client at a time)
-                _validate_gguf(self.path, fd, level, self._lib, 0 if endpoints else n_gpu_layers, use_mmap)
+                header = _validate_gguf(self.path, fd, level, self._lib, 0 if endpoints else n_gpu_layers, use_mmap)
             native = self._load(load_path, n_gpu_layers, use_mmap, endpoints)
             # the identity a saved sequence state is checked against (the file as loaded now)
             from . import state as _state
 
-            _state.model_fingerprint(self, load_path)
+            _state.model_fingerprint(self, load_path, header)
         finally:
             if fd is not None:
                 os.close(fd)

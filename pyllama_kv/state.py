@@ -272,17 +272,19 @@ _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _fp_lock = threading.Lock()
 
 
-def _gguf_layout(path) -> tuple[int, list[int]]:
-    """(data offset, sorted tensor data offsets) of a GGUF file, read by the one GGUF reader
-    (pyllama_kv.tools.gguf_check); ValueError when it is not a GGUF that reader accepts."""
-    from .tools.gguf_check import read_gguf_header
+def _gguf_layout(path, header=None) -> tuple[int, list[int]]:
+    """(data offset, sorted tensor data offsets) of a GGUF file, from ``header`` (the file's, already
+    read) or read by the one GGUF reader (pyllama_kv.tools.gguf_check); ValueError when it is not a
+    GGUF that reader accepts."""
+    if header is None:
+        from .tools.gguf_check import read_gguf_header
 
-    header = read_gguf_header(path)
+        header = read_gguf_header(path)
     data_off = header.data_offset
     return data_off, sorted(data_off + t.offset for t in header.tensors if data_off + t.offset <= header.file_size)
 
 
-def _compute_fingerprint(path) -> str:
+def _compute_fingerprint(path, header=None) -> str:
     h = hashlib.sha256(b"pyllama-kv model fingerprint v1\0")
     with open(path, "rb") as f:
         size = f.seek(0, 2)
@@ -291,7 +293,7 @@ def _compute_fingerprint(path) -> str:
             return "sha256:" + h.hexdigest()
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
-                data_off, starts = _gguf_layout(path)
+                data_off, starts = _gguf_layout(path, header)
             except (ValueError, OSError):
                 # not a GGUF this parser reads: the first 16 MiB and 256 spread samples
                 data_off, starts = min(size, 16 << 20), [size * i // 256 for i in range(256)]
@@ -303,17 +305,18 @@ def _compute_fingerprint(path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def model_fingerprint(model, path=None) -> str:
+def model_fingerprint(model, path=None, header=None) -> str:
     """A fingerprint of ``model``'s GGUF file, computed once per Model and cached: SHA-256 of its
     size, header, metadata and tensor table, and of 1 KiB at the start, middle and end of each
     tensor's data. Two models of the same shape with different weights differ; the whole file is
     not read (a few KiB per tensor). ``path``: where to read the file the first time (the open file
-    the model was loaded from), else ``model.path``."""
+    the model was loaded from), else ``model.path``; ``header``: that file's GGUF header if it was
+    read already (validation reads it), so that it is not parsed twice."""
     with _fp_lock:
         fp = _fingerprints.get(model)
     if fp is None:
         try:
-            fp = _compute_fingerprint(model.path if path is None else path)
+            fp = _compute_fingerprint(model.path if path is None else path, header)
         except OSError as exc:
             raise LlamaError(f"cannot fingerprint the model file {model.path}: {exc}") from None
         with _fp_lock:

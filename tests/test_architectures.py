@@ -359,14 +359,14 @@ import os, sys
 import pyllama_kv as pk
 from pyllama_kv.tools import gguf_check
 path, bad = sys.argv[1], sys.argv[2]
-check = gguf_check.validate_gguf
+check = gguf_check.validated_header   # what Model's static checks call
 
 def check_then_swap(p, fd=None):
     ok = check(p, fd)
     os.replace(bad, path)          # the path now names a lying file: hashing, vetting and loading follow
     return ok
 
-gguf_check.validate_gguf = check_then_swap
+gguf_check.validated_header = check_then_swap
 m = pk.Model(path)
 print("loaded", m.n_head_kv, flush=True)
 with m.context(n_ctx=64, n_seq_max=1) as ctx:

@@ -435,6 +435,12 @@ def validate_gguf(path: str | os.PathLike, fd: int | None = None) -> bool:
 
     Reads the header and tensor table only (of the open file ``fd`` if given, ``path`` naming it).
     Reusable anywhere a file is about to reach llama.cpp."""
+    return validated_header(path, fd)[1]
+
+
+def validated_header(path: str | os.PathLike, fd: int | None = None) -> tuple[GGUFHeader, bool]:
+    """:func:`validate_gguf`, returning the header it read with the verdict (for a caller that needs
+    the header too: the model's fingerprint)."""
     path = Path(path)
     if fd is None and not path.exists():
         raise ModelLoadError(f"{path}: no such file")
@@ -446,7 +452,7 @@ def validate_gguf(path: str | os.PathLike, fd: int | None = None) -> bool:
         raise ModelLoadError(str(exc)) from None
     except (OSError, ValueError) as exc:   # ValueError: mmap of a file that shrank under us
         raise ModelLoadError(f"{path}: cannot read: {exc}") from None
-    return check_gguf_header(header)
+    return header, check_gguf_header(header)
 
 
 def check_gguf_header(header: GGUFHeader) -> bool:
