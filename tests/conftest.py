@@ -94,6 +94,36 @@ def write_unknown_arch_model(path: Path) -> Path:
     return path
 
 
+#: an F32 KV cache: with F32 weights, logits that do not depend on the batch shape (exactness tests)
+F32 = dict(type_k="f32", type_v="f32")
+
+
+def toks(n, seed=0, lo=3, hi=600):
+    """``n`` seeded random token ids in [lo, hi) (the tiny model's vocabulary)."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
+
+
+class KVWrapper:
+    """Wraps an engine KV layer (a KVCache, ContextKV, ...) for a test to watch: every attribute is
+    the wrapped one's, and a subclass overrides the calls it records."""
+
+    def __init__(self, kv):
+        self.kv = kv
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+    @property
+    def n_cells(self):
+        return self.kv.n_cells
+
+    @property
+    def n_seq_ids(self):
+        return self.kv.n_seq_ids
+
+
 def run_py(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})
@@ -114,18 +144,23 @@ def run_cli(args: list[str], timeout: int = 300, env: dict | None = None,
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT, input=input)
 
 
-@pytest.fixture(scope="session")
-def real_f32_model(real_model) -> Path:
-    """An F32 copy of the real model (every tensor dequantized; ~515 MiB), for exactness tests: F32
-    matmuls give the same logits whatever the batch shape, quantized ones do not. Built once into
+def f32_copy(model: Path) -> Path:
+    """An F32 copy of ``model`` (every tensor dequantized), for exactness tests: F32 matmuls give the
+    same logits whatever the batch shape, quantized ones do not. Built once into
     ~/.cache/pyllama-kv/models/derived/, named after the source's sha256, and reused."""
     from pyllama_kv import _paths
     from pyllama_kv._download import sha256_file
     from pyllama_kv.tools.gguf import make_f32_copy
 
-    digest = sha256_file(real_model)[:12]
-    out = _paths.cache_dir() / "models" / "derived" / f"{real_model.stem}-{digest}-f32.gguf"
+    digest = sha256_file(model)[:12]
+    out = _paths.cache_dir() / "models" / "derived" / f"{model.stem}-{digest}-f32.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        make_f32_copy(real_model, out, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        make_f32_copy(model, out, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     return out
+
+
+@pytest.fixture(scope="session")
+def real_f32_model(real_model) -> Path:
+    """An F32 copy of the real model (~515 MiB): see :func:`f32_copy`."""
+    return f32_copy(real_model)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import run_py, write_unknown_arch_model
+from conftest import run_py, toks, write_unknown_arch_model
 
 F32_ATOL = 1e-4  # f32 cache, no flash attention: observed differences are ~5e-6 (summation order)
 
@@ -43,10 +43,6 @@ def ref(model):
 
 def snapshot(ctx):
     return ({s.id: s.tokens for s in ctx.sequences}, ctx.kv_view()[0].tolist(), ctx.kv_view()[1].tolist())
-
-
-def toks(n, seed=0, lo=3, hi=600):
-    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
 
 
 # -- library and model ---------------------------------------------------------------------------

@@ -23,14 +23,13 @@ from __future__ import annotations
 import json
 import re
 import signal
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import run_cli, run_py
+from conftest import f32_copy, run_cli, run_py
 from pyllama_kv import vetting
 from pyllama_kv.engine import Engine, EngineConfig, SamplingParams
 from pyllama_kv.tools.gguf import inspect_gguf, make_tiny_model
@@ -289,16 +288,8 @@ def test_the_real_gemma3_runs_and_serves_by_path(gemma_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma_f32(gemma_model) -> Path:
-    """An F32 copy of Gemma 3 270M (~1 GiB), built once into the cache and reused."""
-    from pyllama_kv import _paths
-    from pyllama_kv._download import sha256_file
-    from pyllama_kv.tools.gguf import make_f32_copy
-
-    out = _paths.cache_dir() / "models" / "derived" / f"{gemma_model.stem}-{sha256_file(gemma_model)[:12]}-f32.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        make_f32_copy(gemma_model, out, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    return out
+    """An F32 copy of Gemma 3 270M (~1 GiB), built once into the cache and reused (conftest.f32_copy)."""
+    return f32_copy(gemma_model)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "gemma3", "gemma3-270m-f32"])

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import run_cli
+from conftest import F32, KVWrapper, run_cli, toks
 from pyllama_kv.config import EngineConfig, SamplingParams
 from pyllama_kv.engine import Engine, HoldingKV
 from pyllama_kv.engine.scheduler import truncate_prompt
 
-F32 = dict(type_k="f32", type_v="f32")
 GREEDY_ALL = SamplingParams(temperature=0.0, ignore_eos=True)
 # logits of the 1-layer f32 model after a K-shift vs a fresh evaluation: RoPE of an already rotated
 # key differs from RoPE at the new position by float rounding only (measured ~1e-6 of logits ~1)
@@ -26,29 +25,14 @@ TOL_KSHIFT = 1e-4
 TOL_REEVAL = 1e-5
 
 
-def toks(n, seed=0, lo=3, hi=600):
-    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
-
-
-class Recorder:
+class Recorder(KVWrapper):
     """Wraps a ContextKV: after every decode, each sequence's token list and next-token logits."""
 
     def __init__(self, kv):
-        self.kv = kv
+        super().__init__(kv)
         self.records: list[tuple[int, list[int], np.ndarray]] = []
         self.shifted: set[int] = set()          # sequence ids shifted since their last decode
         self.batches: list[int] = []
-
-    def __getattr__(self, name):
-        return getattr(self.kv, name)
-
-    @property
-    def n_cells(self):
-        return self.kv.n_cells
-
-    @property
-    def n_seq_ids(self):
-        return self.kv.n_seq_ids
 
     def shift(self, seq, n_keep, n_discard):
         self.shifted.add(seq.id)

@@ -10,14 +10,9 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
+from conftest import F32, KVWrapper, toks
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig, SamplingParams, TextStream
 from pyllama_kv.errors import KVCacheFullError, QueueFullError
-
-F32 = dict(type_k="f32", type_v="f32")
-
-
-def toks(n, seed=0, lo=3, hi=600):
-    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +33,12 @@ def greedy_run(model, prompt, n):
         return out
 
 
-class Spy:
+class Spy(KVWrapper):
     """Wraps a KVCache and records every decode batch as {seq: n_tokens}."""
 
     def __init__(self, kv):
-        self.kv = kv
+        super().__init__(kv)
         self.batches: list[dict] = []
-
-    def __getattr__(self, name):
-        return getattr(self.kv, name)
-
-    @property
-    def n_cells(self):
-        return self.kv.n_cells
-
-    @property
-    def n_seq_ids(self):
-        return self.kv.n_seq_ids
 
     def decode(self, batch):
         self.batches.append({s: len(t) for s, t in batch.items()})

@@ -14,14 +14,9 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import run_py
+from conftest import F32, run_py, toks
 
-F32 = dict(type_k="f32", type_v="f32")
 EXACT = 1e-3   # f32 noise of a 1-layer model is ~2e-6; one wrong cell moves logits by > 0.1
-
-
-def toks(n, seed=0, lo=3, hi=600):
-    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
 
 
 @pytest.fixture(scope="module")

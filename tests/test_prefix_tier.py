@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
+from conftest import F32, toks
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig
 from pyllama_kv.engine.tier import SpanTrie
 from pyllama_kv.server.metrics import Snapshot, _EngineCollector
-
-F32 = dict(type_k="f32", type_v="f32")
-
-
-def toks(n, seed=0, lo=3, hi=600):
-    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -25,14 +25,10 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import run_cli, run_py
+from conftest import run_cli, run_py, toks
 from pyllama_kv import model as M
 
 F32_ATOL = 1e-4
-
-
-def toks(n, seed=0, lo=3, hi=600):
-    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
 
 
 def free_port() -> int:
