@@ -477,25 +477,25 @@ def _join_filter():
     from jinja2.filters import make_attrgetter
     from jinja2.utils import pass_environment
 
-    @pass_environment
-    def join(environment, value, d="", attribute=None):
+    def collect(environment, value, attribute) -> list:
+        """The items of ``value`` (their ``attribute`` if given), one step counted per item."""
         if attribute is not None:
             value = map(make_attrgetter(environment, attribute), value)
         items = []
         for it in value:
             _tick()
             items.append(it)
+        return items
+
+    @pass_environment
+    def join(environment, value, d="", attribute=None):
+        items = collect(environment, value, attribute)
         _check(_join_size(str(d), items), "the result of |join")
         return str(d).join(map(str, items))
 
     @pass_environment
     def sum_(environment, iterable, attribute=None, start=0):
-        if attribute is not None:
-            iterable = map(make_attrgetter(environment, attribute), iterable)
-        items = []
-        for it in iterable:
-            _tick()
-            items.append(it)
+        items = collect(environment, iterable, attribute)
         if not isinstance(start, (int, float)):
             size = len(start) if hasattr(start, "__len__") else 0
             for it in items:
