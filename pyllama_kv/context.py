@@ -670,10 +670,7 @@ class Context(_kv.CResource):
                                         f"[{start}, {end})")
             self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
             data = self._read_seq_state(e.id)
-            p = _state.parse(data, max_cells=self.n_ctx)
-            order = np.argsort(p.pos, kind="stable")
-            if p.cell_count != n or not np.array_equal(p.pos[order], np.arange(n)):
-                raise LlamaError(f"sequence {e.id} has {n} tokens but its cells hold other positions: no span taken")
+            p, order = _state.position_order(data, n, e.id, self.n_ctx)
             return Span(start, tuple(e.tokens[start:end]), _state.select(data, p, order[start:end]), p.layout,
                         _state.model_fingerprint(self.model))
 

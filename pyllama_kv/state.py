@@ -341,18 +341,25 @@ def state_digest(tokens, data: bytes, model: str) -> str:
 # -- export and import --------------------------------------------------------------------------
 
 
-def export_state(data: bytes, tokens: list[int], seq_id: int, max_cells: int, model) -> SequenceState:
-    """The SequenceState of a sequence holding ``tokens``, from llama.cpp's state ``data`` of it (read
-    with no K-shift pending): its cells put in position order, the fingerprint of ``model`` and the
-    digest. LlamaError when the cells do not hold exactly positions 0..len(tokens)-1."""
+def position_order(data: bytes, n_tokens: int, seq_id: int, max_cells: int) -> tuple[ParsedState, np.ndarray]:
+    """llama.cpp's state ``data`` of sequence ``seq_id`` parsed, and the order that puts its cells in
+    position order. LlamaError when the cells do not hold exactly positions 0..n_tokens-1."""
     try:
         p = parse(data, max_cells=max_cells)
     except InvalidInputError as exc:
         raise LlamaError(f"llama.cpp's state of sequence {seq_id} is not in the expected format: {exc}") from None
     order = np.argsort(p.pos, kind="stable")
-    if p.cell_count != len(tokens) or not np.array_equal(p.pos[order], np.arange(len(tokens))):
-        raise LlamaError(f"sequence {seq_id} has {len(tokens)} tokens but its cells hold positions "
-                         f"{sorted(p.pos.tolist())[:12]}{'...' if p.cell_count > 12 else ''}: not exported")
+    if p.cell_count != n_tokens or not np.array_equal(p.pos[order], np.arange(n_tokens)):
+        raise LlamaError(f"sequence {seq_id} has {n_tokens} tokens but its cells hold positions "
+                         f"{sorted(p.pos.tolist())[:12]}{'...' if p.cell_count > 12 else ''}")
+    return p, order
+
+
+def export_state(data: bytes, tokens: list[int], seq_id: int, max_cells: int, model) -> SequenceState:
+    """The SequenceState of a sequence holding ``tokens``, from llama.cpp's state ``data`` of it (read
+    with no K-shift pending): its cells put in position order, the fingerprint of ``model`` and the
+    digest. LlamaError when the cells do not hold exactly positions 0..len(tokens)-1."""
+    p, order = position_order(data, len(tokens), seq_id, max_cells)
     if not np.array_equal(order, np.arange(p.cell_count)):
         data = reorder(data, p, order)
     fp = model_fingerprint(model)
