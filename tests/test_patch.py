@@ -64,6 +64,17 @@ def test_reapplying_is_a_no_op(fresh_tree):
     assert _digest(fresh_tree) == before
 
 
+def test_a_patch_applied_outside_the_tool_is_recorded(fresh_tree):
+    """The record of applied patches (what an sdist carries, and what undoes an edited series) says
+    what the tree holds: a patch the tree holds but the record lacks (applied by hand while it was
+    written) is recorded by the next apply, which applies nothing."""
+    P.apply(fresh_tree)
+    last = P.series()[-1]
+    (fresh_tree / P.RECORD / last.name).unlink()
+    assert P.apply(fresh_tree) == []
+    assert [p.name for p in P._recorded(fresh_tree)] == [p.name for p in P.series()]
+
+
 def test_reverse_restores_the_tree_byte_for_byte(fresh_tree):
     pristine = _digest(fresh_tree)
     P.apply(fresh_tree)

@@ -199,6 +199,13 @@ def _record(tree: Path, applied: list[Patch]) -> None:
             shutil.copy2(p.path, d / p.name)
 
 
+def _record_matches(tree: Path, held: list[Patch]) -> bool:
+    """Whether the record of ``tree`` is exactly ``held``: the same patches, byte for byte."""
+    rec = _recorded(tree)
+    return [p.name for p in rec] == [p.name for p in held] and \
+        all(a.path.read_bytes() == b.path.read_bytes() for a, b in zip(rec, held))
+
+
 def _undo_changed_series(tree: Path, st: SeriesState) -> bool:
     """If the tree holds an older version of the series (a patch was edited since), reverse it with
     the recorded copies. Returns True if it did."""
@@ -230,8 +237,11 @@ def apply(tree: Path | None = None, patches: list[Patch] | None = None) -> list[
     todo = patches[st.n_applied:]
     if todo:
         _apply_all(tree, todo, reverse=False)
-    if todo or not (Path(tree) / RECORD).is_dir():
-        _record(tree, patches[: st.n_applied + len(todo)])
+    # the record says what the tree holds, however it came to hold it (a patch applied by hand while
+    # it was written is found applied by the reverse-check, and recorded here)
+    held = patches[: st.n_applied + len(todo)]
+    if todo or not _record_matches(tree, held):
+        _record(tree, held)
     return [p.name for p in todo]
 
 
