@@ -20,6 +20,10 @@ def register(subparsers) -> None:
     s.add_argument("--fetch-cublas", action="store_true",
                    help="for --backend cuda when the toolkit lacks cuBLAS: download NVIDIA's nvidia-cublas wheel for "
                         "nvcc's CUDA version (about 400 MB) into ~/.cache/pyllama-kv with pip and build with it")
+    s.add_argument("--peer", action="store_true",
+                   help="build only the current llama.cpp's llama-server apart from our pinned tree "
+                        "(vendor/peer.pin.json: the newest llama-cpp-python sdist, hash-checked, cached in ~/.cache/pyllama-kv/peer), for the "
+                        "benchmarks that compare with the strongest peer")
     s.add_argument("--tools", action="store_true",
                    help="also build llama.cpp's llama-batched-bench and llama-server (for the benchmarks)")
     rpc = s.add_mutually_exclusive_group()
@@ -51,6 +55,13 @@ def _with_fetch(args, exc) -> bool:
 def run(args) -> int:
     from ...harness import build
     from ...harness.cuda import CublasMissing
+
+    if args.peer:
+        from ...harness.peer import build_peer
+
+        m = build_peer(jobs=args.jobs, force=args.force, log=log)
+        print_json(m) if args.json else print(m["server"])
+        return 0
 
     def go(fetch: bool) -> dict:
         return build.build(variant="vanilla" if args.vanilla else "patched", backend=args.backend, tools=args.tools,

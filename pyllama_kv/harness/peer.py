@@ -1,0 +1,123 @@
+"""The strongest peer, built apart: the *current* llama.cpp's ``llama-server`` (``pyllama-kv build --peer``).
+
+Serving and caching claims are measured against the newest llama.cpp the package index carries, not
+only the one at our pin. The newest llama-cpp-python sdist vendors it; ``vendor/peer.pin.json`` names
+that sdist with its sha256 and a fingerprint of the tree. This module fetches the archive with pip
+(hash-checked, cached in ``~/.cache/pyllama-kv/downloads``), unpacks the tree into
+``~/.cache/pyllama-kv/peer/<revision>/src`` (verified by the fingerprint), and builds only
+``llama-server`` there, statically linked (``BUILD_SHARED_LIBS=OFF``: it never loads our libllama),
+CPU only, no OpenSSL, no curl, with ggml's default CPU flags (as our builds). Nothing is patched.
+
+The result is recorded in ``~/.cache/pyllama-kv/peer/<revision>/manifest.json`` (pin, sha256, flags,
+binary path) and reused while the pin and flags are the same, so a second ``make`` or benchmark run
+builds nothing. Benchmarks find it with :func:`find_peer_server`. The runtime never imports this.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from .. import _paths
+from .._download import Log, stderr_log as _stderr
+from ..errors import HarnessError
+from . import vendor as _vendor
+
+TARGET = "llama-server"
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DGGML_CUDA=OFF",
+    "-DGGML_METAL=OFF",
+]
+
+
+class PeerError(HarnessError):
+    """The peer's source could not be had or built; the message says why."""
+
+
+def peer_pin_path(root: Path | None = None) -> Path:
+    root = root or _paths.checkout_root()
+    if root is None:
+        raise PeerError("the peer build is a benchmark tool of a checkout: run it from a clone of pyllama_kv")
+    return root / "vendor" / "peer.pin.json"
+
+
+def peer_dir(pin: _vendor.Pin) -> Path:
+    return _paths.cache_dir() / "peer" / pin.revision
+
+
+def _manifest_path(pin: _vendor.Pin) -> Path:
+    return peer_dir(pin) / "manifest.json"
+
+
+def read_manifest(root: Path | None = None) -> dict | None:
+    """The peer build's manifest, if it is built for the current pin and flags and its binary exists."""
+    try:
+        pin = _vendor.Pin.load(peer_pin_path(root))
+        m = json.loads(_manifest_path(pin).read_text())
+    except (OSError, ValueError, HarnessError):
+        return None
+    ok = (m.get("sha256") == pin.sha256 and m.get("cmake_flags") == CMAKE_FLAGS
+          and Path(m.get("server", "")).is_file())
+    return m if ok else None
+
+
+def find_peer_server(root: Path | None = None) -> Path | None:
+    """The current llama-server's path, or None when ``pyllama-kv build --peer`` has not built it."""
+    m = read_manifest(root)
+    return Path(m["server"]) if m else None
+
+
+def build_peer(jobs: int | None = None, force: bool = False, root: Path | None = None, log: Log = _stderr) -> dict:
+    """Fetch, verify, unpack and build the peer's llama-server (reused when up to date); its manifest."""
+    pin = _vendor.Pin.load(peer_pin_path(root))
+    if not force:
+        m = read_manifest(root)
+        if m is not None:
+            log(f"peer llama-server ({pin.package}=={pin.version}, llama.cpp {pin.revision}): up to date")
+            return m
+    if not shutil.which("cmake"):
+        raise PeerError("cmake was not found on PATH: install CMake 3.14 or newer (e.g. `pip install cmake`)")
+    base = peer_dir(pin)
+    src, bdir = base / "src", base / "build"
+    marker = _vendor.read_marker(src) or {}
+    if marker.get("sha256") != pin.sha256 or marker.get("fingerprint") != pin.fingerprint_sha256:
+        _vendor.unpack_pinned(pin, src, log)
+    t0 = time.monotonic()
+    base.mkdir(parents=True, exist_ok=True)
+    log_path = base / "build.log"
+    jobs = jobs or os.cpu_count() or 2
+    log(f"building the peer's {TARGET} (llama.cpp {pin.revision}, {pin.package}=={pin.version}) "
+        f"with {jobs} job(s); log: {log_path}")
+    with open(log_path, "w") as lf:
+        for cmd in (["cmake", "-S", str(src), "-B", str(bdir), *CMAKE_FLAGS],
+                    ["cmake", "--build", str(bdir), "--config", "Release", "-j", str(jobs), "--target", TARGET]):
+            lf.write(f"$ {' '.join(cmd)}\n")
+            lf.flush()
+            rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode
+            if rc != 0:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+                raise PeerError(f"the peer build failed (exit {rc}); last lines of {log_path}:\n{tail}")
+    server = bdir / "bin" / TARGET
+    if not server.is_file():
+        raise PeerError(f"the peer build finished but {server} is missing")
+    manifest = {
+        "project": "llama.cpp", "revision": pin.revision, "package": pin.package, "version": pin.version,
+        "sha256": pin.sha256, "fingerprint": pin.fingerprint_sha256, "cmake_flags": CMAKE_FLAGS,
+        "server": str(server.resolve()), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build_seconds": round(time.monotonic() - t0, 1), "log": str(log_path),
+    }
+    _manifest_path(pin).write_text(json.dumps(manifest, indent=2) + "\n")
+    log(f"peer llama-server built in {manifest['build_seconds']}s: {server}")
+    return manifest
