@@ -22,8 +22,8 @@ def register(subparsers) -> None:
                         "nvcc's CUDA version (about 400 MB) into ~/.cache/pyllama-kv with pip and build with it")
     s.add_argument("--peer", action="store_true",
                    help="build only the current llama.cpp's llama-server apart from our pinned tree "
-                        "(vendor/peer.pin.json: the newest llama-cpp-python sdist, hash-checked, cached in ~/.cache/pyllama-kv/peer), for the "
-                        "benchmarks that compare with the strongest peer")
+                        "(vendor/peer.pin.json: the newest llama-cpp-python sdist, hash-checked, cached in "
+                        "~/.cache/pyllama-kv/peer), for the benchmarks that compare with the strongest peer")
     s.add_argument("--tools", action="store_true",
                    help="also build llama.cpp's llama-batched-bench and llama-server (for the benchmarks)")
     rpc = s.add_mutually_exclusive_group()
