@@ -622,9 +622,12 @@ def _compile(source: str):
 
 
 def render_inline(source: str, messages: list[dict], add_generation_prompt: bool, bos_token: str, eos_token: str,
-                  limits: TemplateLimits = DEFAULT_LIMITS, seconds: float | None = None) -> str:
+                  limits: TemplateLimits = DEFAULT_LIMITS, seconds: float | None = None,
+                  tools: list | None = None) -> str:
     """Render in the calling thread with the caps above; :class:`TemplateFailure` on any failure.
-    ``seconds``: the deadline (default ``limits.time_limit``)."""
+    ``seconds``: the deadline (default ``limits.time_limit``). ``tools``: the template's ``tools``
+    variable (OpenAI-style function definitions, plain JSON data), None when the request has none
+    (transformers passes None too)."""
     import jinja2
 
     if len(source) > limits.max_template_chars:
@@ -633,7 +636,7 @@ def render_inline(source: str, messages: list[dict], add_generation_prompt: bool
     try:
         template = _compile(source)
         parts, n = [], 0
-        for chunk in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+        for chunk in template.generate(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                        bos_token=bos_token, eos_token=eos_token):
             n += len(chunk)
             if n > limits.max_output_chars:

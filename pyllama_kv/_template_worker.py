@@ -110,7 +110,8 @@ def main(argv: list[str]) -> None:
             limits = TemplateLimits(**req["limits"])
             _cpu_limit(resource, limits.time_limit + 2)
             text = sandbox.render_inline(req["source"], req["messages"], req["add_generation_prompt"],
-                                         req["bos_token"], req["eos_token"], limits, seconds=req["seconds"])
+                                         req["bos_token"], req["eos_token"], limits, seconds=req["seconds"],
+                                         tools=req.get("tools"))
             resp: dict = {"text": text}
         except TemplateFailure as e:
             resp = {"kind": e.kind, "detail": e.detail}
@@ -247,10 +248,10 @@ atexit.register(_POOL.close)
 
 
 def render(source: str, messages: list[dict], add_generation_prompt: bool, bos_token: str, eos_token: str,
-           limits: TemplateLimits) -> str:
+           limits: TemplateLimits, tools: list | None = None) -> str:
     """Render in a worker within ``limits.time_limit`` seconds: the text, or TemplateFailure
     (WorkerError if no worker could be started)."""
-    req = {"source": source, "messages": messages, "add_generation_prompt": add_generation_prompt,
+    req = {"source": source, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
            "bos_token": bos_token, "eos_token": eos_token, "limits": dataclasses.asdict(limits),
            "seconds": limits.time_limit * 0.9}   # the worker's own check, before the kill
     w = _POOL.acquire(limits)

@@ -50,7 +50,7 @@ from . import _template_sandbox, _template_worker
 from ._template_sandbox import TemplateFailure, TemplateLimits
 from .errors import InvalidInputError, LlamaError
 
-__all__ = ["Rendered", "TemplateLimits", "apply_chat_template", "chat_template", "check_messages",
+__all__ = ["Rendered", "TemplateLimits", "apply_chat_template", "chat_template", "check_messages", "check_tools",
            "get_template_limits", "read_chat_template", "render", "set_template_limits", "tokenize_rendered"]
 
 LIMITS_ENV = "PYLLAMA_KV_TEMPLATE_LIMITS"
@@ -177,8 +177,41 @@ def _token_text(model, token: int) -> str:
         return ""
 
 
+MAX_DEPTH = 64   # nesting of the data in messages and tools (tool schemas, call arguments)
+#: message keys besides role and content (what transformers' templates read for tool use)
+MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name")
+
+
+def _plain(x: Any, where: str, depth: int = 0) -> Any:
+    """``x`` copied as plain JSON data (dict with str keys, list, str, int, finite float, bool,
+    None); InvalidInputError naming ``where`` otherwise. What a template sees, and what travels to
+    the worker process."""
+    if depth > MAX_DEPTH:
+        raise InvalidInputError(f"{where} is nested more than {MAX_DEPTH} levels deep")
+    if x is None or isinstance(x, (str, bool, int)):
+        return str(x) if isinstance(x, str) else (x if isinstance(x, bool) or x is None else int(x))
+    if isinstance(x, float):
+        if x != x or x in (float("inf"), float("-inf")):
+            raise InvalidInputError(f"{where} must be finite, got {x!r}")
+        return float(x)
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise InvalidInputError(f"{where} has a key that is not a str: {k!r}")
+            out[str(k)] = _plain(v, f"{where}[{k!r}]", depth + 1)
+        return out
+    if isinstance(x, list):
+        return [_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
+    raise InvalidInputError(f"{where} must be JSON data (dict, list, str, number, bool, None), "
+                            f"got {type(x).__name__}")
+
+
 def check_messages(messages) -> list[dict]:
-    """``messages`` as plain dicts; InvalidInputError unless a list of {"role": str, "content": str}."""
+    """``messages`` as plain dicts; InvalidInputError unless a list of {"role": str, "content": str}
+    dicts, which may also carry what tool use needs: ``tool_calls`` (a list of dicts, as
+    transformers takes them: ``{"type": "function", "function": {"name", "arguments"}}``; then
+    ``content`` may be None), ``tool_call_id`` and ``name`` (str)."""
     if not isinstance(messages, list):
         raise InvalidInputError(f"messages must be a list of {{'role': str, 'content': str}} dicts, "
                                 f"got {type(messages).__name__}")
@@ -186,38 +219,63 @@ def check_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise InvalidInputError(f"messages[{i}] must be a dict, got {type(m).__name__}")
-        if set(m) != {"role", "content"}:
-            raise InvalidInputError(f"messages[{i}] must have exactly the keys 'role' and 'content', "
-                                    f"got {sorted(map(repr, m))}")
-        for k in ("role", "content"):
+        if not {"role", "content"} <= set(m) or not set(m) <= {"role", "content", *MESSAGE_EXTRAS}:
+            raise InvalidInputError(f"messages[{i}] must have the keys 'role' and 'content' (and optionally "
+                                    f"{', '.join(map(repr, MESSAGE_EXTRAS))}), got {sorted(map(repr, m))}")
+        calls = m.get("tool_calls")
+        for k in ("role", "content", "tool_call_id", "name"):
+            if k not in m or (k == "content" and m[k] is None and calls is not None):
+                continue
             if not isinstance(m[k], str):
                 raise InvalidInputError(f"messages[{i}][{k!r}] must be a str, got {type(m[k]).__name__}")
-        out.append({"role": str(m["role"]), "content": str(m["content"])})
+        msg: dict[str, Any] = {"role": str(m["role"]), "content": None if m["content"] is None else str(m["content"])}
+        if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise InvalidInputError(f"messages[{i}]['tool_calls'] must be a list of dicts")
+            msg["tool_calls"] = _plain(calls, f"messages[{i}]['tool_calls']")
+        for k in ("tool_call_id", "name"):
+            if k in m:
+                msg[k] = str(m[k])
+        out.append(msg)
     return out
 
 
+def check_tools(tools) -> list[dict] | None:
+    """``tools`` (the template's ``tools`` variable) as plain data: None, or a list of dicts."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidInputError("tools must be a list of dicts (OpenAI function definitions)")
+    return _plain(tools, "tools")
+
+
 def render(source: str, messages, add_generation_prompt: bool = True, *, bos_token: str = "",
-           eos_token: str = "", name: str = "the chat template", limits: TemplateLimits | None = None) -> str:
+           eos_token: str = "", name: str = "the chat template", limits: TemplateLimits | None = None,
+           tools: list | None = None) -> str:
     """Render the chat template ``source`` in the sandbox, in a worker process (see the module
-    docstring); ``limits`` default to :func:`get_template_limits`."""
+    docstring); ``limits`` default to :func:`get_template_limits`. ``tools``: the template's
+    ``tools`` variable (a list of OpenAI-style ``{"type": "function", "function": {...}}`` dicts),
+    None when there are none, as transformers passes it."""
     if not isinstance(add_generation_prompt, bool):
         raise InvalidInputError("add_generation_prompt must be a bool")
     msgs = check_messages(messages)
+    tools = check_tools(tools)
     if not isinstance(source, str):
         raise InvalidInputError(f"{name} must be a str, got {type(source).__name__}")
     limits = limits or get_template_limits()
     if len(source) > limits.max_template_chars:
         raise InvalidInputError(f"{name} is refused: {len(source)} characters, more than {limits.max_template_chars}")
-    key = hashlib.blake2b(json.dumps([source, msgs, add_generation_prompt, bos_token, eos_token,
+    key = hashlib.blake2b(json.dumps([source, msgs, tools, add_generation_prompt, bos_token, eos_token,
                                       dataclasses.astuple(limits)]).encode("ascii"), digest_size=20).digest()
     hit = _CACHE.get(key)
     if hit is None:
         try:
             if limits.isolate:
-                text = _template_worker.render(source, msgs, add_generation_prompt, bos_token, eos_token, limits)
+                text = _template_worker.render(source, msgs, add_generation_prompt, bos_token, eos_token, limits,
+                                               tools=tools)
             else:
                 text = _template_sandbox.render_inline(source, msgs, add_generation_prompt, bos_token, eos_token,
-                                                       limits)
+                                                       limits, tools=tools)
             hit = ("", text)
         except TemplateFailure as e:
             hit = (e.kind, e.detail)
@@ -329,14 +387,39 @@ def _placeholders(n: int, texts: list[str]) -> list[str]:
     raise InvalidInputError("the messages use every private-use character")  # pragma: no cover
 
 
+def _strings(x: Any):
+    """Every str in the plain data ``x``: values and dict keys."""
+    if isinstance(x, str):
+        yield x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _strings(v)
+
+
+def _map_strings(x: Any, f) -> Any:
+    if isinstance(x, str):
+        return f(x)
+    if isinstance(x, dict):
+        return {f(k): _map_strings(v, f) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_map_strings(v, f) for v in x]
+    return x
+
+
 def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, source: str | None = None,
-                        name: str | None = None) -> Rendered:
+                        name: str | None = None, tools: list | None = None) -> Rendered:
     """``model.apply_chat_template``: render the model's template with its own BOS/EOS texts; or,
     given ``source`` (a template from elsewhere, called ``name`` in errors), render that one with them.
+    ``tools`` is the template's ``tools`` variable (see :func:`render`).
 
-    The result is a :class:`Rendered`. Control-token text inside a message's role or content (say
-    ``<|im_end|>``, which the tokenizer would parse as the control token) is handed to the template as
-    a placeholder character (one the template, the messages and BOS/EOS do not contain), and each
+    The result is a :class:`Rendered`. Control-token text inside any string of the messages or the
+    tools (a role, a content, a tool call's arguments, a tool's description; say ``<|im_end|>``,
+    which the tokenizer would parse as the control token) is handed to the template as a placeholder
+    character (one the template, the messages, the tools and BOS/EOS do not contain), and each
     placeholder in the output is put back as the same text, marked plain: tokenize_rendered then
     tokenizes it as ordinary characters. Messages without control-token text (the usual case) are
     rendered as they are, so the text is byte for byte the template's. A template that inspects or
@@ -353,14 +436,16 @@ def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, 
     if not isinstance(add_generation_prompt, bool):
         raise InvalidInputError("add_generation_prompt must be a bool")
     msgs = check_messages(messages)
+    tools = check_tools(tools)
     bos, eos = _token_text(model, model.bos), _token_text(model, model.eos)
     name = name or "the chat template"
-    strings = {m[k] for m in msgs for k in ("role", "content") if m[k]}
+    strings = {x for x in _strings([msgs, tools]) if x}
     found = {s: _control_texts(model, s) for s in strings}
     texts = set().union(*[f for f in found.values() if f])
     whole = [s for s, f in found.items() if f is None]
     if not texts and not whole:
-        return Rendered(render(source, msgs, add_generation_prompt, bos_token=bos, eos_token=eos, name=name))
+        return Rendered(render(source, msgs, add_generation_prompt, bos_token=bos, eos_token=eos, name=name,
+                               tools=tools))
     ordered = sorted(texts, key=lambda t: (-len(t), t)) + sorted(whole)
     marks = _placeholders(len(ordered), [source, bos, eos, *strings])
     to_mark = dict(zip(ordered, marks))
@@ -371,8 +456,9 @@ def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, 
             return to_mark[s]
         return pattern.sub(lambda m: to_mark[m.group()], s) if pattern is not None and found.get(s) else s
 
-    marked = [{"role": mark(m["role"]), "content": mark(m["content"])} for m in msgs]
-    text = render(source, marked, add_generation_prompt, bos_token=bos, eos_token=eos, name=name)
+    marked = _map_strings(msgs, mark)
+    text = render(source, marked, add_generation_prompt, bos_token=bos, eos_token=eos, name=name,
+                  tools=_map_strings(tools, mark))
     back = dict(zip(marks, ordered))
     out, plain, pos = [], [], 0
     for piece in re.split("([" + "".join(marks) + "])", text):

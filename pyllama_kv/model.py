@@ -449,13 +449,15 @@ class Model(_kv.CResource):
 
         return chat.chat_template(self)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (a list of ``{"role": str, "content": str}``) with the model's chat
-        template, sandboxed as transformers does (see pyllama_kv.chat); InvalidInputError if the model
-        has none or the template fails or is refused."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *, tools: list | None = None) -> str:
+        """Render ``messages`` (a list of ``{"role": str, "content": str}``, which may carry
+        ``tool_calls``, ``tool_call_id`` and ``name`` too) with the model's chat template, sandboxed as
+        transformers does (see pyllama_kv.chat), ``tools`` (OpenAI function definitions) as the
+        template's ``tools`` variable; InvalidInputError if the model has none or the template fails
+        or is refused."""
         from . import chat
 
-        return chat.apply_chat_template(self, messages, add_generation_prompt)
+        return chat.apply_chat_template(self, messages, add_generation_prompt, tools=tools)
 
     # -- contexts -------------------------------------------------------------------------------
 
