@@ -1,4 +1,19 @@
-"""The exceptions of pyllama_kv's API. Every failure of a call is one of these (or TypeError)."""
+"""The exceptions of pyllama_kv. Every error of ours is a :class:`LlamaError`; a failure of an API call
+is one of these (or TypeError for an argument of the wrong type).
+
+The tree (the CLI's exit code for each: ``pyllama_kv.cli.main``)::
+
+    LlamaError
+      LibraryError          libllama missing, unloadable, or lacking a function
+      ModelLoadError        a model file refused or not loadable (catalogue.CatalogueError too)
+      GGUFFileError         not GGUF / truncated / unreadable values (also a ValueError)
+      InvalidInputError     bad input caught before C (also a ValueError; constrain.GrammarError too)
+      KVCacheFullError      no room in the KV cache
+      DecodeError           llama_decode failed otherwise
+      QueueFullError        the engine's admission queue is full
+      HarnessError          fetching, patching, building llama.cpp (VendorError, PatchError, BuildError)
+      cli.common.CLIError   the command line's own errors (UsageError: a wrong command line)
+"""
 from __future__ import annotations
 
 
@@ -11,9 +26,15 @@ class LibraryError(LlamaError):
 
 
 class ModelLoadError(LlamaError):
-    """The model file is missing, not GGUF, truncated, refused by validation (pyllama_kv.gguf_check:
+    """The model file is missing, not GGUF, truncated, refused by validation (pyllama_kv.tools.gguf_check:
     a hyperparameter, tensor or vocabulary llama.cpp would crash on, or an architecture other than
     llama), or one llama.cpp cannot load."""
+
+
+class GGUFFileError(LlamaError, ValueError):
+    """Not a GGUF file, a truncated or corrupt one, or one whose values have types that cannot be read
+    (pyllama_kv.gguf, the GGUF reader). Loading a model turns it into a ModelLoadError. It is also a
+    ValueError, as it was before it joined LlamaError, so that callers catching ValueError still do."""
 
 
 class InvalidInputError(LlamaError, ValueError):
@@ -33,6 +54,7 @@ class QueueFullError(LlamaError):
     """The engine's admission queue is full: try again later (a server answers 429)."""
 
 
-class HarnessError(Exception):
+class HarnessError(LlamaError):
     """Base class of the build harness's errors (fetching, patching and building llama.cpp:
-    VendorError, PatchError, BuildError). Not raised by the runtime API."""
+    VendorError, PatchError, BuildError). Not raised by the runtime API; a LlamaError like every
+    error of ours, so that one ``except LlamaError`` catches whatever pyllama_kv reports."""

@@ -24,7 +24,7 @@ from ._native import kv as _kv
 from .errors import InvalidInputError, LibraryError, LlamaError, ModelLoadError
 
 if TYPE_CHECKING:
-    from .tools.gguf_check import GGUFHeader
+    from .gguf import GGUFHeader
 
 INT32_MAX = 2**31 - 1
 # what the vocabulary functions return when llama.cpp threw an exception (patch 0005)

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from ._native.kv import GGML_TYPES
-from .errors import InvalidInputError, KVCacheFullError, LlamaError
+from .errors import GGUFFileError, InvalidInputError, KVCacheFullError, LlamaError
 
 _DIGEST_TAG = b"pyllama-kv sequence state v1\0"
 _TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
@@ -274,10 +274,10 @@ _fp_lock = threading.Lock()
 
 def _gguf_layout(path, header=None) -> tuple[int, list[int]]:
     """(data offset, sorted tensor data offsets) of a GGUF file, from ``header`` (the file's, already
-    read) or read by the one GGUF reader (pyllama_kv.tools.gguf_check); ValueError when it is not a
-    GGUF that reader accepts."""
+    read) or read by the one GGUF reader (pyllama_kv.gguf); GGUFFileError when it is not a GGUF
+    that reader accepts."""
     if header is None:
-        from .tools.gguf_check import read_gguf_header
+        from .gguf import read_gguf_header
 
         header = read_gguf_header(path)
     data_off = header.data_offset
@@ -294,8 +294,8 @@ def _compute_fingerprint(path, header=None) -> str:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
                 data_off, starts = _gguf_layout(path, header)
-            except (ValueError, OSError):
-                # not a GGUF this parser reads: the first 16 MiB and 256 spread samples
+            except (GGUFFileError, OSError):
+                # not a GGUF the reader accepts: the first 16 MiB and 256 spread samples
                 data_off, starts = min(size, 16 << 20), [size * i // 256 for i in range(256)]
             h.update(mm[:data_off])  # header, metadata, tensor table
             ends = starts[1:] + [size]

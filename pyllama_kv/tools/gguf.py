@@ -2,7 +2,8 @@
 model, and file inspection.
 
 None of them loads weights into llama.cpp: ``inspect_gguf`` reads the header and tensor table
-with :mod:`pyllama_kv.gguf_check`'s reader (memory-mapped, weights untouched).
+with the runtime's GGUF reader, :mod:`pyllama_kv.gguf` (memory-mapped, weights untouched), and
+checks it with :mod:`pyllama_kv.tools.gguf_check`.
 """
 from __future__ import annotations
 
@@ -13,16 +14,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ModelLoadError
-from .gguf_check import (
+from ..errors import GGUFFileError, InvalidInputError, ModelLoadError
+from ..gguf import (
     _INTEGER_TYPES,
     ARRAY as _ARRAY,
     STRING as _STRING,
-    GGUFFileError,
-    check_gguf_header,
     ggml_type_name,
     read_gguf_header,
 )
+from .gguf_check import check_gguf_header
 
 __all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_f32_copy", "make_tiny_model", "tiny_vocab"]
 
@@ -111,11 +111,11 @@ def make_tiny_model(
     import gguf
 
     if n_embd % n_head or n_head % n_head_kv:
-        raise ValueError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
+        raise InvalidInputError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
     if dtype not in ("f32", "f16"):
-        raise ValueError("dtype must be 'f32' or 'f16'")
+        raise InvalidInputError("dtype must be 'f32' or 'f16'")
     if arch not in ("llama", "qwen2", "gemma3") or vocab not in ("spm", "qwen"):
-        raise ValueError("arch must be 'llama', 'qwen2' or 'gemma3', vocab 'spm' or 'qwen'")
+        raise InvalidInputError("arch must be 'llama', 'qwen2' or 'gemma3', vocab 'spm' or 'qwen'")
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path.parent}: no such directory")
@@ -357,7 +357,7 @@ def kv_type_size(name: str) -> float:
     try:
         return _TYPE_SIZES[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown KV cache type {name!r}: one of {', '.join(_TYPE_SIZES)}") from None
+        raise InvalidInputError(f"unknown KV cache type {name!r}: one of {', '.join(_TYPE_SIZES)}") from None
 
 
 def _hparam(header, key: str):
@@ -408,7 +408,7 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
     The cache holds n_ctx cells shared by all sequences (llama.cpp's unified cache), so the total is
     per-token bytes * n_ctx; ``n_seqs`` is reported with the average room per sequence.
 
-    Reads the header and tensor table with :func:`pyllama_kv.gguf_check.read_gguf_header` (never the
+    Reads the header and tensor table with :func:`pyllama_kv.gguf.read_gguf_header` (never the
     weights). ``validation`` says how ``Model(path)`` checks the file: ``ok`` False with the ``error``
     for a refusal; ``level`` "static" for a file validated completely by the static checks (a dense
     llama model), "vetting" for one that gets a vetting run in a child process (another
@@ -421,12 +421,7 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
         raise GGUFFileError(f"{path}: is a directory, not a GGUF file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    try:
-        header = read_gguf_header(path)
-    except ValueError as exc:  # GGUFFileError; plain ValueError: mmap of a file that shrank
-        if isinstance(exc, GGUFFileError):
-            raise
-        raise GGUFFileError(f"{path}: cannot read: {exc}") from None
+    header = read_gguf_header(path)
     arch_kv = header.kv.get("general.architecture")
     arch = arch_kv.value if arch_kv is not None and arch_kv.type == _STRING else "?"
 
