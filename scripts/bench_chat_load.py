@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Many people chatting at once: `pyllama-kv serve` (host tier on and off) against llama-server at our
+pin and the *current* llama-server (``pyllama-kv build --peer``), one after another in one run. Prints JSON.
+
+The load (issue 24's): ``--conversations`` chats of ``--turns`` turns, each starting with its own
+document of ~``--doc-words`` words under one shared system prompt, served round-robin: turn t of
+every chat is sent (``--clients`` requests in flight), and a chat's next turn comes only after all the
+others have had theirs, so each conversation returns after the others have filled the cache. A turn's
+messages are the chat so far (the answers as the server gave them) plus a new question. Streaming,
+temperature 0, ``--max-tokens`` per answer.
+
+Every server gets the same KV cells (``--ctx``), slots (``--clients``) and threads:
+  * ``ours``         ``pyllama-kv serve --lib patched --cache-ram MiB`` (prefixes evicted from the KV
+                     cache are paged out to host memory and restored, not evaluated);
+  * ``ours-no-tier`` the same with ``--cache-ram 0`` (evicted prefixes are dropped);
+  * ``pin``          llama-server from our pinned, patched build (``build --tools``): ``-np C`` fixed slots
+                     of ctx/C cells, its per-slot prompt cache;
+  * ``current``      llama-server of the newest llama.cpp on the package index, ``-kvu`` (one unified
+                     cache of ctx cells) and ``--cache-ram MiB`` (evicted slots saved to host RAM).
+
+Reported per server: wall time, completion tokens/s, TTFT p50/p95 over all turns and over the later
+turns, prompt tokens sent / evaluated / served from cache (usage.prompt_tokens_details.cached_tokens,
+or llama-server's timings.prompt_n), the server process's peak RSS (VmHWM), errors; then the ratios
+of ours to each llama-server. Ratios are of runs made one after another here, so only they compare.
+
+    .venv/bin/python scripts/bench_chat_load.py [--quick] [--only ours,ours-no-tier,pin,current] ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_server import (  # noqa: E402
+    PEOPLE,
+    PLACES,
+    REASONS,
+    TIMES,
+    VERBS,
+    Server,
+    free_port,
+    llama_server_path,
+    one_request,
+    percentile,
+    pyllama_kv_cmd,
+    run_load,
+)
+
+from pyllama_kv import catalogue  # noqa: E402
+from pyllama_kv.config import default_threads  # noqa: E402
+from pyllama_kv.harness.peer import build_peer, find_peer_server  # noqa: E402
+from pyllama_kv.tools.bench import machine  # noqa: E402
+
+SERVERS = ("ours", "ours-no-tier", "pin", "current")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def document(rng: random.Random, words: int) -> str:
+    out: list[str] = []
+    while len(out) < words:
+        out += (f"{rng.choice(PEOPLE).capitalize()} {rng.choice(VERBS)} the {rng.choice(PLACES)} "
+                f"{rng.choice(TIMES)}, {rng.choice(REASONS)}.").split()
+    return " ".join(out[:words])
+
+
+def follow_up(rng: random.Random, turn: int) -> str:
+    return (f"Question {turn + 1}: according to the notes, who {rng.choice(VERBS)} the {rng.choice(PLACES)}, "
+            f"and when?")
+
+
+def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
+    common = ["-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx),
+              "-np", str(args.clients), "-t", str(args.threads), "-tb", str(args.threads),
+              "-b", "512", "-ub", "512", "-ngl", "0", "--metrics", "--no-webui"]
+    if name == "pin":
+        return [str(llama_server_path()), *common, "-cb"]
+    if name == "current":
+        exe = find_peer_server()
+        assert exe is not None
+        return [str(exe), *common, "-kvu", "--cache-ram", str(args.cache_ram)]
+    ram = args.cache_ram if name == "ours" else 0
+    return [*pyllama_kv_cmd(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--ctx", str(args.ctx), "--parallel", str(args.clients), "--threads", str(args.threads),
+            "--batch", "512", "--lib", "patched", "--cache-ram", str(ram)]
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: Path) -> dict:
+    port = free_port()
+    cmd = server_cmd(name, model, port, args)
+    print(f"{name}: starting {' '.join(cmd)}", file=sys.stderr)
+    srv = Server(name, cmd, port, log_dir)
+    rng = random.Random(args.seed + 7)
+    per_turn: list[list[dict]] = []
+    t_wall = 0.0
+    with srv:
+        model_id = srv.model_id()
+        with httpx.Client() as c:   # one tiny request first: no server's first-request setup counts
+            one_request(c, srv.url, model_id, [{"role": "user", "content": "Hello"}], 1)
+        histories = [list(m) for m in chats]
+        for turn in range(args.turns):
+            if turn:
+                for h in histories:
+                    h.append({"role": "user", "content": follow_up(rng, turn)})
+            results, wall = run_load(srv.url, model_id, histories, args.clients, args.max_tokens,
+                                     f"{name} turn {turn + 1}")
+            t_wall += wall
+            for h, r in zip(histories, results):
+                h.append({"role": "assistant", "content": r["text"]})
+            per_turn.append(results)
+        rss = peak_rss_mib(srv.proc.pid) if srv.proc else None
+        log_tail = srv.log_tail(3)
+    allr = [r for turn in per_turn for r in turn]
+    ok = [r for r in allr if r["error"] is None]
+    later = [r for turn in per_turn[1:] for r in turn if r["error"] is None]
+
+    def p(xs: list[float], q: float) -> float | None:
+        v = percentile(xs, q)
+        return None if v is None else round(v, 3)
+
+    prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+    if ok and all(r["cached_tokens"] is not None for r in ok):
+        cached = sum(r["cached_tokens"] for r in ok)
+    elif ok and all(r["prompt_n"] is not None for r in ok):
+        cached = prompt - sum(r["prompt_n"] for r in ok)
+    else:
+        cached = None
+    completion = sum(r["completion_tokens"] if r["completion_tokens"] is not None else r["chunks"] for r in ok)
+    return {
+        "server": name, "requests": len(allr), "errors": len(allr) - len(ok),
+        "error_samples": sorted({r["error"] for r in allr if r["error"]})[:3],
+        "wall_s": round(t_wall, 1), "completion_tokens": completion,
+        "completion_tps": round(completion / t_wall, 2) if t_wall else None,
+        "ttft_p50_s": p([r["ttft"] for r in ok], 0.5), "ttft_p95_s": p([r["ttft"] for r in ok], 0.95),
+        "later_ttft_p50_s": p([r["ttft"] for r in later], 0.5),
+        "later_ttft_p95_s": p([r["ttft"] for r in later], 0.95),
+        "prompt_tokens": prompt, "prompt_cached": cached,
+        "prompt_evaluated": None if cached is None else prompt - cached,
+        "peak_rss_mib": rss, "log_tail": log_tail if len(allr) != len(ok) else None,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"catalogue name or GGUF path (default {DEFAULT_MODEL})")
+    ap.add_argument("--conversations", type=int, default=24, help="chats (default 24)")
+    ap.add_argument("--turns", type=int, default=4, help="turns per chat (default 4)")
+    ap.add_argument("--doc-words", type=int, default=250, help="words of each chat's own document (default 250)")
+    ap.add_argument("--clients", type=int, default=4, help="requests in flight, and every server's slots (default 4)")
+    ap.add_argument("--ctx", type=int, default=4096, help="KV cells of every server (default 4096)")
+    ap.add_argument("--cache-ram", type=int, default=1024,
+                    help="MiB of host memory for evicted prefixes, ours and current (default 1024)")
+    ap.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each answer (default 24)")
+    ap.add_argument("-t", "--threads", type=int, default=default_threads(), help="CPU threads of every server")
+    ap.add_argument("--only", default=",".join(SERVERS), help=f"servers, of {','.join(SERVERS)} (default all)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--quick", action="store_true", help="a small load (a smoke run, not a measurement)")
+    ap.add_argument("--json", action="store_true", help="compact JSON")
+    args = ap.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if not only or any(s not in SERVERS for s in only):
+        ap.error(f"--only takes a comma-separated list of {', '.join(SERVERS)}")
+    if args.quick:
+        args.conversations, args.turns, args.doc_words, args.max_tokens, args.ctx = 6, 2, 60, 8, 1024
+    if min(args.conversations, args.turns, args.doc_words, args.clients, args.ctx, args.max_tokens) < 1:
+        ap.error("--conversations, --turns, --doc-words, --clients, --ctx and --max-tokens must be >= 1")
+    if "current" in only and find_peer_server() is None:
+        print("current: the peer llama-server is not built; building it (`pyllama-kv build --peer`) ...",
+              file=sys.stderr)
+        build_peer(log=lambda m: print(m, file=sys.stderr))
+    model_path = catalogue.resolve(args.model)
+    rng = random.Random(args.seed)
+    system = ("You are a careful assistant. Answer each question in one short sentence, using only the "
+              "notes the user gives you.")
+    chats = [[{"role": "system", "content": system},
+              {"role": "user", "content": f"Notes:\n{document(rng, args.doc_words)}\n\n{follow_up(rng, 0)}"}]
+             for _ in range(args.conversations)]
+    out: dict = {
+        "benchmark": "chat-load", "machine": machine(), "date": time.strftime("%Y-%m-%d"), "model": str(model_path),
+        "settings": {k: getattr(args, k) for k in ("conversations", "turns", "doc_words", "clients", "ctx",
+                                                   "cache_ram", "max_tokens", "threads", "seed")},
+        "peer": (lambda p: str(p) if p else None)(find_peer_server()),
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in only:
+            try:
+                row = run_server(name, model_path, args, chats, Path(tmp))
+            except RuntimeError as exc:
+                row = {"server": name, "errors": args.conversations * args.turns, "started": False,
+                       "error_samples": [str(exc)[:500]]}
+            out["rows"].append(row)
+            print(f"{name}: {json.dumps({k: row.get(k) for k in ('wall_s', 'completion_tps', 'later_ttft_p95_s', 'prompt_evaluated', 'prompt_cached', 'peak_rss_mib', 'errors')})}",  # noqa: E501
+                  file=sys.stderr)
+    by = {r["server"]: r for r in out["rows"]}
+    ratios = {}
+    for ref in ("pin", "current", "ours-no-tier"):
+        a, b = by.get("ours"), by.get(ref)
+        if a and b and a.get("wall_s") and b.get("wall_s"):
+            ratios[f"ours/{ref}"] = {
+                "completion_tps": round(a["completion_tps"] / b["completion_tps"], 3),
+                "later_ttft_p95": (round(a["later_ttft_p95_s"] / b["later_ttft_p95_s"], 3)
+                                   if a.get("later_ttft_p95_s") and b.get("later_ttft_p95_s") else None),
+                "wall": round(a["wall_s"] / b["wall_s"], 3),
+            }
+    out["ratios"] = ratios
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
