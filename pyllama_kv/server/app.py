@@ -41,7 +41,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..chat import tokenize_rendered
+from .. import toolcall
+from ..chat import chat_template, tokenize_rendered
 from ..constrain import GrammarError, compile_grammar
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from . import protocol
@@ -110,7 +111,7 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app) -> AsyncIterator[None]:
-        self.engine.start(on_step=self.publish)
+        self.engine.start()
         try:
             yield
         finally:
@@ -122,10 +123,6 @@ class Server:
             self._grace.cancel()
             self._grace.join()
         self.engine.close()
-
-    def publish(self, engine) -> None:
-        """On the engine thread, after every step: the snapshot /metrics and /health read."""
-        self.snapshot = Snapshot.take(engine)
 
     def begin_shutdown(self) -> None:
         """The first SIGINT/SIGTERM: refuse new requests; cancel what still runs after the grace time."""
@@ -209,9 +206,9 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         ok = self.engine.alive and not self.shutting_down
-        s = self.snapshot
-        return JSONResponse({"status": "ok" if ok else "unavailable", "requests_running": s.running_requests,
-                             "requests_queued": s.waiting}, status_code=200 if ok else 503)
+        eng = self.engine   # (two counts: no need to wait for a step to end)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "requests_running": eng.running_requests,
+                             "requests_queued": eng.waiting}, status_code=200 if ok else 503)
 
     def _model_object(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pyllama-kv"}
@@ -224,6 +221,7 @@ class Server:
         return JSONResponse(self._model_object())
 
     async def metrics_text(self, request: Request) -> Response:
+        self.snapshot = await Snapshot.ask(self.engine)   # taken by the engine between two steps
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
     async def chat(self, request: Request) -> Response:
@@ -253,6 +251,8 @@ class Server:
             compiled = compile_grammar(self.model, g)
         except GrammarError as e:
             param = req.grammar_param or "grammar"
+            if param == "tools":
+                raise protocol.bad("tools", f"the tools' parameter schemas cannot be compiled: {e}") from None
             if param == "response_format" and g.kind == "json_schema":
                 param = "response_format.json_schema.schema"
             raise protocol.bad(param, str(e)) from None
@@ -264,8 +264,12 @@ class Server:
 
     def _prepare(self, req: GenRequest) -> tuple[list[int], object]:
         """The prompt's token ids and the compiled grammar (on a worker thread: rendering, tokenizing
-        and compiling take a while)."""
-        return self._tokens(req), self._compile(req)
+        and compiling take a while). With tools, the grammar that forces or shapes a call."""
+        toks = self._tokens(req)
+        g = toolcall.grammar(req.tool_format, req.tools) if req.kind == "chat" else None
+        if g is not None:
+            req.grammar, req.grammar_param = g, "tools"
+        return toks, self._compile(req)
 
     def _tokens(self, req: GenRequest) -> list[int]:
         """The prompt's token ids."""
@@ -273,7 +277,9 @@ class Server:
         param = "messages" if req.kind == "chat" else "prompt"
         try:
             if req.kind == "chat":
-                return tokenize_rendered(m, m.apply_chat_template(req.prompt))
+                req.tool_format = toolcall.detect_format(chat_template(m))
+                msgs, tools = toolcall.prepare(req.tool_format, req.tools, req.prompt)
+                return tokenize_rendered(m, m.apply_chat_template(msgs, tools=tools))
             if isinstance(req.prompt, str):
                 return m.tokenize(req.prompt, add_bos=True, special=True)
             return m.check_tokens(req.prompt).tolist()
@@ -360,6 +366,9 @@ class Server:
         that goes away cancels the request (starlette cancels this generator)."""
         open_ = req.n
         offsets = [0] * req.n   # characters streamed per continuation (the completions' text_offset)
+        # with tools: text that may be a call is held back until the continuation ends, then parsed
+        parsers = [toolcall.StreamParser(req.tool_format, req.tools) for _ in range(req.n)] \
+            if req.kind == "chat" and req.tools is not None and req.tools.active else None
         try:
             if req.kind == "chat":
                 for i in range(req.n):
@@ -372,15 +381,25 @@ class Server:
                     assert err is not None
                     yield _sse(err.body())
                     break
+                text = ev.text if parsers is None else parsers[ev.index].feed(ev.text)
                 if ev.logprobs:
                     lp = protocol.logprobs_json(req, ev.logprobs, self._piece, offsets[ev.index])
-                    yield _sse(protocol.chunk(req, ev.index, ev.text, logprobs=lp))
-                elif ev.text:
-                    yield _sse(protocol.chunk(req, ev.index, ev.text))
+                    yield _sse(protocol.chunk(req, ev.index, text, logprobs=lp))
+                elif text:
+                    yield _sse(protocol.chunk(req, ev.index, text))
                 offsets[ev.index] += len(ev.text)
                 if ev.finish_reason is not None:
                     open_ -= 1
-                    yield _sse(protocol.chunk(req, ev.index, None if req.kind == "chat" else "", ev.finish_reason))
+                    finish = ev.finish_reason
+                    if parsers is not None:
+                        rest, calls = parsers[ev.index].finish()
+                        if rest:
+                            yield _sse(protocol.chunk(req, ev.index, rest))
+                        for delta in protocol.tool_call_deltas(calls):
+                            yield _sse(protocol.chunk(req, ev.index, None, tool_calls=delta))
+                        if calls:
+                            finish = "tool_calls"
+                    yield _sse(protocol.chunk(req, ev.index, None if req.kind == "chat" else "", finish))
             else:
                 self._observe(handle, t0)
                 if req.include_usage:

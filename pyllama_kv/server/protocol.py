@@ -1,9 +1,17 @@
 """The OpenAI wire format: request bodies checked into a :class:`GenRequest`, and the JSON of
 responses, stream chunks and errors.
 
-Unknown fields are ignored, as OpenAI does; known ones with a bad value get HTTP 400 with OpenAI's
-error object, naming the field in ``param``. Fields OpenAI has but this server cannot honour
-(``echo``, ``suffix``, image parts, ...) get 400 too rather than being silently dropped.
+Every field is either honoured or refused: a known field with a bad value, a field OpenAI has but
+this server cannot honour (``echo``, ``suffix``, ``audio``, ``prediction``, image parts, ...) and an
+unknown field all get HTTP 400 with OpenAI's error object, naming the field in ``param`` (nothing is
+silently dropped). Accepted and without effect: ``user`` and ``safety_identifier`` (identifiers for
+the caller's own records), ``store: false``, ``service_tier`` auto/default, ``modalities: ["text"]``,
+``stream_options.include_obfuscation``; and ``null`` for any field means absent.
+
+Tool calls: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (checked by
+pyllama_kv.toolcall, which also renders, forces and parses the calls); assistant messages with
+``tool_calls`` (their ``arguments`` JSON text handed to the template as an object, as transformers'
+templates expect) and ``tool`` messages (``tool_call_id`` required) in the history.
 
 Structured output: ``response_format`` ``{"type": "json_schema", "json_schema": {"name", "schema",
 "strict"}}`` or ``{"type": "json_object"}`` constrains the output with a grammar (llguidance, see
@@ -29,14 +37,17 @@ Extensions (fields OpenAI does not have; each optional, the server's engine conf
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import toolcall
 from ..config import SamplingParams
 from ..constrain import Grammar, GrammarError
+from ..toolcall import ToolError, ToolSpec
 
 #: the engine's finish reasons as OpenAI's (cache_full and error are reported as errors instead)
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "cancelled"}
@@ -83,6 +94,8 @@ class GenRequest:
     grammar: Grammar | None = None     # response_format json_schema / json_object, or the grammar extension
     grammar_param: str | None = None   # the field it came from (named by a 400 when it cannot compile)
     logprobs: int | None = None        # top alternatives per token (chat: top_logprobs; completions: logprobs)
+    tools: ToolSpec | None = None      # tools, tool_choice, parallel_tool_calls (chat)
+    tool_format: str = "generic"       # the model's tool-call format (set when the prompt is prepared)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -142,10 +155,43 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in v if s)
 
 
-def _unsupported(body: dict, names: tuple[str, ...]) -> None:
-    for name in names:
-        if body.get(name):
+_COMMON = frozenset(["model", "max_tokens", "temperature", "top_p", "min_p", "top_k", "n", "stream", "stream_options",
+                     "stop", "seed", "frequency_penalty", "presence_penalty", "repeat_penalty", "penalty_last_n",
+                     "logit_bias", "logprobs", "response_format", "grammar", "context_shift", "n_keep", "truncate",
+                     "user", "safety_identifier", "store", "service_tier"])
+#: the fields each endpoint honours (or accepts as having no effect: see the module docstring)
+FIELDS = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                             "parallel_tool_calls", "modalities"},
+          "completion": _COMMON | {"prompt"}}
+#: fields OpenAI has that this server does not honour: a 400 (``unsupported_parameter``) when set
+UNSUPPORTED = {"chat": ("audio", "prediction", "functions", "function_call", "reasoning_effort", "verbosity",
+                        "web_search_options", "metadata", "prompt_cache_key", "prompt_cache_retention",
+                        "prompt_cache_options", "moderation"),
+               "completion": ("echo", "suffix", "best_of", "metadata")}
+
+
+def _fields(body: dict, kind: str) -> None:
+    """A 400 for every field set (not null) that this server does not honour."""
+    for name, v in body.items():
+        if v is None or name in FIELDS[kind]:
+            continue
+        if name == "best_of" and v == 1:
+            continue
+        if name in UNSUPPORTED[kind]:
             raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
+        raise bad(name, f"{name} is not a field of {'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}"
+                        " (see the README for the fields this server takes)", code="unknown_parameter")
+    if body.get("store") not in (None, False):
+        raise bad("store", "store: true is not supported by this server (nothing is stored)",
+                  code="unsupported_parameter")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise bad("service_tier", "service_tier must be auto or default here", code="unsupported_parameter")
+    for name in ("user", "safety_identifier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise bad(name, f"{name} must be a string")
+    if kind == "chat" and body.get("modalities") not in (None, ["text"]):
+        raise bad("modalities", 'modalities must be ["text"]: this server writes text only',
+                  code="unsupported_parameter")
 
 
 MAX_LOGIT_BIAS = 1024
@@ -227,30 +273,96 @@ def _logprobs(body: dict, kind: str) -> int | None:
     return _integer(body, "logprobs", 0, 5)
 
 
+_MESSAGE_KEYS = frozenset(["role", "content", "name", "tool_calls", "tool_call_id"])
+_MESSAGE_NULL = frozenset(["refusal", "function_call", "audio"])   # accepted when null (or refusal: ignored)
+
+
+def _content(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+                raise bad(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}] must be a content part "
+                                                         "{type: text, text}")
+            if p["type"] != "text":
+                raise bad(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}] is a {p['type']!r} part: "
+                          "only text parts are supported (this server serves text models)",
+                          code="unsupported_parameter")
+            if not isinstance(p.get("text"), str):
+                raise bad(f"messages[{i}].content[{j}].text", f"messages[{i}].content[{j}].text must be a string")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _tool_calls(v, i: int) -> list[dict]:
+    """An assistant message's ``tool_calls`` as the template takes them: arguments as an object."""
+    p = f"messages[{i}].tool_calls"
+    if not isinstance(v, list):
+        raise bad(p, f"{p} must be a list of {{id, type: function, function: {{name, arguments}}}}")
+    out = []
+    for j, c in enumerate(v):
+        q = f"{p}[{j}]"
+        if not isinstance(c, dict):
+            raise bad(q, f"{q} must be an object {{id, type: function, function: {{name, arguments}}}}")
+        if c.get("type", "function") != "function":
+            raise bad(f"{q}.type", f"{q}.type must be 'function'")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise bad(f"{q}.id", f"{q}.id must be a string")
+        f = c.get("function")
+        if not isinstance(f, dict):
+            raise bad(f"{q}.function", f"{q}.function must be an object {{name, arguments}}")
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise bad(f"{q}.function.name", f"{q}.function.name is required (a string)")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except (ValueError, RecursionError):
+                raise bad(f"{q}.function.arguments", f"{q}.function.arguments is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise bad(f"{q}.function.arguments", f"{q}.function.arguments must be a JSON object (as a string)")
+        call: dict = {"type": "function", "function": {"name": f["name"], "arguments": args}}
+        if c.get("id") is not None:
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
 def _messages(v) -> list[dict]:
-    """OpenAI chat messages as the template's {"role", "content"} dicts (text parts joined)."""
+    """OpenAI chat messages as the template's dicts: {"role", "content"} (text parts joined), with
+    ``tool_calls`` (arguments as objects), ``tool_call_id`` and ``name`` where given."""
     if not isinstance(v, list) or not v:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object")
-        role, content = m.get("role"), m.get("content")
+        for k, x in m.items():
+            if k not in _MESSAGE_KEYS and not (k in _MESSAGE_NULL and (x is None or k == "refusal")):
+                raise bad(f"messages[{i}].{k}", f"messages[{i}].{k} is not supported by this server",
+                          code="unsupported_parameter")
+        role = m.get("role")
         if not isinstance(role, str) or not role:
             raise bad(f"messages[{i}].role", f"messages[{i}].role must be a non-empty string")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise bad(f"messages[{i}].content[{j}]", "only text content parts are supported",
-                              code="unsupported_parameter")
-                parts.append(p["text"])
-            content = "".join(parts)
-        elif not isinstance(content, str):
-            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg: dict = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)}
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise bad(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: only assistant messages have them")
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        for k in ("tool_call_id", "name"):
+            if m.get(k) is not None:
+                if not isinstance(m[k], str):
+                    raise bad(f"messages[{i}].{k}", f"messages[{i}].{k} must be a string")
+                msg[k] = m[k]
+        if role == "tool" and "tool_call_id" not in msg:
+            raise bad(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id is required in a tool message",
+                      code="missing_required_parameter")
+        out.append(msg)
     return out
 
 
@@ -278,12 +390,11 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
         if "messages" not in body:
             raise bad("messages", "messages is required", code="missing_required_parameter")
         prompt: Any = _messages(body["messages"])
-        _unsupported(body, ("tools", "functions"))
     else:
         if "prompt" not in body:
             raise bad("prompt", "prompt is required", code="missing_required_parameter")
         prompt = _prompt(body["prompt"])
-        _unsupported(body, ("echo", "suffix"))
+    _fields(body, kind)
     max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap)
     if kind == "chat" and max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap)
@@ -315,14 +426,27 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "stream_options must be an object")
+    if opts:
+        for k in opts:
+            if k not in ("include_usage", "include_obfuscation"):
+                raise bad(f"stream_options.{k}", f"stream_options.{k} is not supported by this server",
+                          code="unsupported_parameter")
     include_usage = bool(opts and opts.get("include_usage") is True)
     grammar, grammar_param = _grammar(body)
+    tools = None
+    if kind == "chat":
+        try:
+            tools = toolcall.check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+        except ToolError as e:
+            raise bad(e.param, str(e)) from None
+        if tools is not None and tools.active and grammar is not None:
+            raise bad(grammar_param, f"{grammar_param} cannot be combined with tools (unless tool_choice is none)")
     return GenRequest(kind=kind, model=model, prompt=prompt, params=SamplingParams(**sp), max_tokens=max_tokens,
                       stop=_stop(body), n=n or 1, stream=stream, include_usage=include_usage,
                       context_shift=_bool(body, "context_shift") if body.get("context_shift") is not None else None,
                       n_keep=_integer(body, "n_keep", -1, 2**31 - 1),
                       truncate=_bool(body, "truncate") if body.get("truncate") is not None else None,
-                      grammar=grammar, grammar_param=grammar_param, logprobs=_logprobs(body, kind))
+                      grammar=grammar, grammar_param=grammar_param, logprobs=_logprobs(body, kind), tools=tools)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -374,21 +498,30 @@ def response(req: GenRequest, completions, u, piece: Callable[[int], bytes] | No
         fr = FINISH.get(c.finish_reason or "", c.finish_reason)
         lp = logprobs_json(req, c.logprobs or [], piece) if piece is not None else None
         if req.kind == "chat":
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": fr, "logprobs": lp})
+            msg: dict = {"role": "assistant", "content": c.text}
+            if req.tools is not None and req.tools.active:
+                content, calls = toolcall.parse(req.tool_format, req.tools, c.text)
+                msg["content"] = content
+                if calls:
+                    msg["tool_calls"] = calls
+                    fr = "tool_calls"
+            choices.append({"index": c.index, "message": msg, "finish_reason": fr, "logprobs": lp})
         else:
             choices.append({"index": c.index, "text": c.text, "finish_reason": fr, "logprobs": lp})
     return {**_head(req, False), "choices": choices, "usage": usage(u)}
 
 
 def chunk(req: GenRequest, index: int, text: str | None, finish_reason: str | None = None,
-          role: bool = False, logprobs: dict | None = None) -> dict:
-    """One stream chunk: a text delta of continuation ``index`` and/or its finish reason."""
+          role: bool = False, logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """One stream chunk: a text delta of continuation ``index`` and/or its finish reason, or
+    ``tool_calls`` deltas (OpenAI's ``{index, id, type, function: {name, arguments}}`` pieces)."""
     fr = FINISH.get(finish_reason, finish_reason) if finish_reason else None
     if req.kind == "chat":
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "finish_reason": fr, "logprobs": logprobs}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": fr, "logprobs": logprobs}
@@ -398,3 +531,14 @@ def chunk(req: GenRequest, index: int, text: str | None, finish_reason: str | No
 def usage_chunk(req: GenRequest, u) -> dict:
     """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
     return {**_head(req, True), "choices": [], "usage": usage(u)}
+
+
+def tool_call_deltas(calls: list[dict]) -> list[list[dict]]:
+    """The stream deltas of parsed calls: per call, one with its index, id, type and name (empty
+    arguments), then one with its arguments (what the openai client's stream helpers accumulate)."""
+    out = []
+    for j, c in enumerate(calls):
+        out.append([{"index": j, "id": c["id"], "type": "function",
+                     "function": {"name": c["function"]["name"], "arguments": ""}}])
+        out.append([{"index": j, "function": {"arguments": c["function"]["arguments"]}}])
+    return out
