@@ -175,9 +175,11 @@ class EngineConfig(_Config):
     times. Idle cached prefixes (``prefix_cache`` sequence ids) are evicted before a
     request waits for cells; an evicted prefix is paged out to at most ``cache_ram`` MiB of host
     memory (a token trie of spans, a shared prefix stored once; patched library) and restored, not
-    evaluated, when a prompt comes back to it (0: dropped). Preemption (a running continuation put
-    back in the queue, resumed later with its tokens so far) happens only when the cache fills
-    beyond the reserves.
+    evaluated, when a prompt comes back to it (0: dropped); with ``cache_dir``, spans leaving host
+    memory are written to files there (at most ``cache_dir_mib`` MiB, keyed by the model and the
+    tokens, checked when read back) and restored from disk the same way. Preemption (a running
+    continuation put back in the queue, resumed later with its tokens so far) happens only when the
+    cache fills beyond the reserves.
 
     Context shift and truncation (each also a per-request option of ``Engine.submit``): a
     continuation whose sequence reaches ``n_ctx`` keeps its first ``n_keep`` tokens, drops half of
@@ -191,6 +193,8 @@ class EngineConfig(_Config):
     parallel: int = 8            # continuations generating at once (sequence ids for requests)
     prefix_cache: int = 4        # extra sequence ids that keep idle prompts for prefix reuse
     cache_ram: int = 256         # MiB of host memory for idle prefixes paged out of the cache (0: dropped)
+    cache_dir: str | None = None  # a directory for paged-out prefixes leaving host memory (None: no disk tier)
+    cache_dir_mib: int = 1024    # the bound on the span files in cache_dir
     n_batch: int = 512           # tokens per decode: one per generating sequence + prompt chunks
     n_ubatch: int = 512
     flash_attn: bool = False
@@ -216,6 +220,11 @@ class EngineConfig(_Config):
             raise InvalidInputError("parallel + prefix_cache must be <= 256")
         object.__setattr__(self, "max_queue", _int("max_queue", self.max_queue, 0))
         object.__setattr__(self, "cache_ram", _int("cache_ram", self.cache_ram, 0))
+        if self.cache_dir is not None:
+            if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir):
+                raise InvalidInputError(f"cache_dir must be a directory path, got {self.cache_dir!r}")
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        object.__setattr__(self, "cache_dir_mib", _int("cache_dir_mib", self.cache_dir_mib, 1))
         object.__setattr__(self, "output_reserve", _int("output_reserve", self.output_reserve, 0))
         object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
         self.context()  # validates the context fields

@@ -101,6 +101,11 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     Flag(EngineConfig, "cache_ram", ("--cache-ram",), "MiB of host memory for cached prefixes evicted from the KV "
          "cache: paged out and restored (a memcpy) instead of evaluated again, a shared prefix stored once; 0: "
          "dropped (default {default})", metavar="MiB"),
+    Flag(EngineConfig, "cache_dir", ("--cache-dir",), "a directory for cached prefixes that leave host memory: "
+         "spans written to checked files (keyed by the model and the tokens) and restored from them instead of "
+         "evaluated; a corrupt or foreign file is a miss (default: none)", str, metavar="DIR"),
+    Flag(EngineConfig, "cache_dir_mib", ("--cache-dir-mib",), "the bound on the files in --cache-dir, least "
+         "recently used deleted first (default {default})", metavar="MiB"),
     Flag(EngineConfig, "context_shift", ("--context-shift",), "at the end of the context, keep the first --keep "
          "tokens, drop half of the rest and go on (on), or stop the answer (off) (default: on)", on_off,
          metavar="on|off"),
