@@ -73,31 +73,81 @@ def test_an_evicted_conversation_is_restored_not_evaluated_and_answers_the_same(
         eng_on.close()
 
 
+def stored_below(trie: SpanTrie, n: int) -> int:
+    """How many positions ``< n`` the trie's spans hold, all nodes together (a prefix stored once
+    under every conversation that continues it: exactly its length)."""
+    total, stack = 0, list(trie.root.children.values())
+    while stack:
+        node = stack.pop()
+        total += max(0, min(node.end, n) - node.start)
+        stack.extend(node.children.values())
+    return total
+
+
+SYSTEM = 1000
+
+
 def test_a_shared_system_prompt_is_stored_once(model):
-    system = toks(220, seed=3)
-    cfg = EngineConfig(n_ctx=640, parallel=2, prefix_cache=2, cache_ram=64, **F32)
+    """Issue 24: 16 conversations under one 1,000-token system prompt hold its K/V once in host
+    memory, checked after every request (while the prompt is also resident, forked by the
+    conversations in the context) and after everything is paged out."""
+    system = toks(SYSTEM, seed=3)
+    cfg = EngineConfig(n_ctx=1280, parallel=2, prefix_cache=2, cache_ram=64, **F32)
     with Engine(model, cfg) as eng:
+        trie = eng.kv.cache.tier
+        assert trie is not None
         tails = []
         for i in range(16):
             user = toks(30, seed=100 + i)
-            out, _ = ask(eng, system + user, max_tokens=6)
+            out, evaluated = ask(eng, system + user, max_tokens=6)
             tails.append(len(user) + len(out))
+            if i:
+                assert evaluated <= 31, "the system prompt is served from the cache, not evaluated"
+            assert stored_below(trie, SYSTEM) in (0, SYSTEM)
+            assert trie.nbytes == trie_bytes(trie) <= trie.budget
         while eng.kv.evict():   # page out what is still resident
             pass
-        trie = eng.kv.cache.tier
-        assert trie is not None
         st = eng.kv.tier_stats()
         assert st["page_outs"] >= 16
+        assert stored_below(trie, SYSTEM) == SYSTEM
         # the system prompt's positions are held by one node chain: one child at the root, and no
-        # node below it starts before position 220
+        # node below it starts before position SYSTEM (a user message may start with the same token
+        # as another, so the branch point may be a token or two later)
         assert len(trie.root.children) == 1
         head = next(iter(trie.root.children.values()))
-        assert head.end == 220 and len(head.children) == 16
+        assert SYSTEM <= head.end <= SYSTEM + 2 and len(head.children) >= 14
         per_token = head.span.nbytes / len(head.span)
         # each conversation's tail once (less its last token or two: a sampled token is not decoded)
-        assert 220 + sum(tails) - 32 <= st["host_tokens"] <= 220 + sum(tails)
-        assert trie.nbytes == trie_bytes(trie) < per_token * (220 + sum(tails)) * 1.05
-        assert trie.nbytes < per_token * 16 * 220, "16 copies of the system prompt would not fit in this"
+        assert SYSTEM + sum(tails) - 32 <= st["host_tokens"] <= SYSTEM + sum(tails)
+        assert trie.nbytes == trie_bytes(trie) < per_token * (SYSTEM + sum(tails)) * 1.05
+        assert trie.nbytes < per_token * SYSTEM * 2, "16 copies of the system prompt would take 16x"
+        assert st["resident_sequences"] == 0 and st["host_bytes"] == trie.nbytes
+
+
+def test_the_api_prefix_cache_stores_a_shared_prompt_once(model):
+    """The same through pk.PrefixCache without the engine: two idle sequences at most, so most
+    conversations are paged out; each comes back restored, its answer as evaluated."""
+    system = toks(SYSTEM, seed=4)
+    with model.context(n_ctx=2048, n_seq_max=4, **F32) as ctx:
+        pc = pk.PrefixCache(ctx, max_sequences=2, cache_ram=64)
+        trie = pc.tier
+        assert trie is not None
+        convs = [system + toks(30, seed=200 + i) for i in range(16)]
+        for c in convs:
+            pc.release(pc.acquire(c))
+            assert stored_below(trie, SYSTEM) in (0, SYSTEM)
+        assert pc.stats.evaluated_tokens <= SYSTEM + 16 * 30 + 1
+        assert stored_below(trie, SYSTEM) == SYSTEM and len(trie.root.children) == 1
+        for c in convs[:4]:   # they come back: restored from host memory, not evaluated
+            before = pc.stats.evaluated_tokens
+            s = pc.acquire(c + [5])
+            assert pc.stats.evaluated_tokens - before == 1
+            with model.context(n_ctx=2048, n_seq_max=1, **F32) as ref:
+                np.testing.assert_allclose(s.logits(), ref.new_sequence().extend(c + [5]), atol=1e-4)
+            pc.release(s)
+        assert stored_below(trie, SYSTEM) == SYSTEM
+        st = pc.tier_stats()
+        assert st["restored_tokens"] > 0 and st["host_bytes"] == trie.nbytes <= st["budget_bytes"]
 
 
 def test_the_host_bytes_never_exceed_the_budget(model):
@@ -123,6 +173,56 @@ def test_the_host_bytes_never_exceed_the_budget(model):
         assert st["evicted_nodes"] > 0, "the workload is meant to hit the budget"
         assert st["restores"] > 0
         assert st["host_bytes"] == trie.nbytes <= st["budget_bytes"]
+
+
+def test_a_long_random_workload_keeps_both_bounds_and_restores_exactly(model, tmp_path):
+    """pk.PrefixCache with host memory and a directory, both small, under a random mix of new
+    conversations, returning ones, releases and evictions: after every operation the host bytes and
+    the directory are within their bounds, the trie's accounting is exact, and every acquired
+    sequence holds what a fresh evaluation computes."""
+    rng = np.random.default_rng(11)
+    systems = [toks(int(rng.integers(40, 160)), seed=400 + i) for i in range(3)]
+    history = {c: list(systems[c % 3]) for c in range(20)}
+    with model.context(n_ctx=768, n_seq_max=4, **F32) as ctx, \
+            model.context(n_ctx=512, n_seq_max=1, **F32) as ref:
+        pc = pk.PrefixCache(ctx, max_sequences=2, cache_ram=1, cache_dir=tmp_path, cache_dir_mib=1)
+        trie, live = pc.tier, []
+        assert trie is not None and pc.tiers is not None and pc.tiers.disk is not None
+        # bounds below the options' 1 MiB unit, so that a short load hits both
+        host_bound, disk_bound = 200 << 10, 400 << 10
+        trie.budget = pc.tier_info.budget_bytes = host_bound
+        pc.tiers.disk.max_bytes = pc.tier_info.disk_budget_bytes = disk_bound
+
+        def check():
+            assert trie.nbytes == trie_bytes(trie) <= trie.budget == host_bound
+            on_disk = sum(f.stat().st_size for f in tmp_path.iterdir() if f.name.endswith(".kvspan"))
+            assert on_disk == pc.tier_info.disk_bytes <= disk_bound
+
+        for step in range(100):
+            op = rng.random()
+            if op < 0.6 or not live:
+                c = int(rng.integers(0, 20))
+                prompt = history[c] + toks(int(rng.integers(5, 60)), seed=int(rng.integers(1 << 30)))
+                if len(prompt) > 400:
+                    prompt = list(systems[c % 3]) + prompt[-150:]
+                s = pc.acquire(prompt)
+                history[c] = prompt
+                if step % 8 == 0:
+                    r = ref.new_sequence()
+                    np.testing.assert_allclose(s.logits(), r.extend(prompt), atol=1e-4)
+                    r.close()
+                live.append(s)
+                if len(live) > 2:
+                    live.pop(0).close()
+            elif op < 0.85:
+                pc.release(live.pop(int(rng.integers(0, len(live)))))
+            else:
+                pc.evict()
+            check()
+        st = pc.tier_stats()
+        assert st["evicted_nodes"] > 0 and st["disk_evicted_files"] > 0, "the load is meant to hit both bounds"
+        assert st["restored_tokens"] > 0 and st["disk_hits"] > 0
+        assert st["disk_corrupt"] == 0
 
 
 def test_the_vanilla_library_drops_evicted_prefixes(tiny_model, vanilla_lib):
