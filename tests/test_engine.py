@@ -284,8 +284,16 @@ class FakeKV:
     def free_ids(self):
         return self.n_seq_ids - len(self.seqs)
 
-    def cached_prefix(self, tokens):
+    context = None
+
+    def match(self, tokens):
         return 0
+
+    def reserve(self, tokens, n_cells, n_ids):
+        return self.free_ids() >= n_ids and len(tokens) + n_cells <= self.free_cells()
+
+    def make_room(self, n_cells):
+        return self.free_cells() >= n_cells
 
     def start(self, tokens):
         sid = next(self.ids)
@@ -308,9 +316,6 @@ class FakeKV:
             out[s] = logits
         return out
 
-    def length(self, seq):
-        return len(self.seqs[seq])
-
     def shift(self, seq, n_keep, n_discard):
         del self.seqs[seq][n_keep:n_keep + n_discard]
         return True
@@ -324,8 +329,8 @@ class FakeKV:
     def remember(self, seq):
         pass
 
-    def evict(self, keep_for=None):
-        return False
+    def kv_stats(self):
+        return {}
 
 
 class FakeModel:

@@ -1,11 +1,24 @@
-"""The scheduler's view of one KV cache: a small interface, each method with its contract (in the
-spirit of Ollama's ``kvcache.Cache``), and its implementation over a Context and a PrefixCache.
+"""The engine's KV layer: the one owner of the KV policy (as vLLM v1's KV cache manager is).
 
-The scheduler only ever talks to this interface, so its tests can run against a fake as well as
-the real context (tests/test_engine.py has one).
+The scheduler decides *who* runs; this layer decides *what the cache keeps*. The scheduler asks it
+for a prefix match (:meth:`KVCache.match`) and for room (:meth:`KVCache.reserve` at admission,
+:meth:`KVCache.make_room` when a decode found none), and preempts a continuation when told there is
+no room. It never evicts anything itself and never reaches the context behind the cache.
+
+**The one eviction rule** (:class:`PrefixPolicy`): room is made by evicting *idle cached prefixes*
+(prompts and finished conversations kept for reuse; never a sequence a request holds), least
+recently used first. An evicted prefix is paged out to the host tier when the KV has one (its cells
+are copied to host memory, and a later prompt restores them instead of evaluating them again), and
+dropped otherwise. At admission, the idle prefix that is the best match for the prompt being placed
+goes last, and only when no live sequence could free cells later (nothing else would make room).
+
+:class:`ContextKV` implements the interface over a :class:`~pyllama_kv.context.Context` and a
+:class:`~pyllama_kv.engine.tier.PagingPrefixCache`; tests/test_kv_policy.py drives the same policy
+and the scheduler over a fake in pure Python, without a model.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from typing import Protocol
 
@@ -26,31 +39,48 @@ class KVCache(Protocol):
     def n_seq_ids(self) -> int:
         """Sequence ids for live sequences (idle cached prefixes excluded)."""
 
+    @property
+    def context(self) -> Context | None:
+        """The context this cache is (for llama.cpp's samplers, which need one), or None (a fake)."""
+
     def free_cells(self) -> int:
         """Cells no sequence holds now."""
 
     def free_ids(self) -> int:
         """Sequence ids that start() or fork() can take without evicting anything."""
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` an idle cached sequence holds (cells a start() would reuse)."""
+    def match(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the cache can give a start() without evaluating them: held by an
+        idle cached prefix (shared cells) or paged out to the host tier (restored by a copy)."""
+
+    def reserve(self, tokens: Sequence[int], n_cells: int, n_ids: int) -> bool:
+        """Make room for a start(``tokens``) (the tokens beyond the idle prefix it would share), plus
+        ``n_cells`` more cells, plus ``n_ids`` free sequence ids, evicting idle cached prefixes by
+        the module's rule; True when that room is there now, False when it cannot be had without a
+        live sequence ending (what could be evicted has been). Nothing is promised past this call:
+        the caller counts what it has promised to running requests into ``n_cells``."""
+
+    def make_room(self, n_cells: int) -> bool:
+        """A decode of ``n_cells`` tokens found no room: evict idle cached prefixes by the module's
+        rule (no match is kept) until ``n_cells`` cells are free. True when they are (decode again),
+        False when they are not and nothing is left to evict (the caller preempts)."""
 
     def start(self, tokens: Sequence[int]) -> tuple[Hashable, int]:
-        """A new sequence for ``tokens``: a fork of the idle cached sequence with the longest common
-        prefix (at most ``len(tokens) - 1`` of them, so at least one token is left to decode), or an
-        empty sequence. Returns it and the number of tokens it already holds. Evicts other idle
-        cached sequences when no id is free. LlamaError when no id can be had."""
+        """A new live sequence for ``tokens``: a fork of the idle cached sequence with the longest common
+        prefix (at most ``len(tokens) - 1`` of them, so at least one token is left to decode), extended
+        by what the host tier holds beyond it (restored, not evaluated), or an empty sequence.
+        Returns it and the number of tokens it already holds. Call after reserve() said yes;
+        LlamaError when no id can be had."""
 
     def fork(self, seq: Hashable) -> Hashable:
-        """A new sequence sharing every cell of ``seq`` (no decode), with ``seq``'s logits."""
+        """A new live sequence sharing every cell of ``seq`` (no decode), with ``seq``'s logits. Its id
+        was counted in reserve()'s ``n_ids``; an idle prefix remembered since may hold it, and is then
+        evicted. LlamaError when no id can be had."""
 
     def decode(self, batch: dict) -> dict:
         """Append ``{seq: tokens}`` in one continuous-batching step; ``{seq: logits}`` (float32,
         n_vocab) after each sequence's last token. Atomic: KVCacheFullError (no room, nothing
         changed) or another LlamaError."""
-
-    def length(self, seq: Hashable) -> int:
-        """Positions ``seq`` holds."""
 
     def shift(self, seq: Hashable, n_keep: int, n_discard: int) -> bool:
         """Context shift without a decode: drop positions [n_keep, n_keep + n_discard) of ``seq`` and
@@ -64,26 +94,76 @@ class KVCache(Protocol):
         sequence stay for it)."""
 
     def finish(self, seq: Hashable, keep: bool) -> None:
-        """Done with ``seq``: kept as an idle cached sequence for later prefixes when ``keep`` (it may be
-        evicted any time), else closed. Its id is free for start()/fork() either way."""
+        """Done with live ``seq``: kept as an idle cached prefix for later prompts when ``keep`` (it may
+        be evicted any time), else closed. Its id is free for start()/fork() either way."""
 
     def remember(self, seq: Hashable) -> None:
-        """Keep a copy of ``seq``'s current tokens as an idle cached prefix, if an id is free for it;
-        ``seq`` stays the caller's."""
+        """Keep a copy of live ``seq``'s current tokens as an idle cached prefix, if an id is free for
+        it; ``seq`` stays the caller's."""
 
-    def evict(self, keep_for: Sequence[int] | None = None) -> bool:
-        """Close the least recently used idle cached sequence (not the best match for ``keep_for``);
-        False when there is none."""
+    def kv_stats(self) -> dict:
+        """The cache's cells for metrics (``KVStats.as_dict()``, plus ``cached_cells``: held by idle
+        cached prefixes, and ``request_cells``: held by live sequences alone); {} when there are none
+        to report. Call between steps (Engine.between_steps), never beside a decode."""
 
 
-class ContextKV:
+class PrefixPolicy(ABC):
+    """The module's eviction rule, written once over four primitives a cache provides; the
+    :class:`KVCache` methods reserve() and make_room() (and fork()'s need for an id) use only it."""
+
+    @abstractmethod
+    def free_cells(self) -> int: ...
+
+    @abstractmethod
+    def free_ids(self) -> int: ...
+
+    @abstractmethod
+    def _resident_match(self, tokens: Sequence[int]) -> int:
+        """Leading ``tokens`` held by an idle cached prefix (cells a start() shares)."""
+
+    @abstractmethod
+    def _evict_idle(self, keep_for: Sequence[int] | None) -> bool:
+        """Evict the least recently used idle cached prefix (not the best match for ``keep_for``):
+        paged out to the host tier when it can hold it, else dropped. False when there is none."""
+
+    @property
+    @abstractmethod
+    def n_live(self) -> int:
+        """Live sequences (started or forked, not finished)."""
+
+    def reserve(self, tokens: Sequence[int], n_cells: int, n_ids: int) -> bool:
+        """See :meth:`KVCache.reserve`."""
+        n = len(tokens)
+        while True:
+            shared = min(self._resident_match(tokens), n - 1) if n else 0
+            if self.free_ids() >= n_ids and n - shared + n_cells <= self.free_cells():
+                return True
+            if self._evict_idle(tokens):
+                continue
+            # the best match goes too, but only when nothing is live: a prompt that shares a short
+            # prefix with a long idle sequence in a small cache (a truncated conversation) would
+            # otherwise wait for ever; while something runs, its end makes room instead
+            if self.n_live == 0 and self._evict_idle(None):
+                continue
+            return False
+
+    def make_room(self, n_cells: int) -> bool:
+        """See :meth:`KVCache.make_room`."""
+        while self.free_cells() < n_cells:
+            if not self._evict_idle(None):
+                return False
+        return True
+
+
+class ContextKV(PrefixPolicy):
     """:class:`KVCache` over a :class:`~pyllama_kv.context.Context`: ``parallel`` ids for live
-    sequences, the rest of the context's ids for a :class:`~pyllama_kv.prefix.PrefixCache`."""
+    sequences, the rest of the context's ids for a
+    :class:`~pyllama_kv.engine.tier.PagingPrefixCache` of idle prefixes, paged out to a host tier of
+    ``cache_ram`` MiB (0: evicted prefixes are dropped)."""
 
     def __init__(self, ctx: Context, parallel: int, prefix_cache: int, cache_ram: int = 0):
         self.ctx = ctx
         self.parallel = parallel
-        # evicted idle prefixes are paged out to a host tier of ``cache_ram`` MiB (0: dropped)
         self.cache = PagingPrefixCache(ctx, prefix_cache, cache_ram)
         self._live = 0
 
@@ -95,39 +175,48 @@ class ContextKV:
     def n_seq_ids(self) -> int:
         return self.parallel
 
+    @property
+    def context(self) -> Context:
+        return self.ctx
+
+    @property
+    def n_live(self) -> int:
+        return self._live
+
     def free_cells(self) -> int:
         return self.ctx.free_cells()
 
     def free_ids(self) -> int:
         return min(self.parallel - self._live, self.ctx.free_sequence_ids)
 
-    def cached_prefix(self, tokens) -> int:
+    def _resident_match(self, tokens) -> int:
         return self.cache.longest(tokens)
+
+    def _evict_idle(self, keep_for) -> bool:
+        return self.cache.evict(keep_for=keep_for)
+
+    def match(self, tokens) -> int:
+        tier = self.cache.tier
+        paged = tier.matched(tokens) if tier is not None else 0
+        return max(self.cache.longest(tokens), paged)
 
     def start(self, tokens):
         seq, n = self.cache.fork_prefix(tokens)
         self._live += 1
-        # a longer prefix paged out to host memory is restored (a memcpy), not evaluated; the cells
-        # it takes were counted as prompt tokens to decode when the request was admitted
+        # a longer prefix paged out to host memory is restored (a memcpy), not evaluated; reserve()
+        # counted the cells it takes among the prompt's
         n += self.cache.restore_into(seq, tokens, len(tokens) - 1)
         return seq, n
 
     def fork(self, seq):
-        while True:
-            try:
-                child = seq.fork()
-                break
-            except Exception:
-                if not self.cache.evict():
-                    raise
+        while self.ctx.free_sequence_ids == 0 and self._evict_idle(None):
+            pass
+        child = seq.fork()
         self._live += 1
         return child
 
     def decode(self, batch: dict) -> dict:
         return self.ctx.decode(batch)
-
-    def length(self, seq) -> int:
-        return len(seq)
 
     @property
     def can_shift(self) -> bool:
@@ -163,7 +252,20 @@ class ContextKV:
         self.cache.remember(seq)
 
     def evict(self, keep_for=None) -> bool:
-        return self.cache.evict(keep_for=keep_for)
+        """Evict one idle cached prefix by the module's rule (for tests and tools: the engine asks
+        reserve() and make_room()); False when there is none."""
+        return self._evict_idle(keep_for)
+
+    def kv_stats(self) -> dict:
+        ctx = self.ctx
+        kv = ctx.kv_stats().as_dict()
+        # which used cells the idle cached prefixes hold, and which only requests hold
+        cached = [q.id for q in self.cache.cached]
+        _, seqs = ctx.kv_view()
+        by_cache = np.isin(seqs, cached).any(axis=1)
+        kv["cached_cells"] = int(by_cache.sum())
+        kv["request_cells"] = int(((seqs >= 0).any(axis=1) & ~by_cache).sum())
+        return kv
 
     def tier_stats(self) -> dict:
         """The host tier's counters (pyllama_kv.engine.tier.TierStats, ``enabled``, ``off_reason``)."""
@@ -174,14 +276,12 @@ class ContextKV:
         """The host tier's live counters (the engine's ``stats.prefix_tier``)."""
         return self.cache.tier_info
 
-    def logits_of(self, seq) -> np.ndarray:
-        return seq.logits()
-
 
 class HoldingKV(ContextKV):
     """:class:`ContextKV` whose finished sequences keep their cells until :meth:`release`: for a
     caller that reads the cache (stats, a map) after its requests are done and before they free.
-    When the engine needs room (it evicts), held sequences are finished first, oldest first."""
+    When room is needed, held sequences are finished first, oldest first (they count as live until
+    then)."""
 
     def __init__(self, ctx: Context, parallel: int, prefix_cache: int):
         super().__init__(ctx, parallel, prefix_cache)
@@ -190,14 +290,14 @@ class HoldingKV(ContextKV):
     def finish(self, seq, keep: bool) -> None:
         self.held.append((seq, keep))
 
-    def evict(self, keep_for=None) -> bool:
-        # the engine needs cells or ids (a preempted continuation is "finished" too): what is held
-        # goes first, or a preemption would free nothing and the engine would wait for ever
+    def _evict_idle(self, keep_for) -> bool:
+        # what is held goes first (a preempted continuation is "finished" too), or a preemption
+        # would free nothing and the engine would wait for ever
         if self.held:
             seq, keep = self.held.pop(0)
             super().finish(seq, keep)
             return True
-        return super().evict(keep_for=keep_for)
+        return super()._evict_idle(keep_for)
 
     def release(self) -> None:
         """Finish what was held (as ContextKV.finish would have)."""

@@ -6,18 +6,22 @@ by one chunk at most). The engine samples right after its own decode, streams te
 finishes continuations by stop string, end-of-generation token, length, cancellation or a full
 cache.
 
-* **Prefix reuse.** A prompt starts as a fork of the idle cached sequence with the longest common
-  prefix (no recompute); prompts and finished conversations are kept as idle cached sequences, and
-  those are evicted before a live request has to wait for cells or ids. A request whose prompt
-  shares a long prefix with a prompt being evaluated right now (requests arriving together with one
-  system prompt) waits for that prompt to be in, then forks it.
-* **Admission.** A request enters when its prompt (less the reused prefix) and an output reserve
-  per continuation fit beside what running requests were promised, and sequence ids are free;
-  otherwise it waits in a bounded queue (submit raises QueueFullError when that is full). Requests
-  are admitted in arrival order, except that a smaller one may overtake a head that does not fit
-  yet (at most 8 times, so the head is never starved). Only when
-  the cache fills beyond the reserves is a running continuation preempted: put back in front of
-  the queue with its tokens so far, and resumed (mostly from cached prefixes) when there is room.
+* **Prefix reuse.** A prompt starts from the longest prefix the KV layer holds: a fork of an idle
+  cached sequence (no recompute), or spans paged out to host memory (restored by a copy). Prompts
+  and finished conversations are kept as idle cached sequences. A request whose prompt shares a
+  long prefix with a prompt being evaluated right now (requests arriving together with one system
+  prompt) waits for that prompt to be in, then forks it.
+* **Room: the KV layer's call** (``engine/kv.py``). The scheduler never evicts: it asks the KV layer
+  for room (``reserve`` at admission, ``make_room`` when a decode finds none), which pages idle
+  prefixes out (or drops them) by its one rule, and says whether the room is there.
+* **Admission.** A request enters when the KV layer finds room for its prompt (less the shared
+  prefix) and an output reserve per continuation beside what running requests were promised, and
+  sequence ids; otherwise it waits in a bounded queue (submit raises QueueFullError when that is
+  full). With nothing running, the prompt alone has to fit (the reserve is a target, not a limit).
+  Requests are admitted in arrival order, except that a smaller one may overtake a head that does
+  not fit yet (at most 8 times, so the head is never starved). Only when a decode finds no room and
+  the KV layer can make none is a running continuation preempted: put back in front of the queue
+  with its tokens so far, and resumed (mostly from cached prefixes) when there is room.
 * **Context shift.** A continuation whose sequence reaches the end of the context (``n_ctx``)
   does not end there (unless ``context_shift`` is off): as in Ollama's runner and llama.cpp's
   examples, its first ``n_keep`` tokens stay, half of the rest (the oldest) is dropped, and
@@ -45,8 +49,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 
@@ -57,6 +62,11 @@ from .detok import TextStream
 from .kv import ContextKV, KVCache
 from .request import FINISH_REASONS, Event, Request, RequestHandle
 from .tier import TierStats
+
+if TYPE_CHECKING:
+    from ..context import Context
+
+T = TypeVar("T")
 
 _LOOKAHEAD = 16        # waiting requests considered for admission per step
 _MAX_OVERTAKES = 8     # times the head of the queue may be overtaken before everything waits for it
@@ -147,6 +157,7 @@ class Engine:
         self._piece = token_piece or (lambda t: model.token_to_piece(t))
         self._is_eog = is_eog or model.is_eog
         self._make_sampler = sampler_factory or self._default_sampler
+        self._llama_samplers = sampler_factory is None   # need the KV layer's context beyond greedy
         self.stats = EngineStats(prefix_tier=getattr(kv, "tier_info", None))
         self._ids = itertools.count(1)
         self._admit_counter = itertools.count()
@@ -157,6 +168,7 @@ class Engine:
         self._slots: list[_Slot] = []          # admitted, holding a sequence
         self._n_waiting = 0                    # for the queue bound, counted at submit
         self._thread: threading.Thread | None = None
+        self._tasks: list = []                 # (fn, Future) for between_steps(), run by the loop thread
         self._stopping = False
         self._closed = False
         self._seed = itertools.count(int.from_bytes(os.urandom(4), "little"))
@@ -232,6 +244,9 @@ class Engine:
                                    f"the model has {self.n_vocab}")
         if logprobs is not None:
             logprobs = int_param("logprobs", logprobs, 0, 20)
+        if self._llama_samplers and self.context is None and (params.penalized or not params.greedy):
+            raise InvalidInputError("sampling other than greedy needs llama.cpp's samplers, which need a KV cache "
+                                    "over a context: pass sampler_factory to an engine over another KVCache")
         for t, _ in params.logit_bias:
             if t >= self.n_vocab:
                 raise InvalidInputError(f"logit_bias token {t} is out of range [0, {self.n_vocab})")
@@ -267,6 +282,13 @@ class Engine:
     # -- state ---------------------------------------------------------------------------------
 
     @property
+    def context(self) -> Context | None:
+        """The :class:`~pyllama_kv.context.Context` the engine's KV cache is (None over a fake
+        KVCache): for llama.cpp's samplers and for tools that read the cache. Read it between steps
+        (:meth:`between_steps`, or on the thread that calls :meth:`step`)."""
+        return self.kv.context
+
+    @property
     def running(self) -> int:
         """Continuations holding a sequence."""
         return len(self._slots)
@@ -274,7 +296,7 @@ class Engine:
     @property
     def running_requests(self) -> int:
         """Requests with a continuation holding a sequence."""
-        return len({id(s.req) for s in self._slots})
+        return len({id(s.req) for s in list(self._slots)})   # (a copy: read from other threads too)
 
     @property
     def alive(self) -> bool:
@@ -326,15 +348,38 @@ class Engine:
         return k
 
     def start(self, on_step: Callable[[Engine], None] | None = None) -> None:
-        """Run the loop on a thread of its own (daemon) until :meth:`stop`. ``on_step(engine)`` is
-        called on that thread once before the first step and after every step: the one place where
-        another thread's view of the cache (``kv.ctx.kv_stats()``, say) can be taken without racing
-        a decode."""
+        """Run the loop on a thread of its own (daemon) until :meth:`stop`. ``on_step(engine)``, if
+        given, is called on that thread once before the first step and after every step. To read the
+        engine or its cache from another thread, ask :meth:`between_steps` instead (only when asked)."""
         if self._thread is not None:
             return
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, args=(on_step,), name="pyllama-kv-engine", daemon=True)
         self._thread.start()
+
+    def between_steps(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the loop thread between two steps, as llama.cpp's server answers its
+        metrics task: the one place where another thread's view of the engine and its cache (a
+        metrics snapshot, ``engine.context.kv_stats()``) is taken without racing a decode. Returns a
+        Future of its result (or of its exception). Without a loop thread (:meth:`start` not called,
+        or stopping), ``fn`` runs now on the calling thread: then call it from the thread that steps."""
+        fut: Future[T] = Future()
+        with self._cv:
+            if self.alive:
+                self._tasks.append((fn, fut))
+                self._cv.notify_all()
+                return fut
+        self._run_tasks([(fn, fut)])
+        return fut
+
+    def _run_tasks(self, tasks: list) -> None:
+        for fn, fut in tasks:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self))
+            except BaseException as exc:   # the asker gets it; the loop goes on
+                fut.set_exception(exc)
 
     def _loop(self, on_step: Callable[[Engine], None] | None = None) -> None:
         def after() -> None:
@@ -347,10 +392,15 @@ class Engine:
         after()
         while True:
             with self._cv:
-                while not self._stopping and not self.has_work():
+                while not self._stopping and not self.has_work() and not self._tasks:
                     self._cv.wait(0.5)
-                if self._stopping:
-                    return
+                tasks, self._tasks = self._tasks, []
+                stopping = self._stopping
+            self._run_tasks(tasks)   # (after stop(): what was asked before is still answered)
+            if stopping:
+                return
+            if not self.has_work():
+                continue
             try:
                 self.step()
             except Exception as exc:   # never let one bad step end the loop
@@ -413,9 +463,7 @@ class Engine:
         req.cancelled = True
         if req in self._waiting:
             self._waiting.remove(req)
-            self._dequeued()
-        elif not req.admitted:
-            # still in the inbox: it is skipped when drained
+        if not req.admitted:   # waiting, or still in the inbox (skipped when drained)
             self._dequeued()
         for slot in [s for s in self._resume if s.req is req]:
             self._resume.remove(slot)
@@ -440,14 +488,11 @@ class Engine:
         is left of their output reserves."""
         return sum(len(s.pending) + max(0, s.reserve - s.generated) for s in self._slots)
 
-    def _available(self) -> int:
-        return self.kv.free_cells() - self._promised()
-
     def _admit(self) -> None:
         # preempted continuations first
         while self._resume:
             slot = self._resume[0]
-            if not self._fits(slot.tokens, 1, max(0, slot.reserve - slot.generated), slot.req.prompt):
+            if not self._fits(slot.tokens, 1, max(0, slot.reserve - slot.generated)):
                 return
             self._resume.popleft()
             if slot.constraint is not None:   # rebuilt from its tokens, not trusted across the pause
@@ -461,7 +506,7 @@ class Engine:
             if i > 0 and self._waiting[0].skipped >= _MAX_OVERTAKES:
                 return
             reserve = min(req.max_tokens, self.config.output_reserve)
-            if self._waits_for_prefix(req) or not self._fits(req.prompt, req.n, reserve * req.n, req.prompt):
+            if self._waits_for_prefix(req) or not self._fits(req.prompt, req.n, reserve * req.n):
                 i += 1
                 continue
             del self._waiting[i]
@@ -485,25 +530,16 @@ class Engine:
             return False
         toks = req.prompt[:-1]
         shared = max((shared_prefix(s.tokens, toks) for s in self._slots if s.prefilling), default=0)
-        return shared >= _MIN_SHARED and shared >= self.kv.cached_prefix(req.prompt) + _MIN_SHARED
+        return shared >= _MIN_SHARED and shared >= self.kv.match(req.prompt) + _MIN_SHARED
 
-    def _fits(self, tokens: list[int], n_ids: int, reserve: int, keep_for: list[int]) -> bool:
-        """Whether ``tokens`` (less a cached prefix) and ``reserve`` cells fit, and ``n_ids`` ids are free,
-        evicting idle cached prefixes to make room. With nothing running, a request that can never
-        meet its reserve is let in anyway (the reserve is a target, not a limit)."""
-        while True:
-            reused = self.kv.cached_prefix(tokens)
-            need = len(tokens) - min(reused, len(tokens) - 1) + reserve
-            ids_ok = self.kv.free_ids() >= n_ids + sum(s.req.n - 1 for s in self._slots if not s.forked)
-            room = self._available()
-            if ids_ok and (need <= room or (not self._slots and len(tokens) - reused < self.kv.free_cells())):
-                return True
-            if not self.kv.evict(keep_for=keep_for):
-                # with nothing running, nothing else frees cells: the best match goes too (a prompt
-                # that shares a short prefix with a long cached sequence in a small cache, as a
-                # truncated conversation does, would otherwise wait for ever)
-                if self._slots or not self.kv.evict():
-                    return False
+    def _fits(self, tokens: list[int], n_ids: int, reserve: int) -> bool:
+        """Whether ``tokens`` can start now with ``reserve`` cells for its output and ``n_ids`` ids: the
+        KV layer is asked for that room beside what running continuations were promised (it makes
+        the room if it can). With nothing running the reserve is a target, not a limit: the prompt
+        and one more cell are enough, since nothing else would ever free cells for it."""
+        ids = n_ids + sum(s.req.n - 1 for s in self._slots if not s.forked)   # forks still to come
+        cells = reserve + self._promised() if self._slots else 1
+        return self.kv.reserve(tokens, cells, ids)
 
     def _place(self, slot: _Slot, tokens: list[int]) -> None:
         seq, n = self.kv.start(tokens)
@@ -543,7 +579,7 @@ class Engine:
                     if done is not None:
                         return done
                     continue
-                if self.kv.evict():
+                if self.kv.make_room(needed):
                     continue
                 victim = self._victim(batch, owners)
                 batch.pop(victim.seq)
@@ -639,10 +675,7 @@ class Engine:
         slot.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
         lps = (token_logprobs(raw, tok, req.logprobs),) if req.logprobs is not None else None
         self._emit(req, slot.index, text, (tok,), None, logprobs=lps)
-        if stopped:
-            self._finish(slot, "stop")
-            return
-        if con is not None and con.done:   # the grammar is complete: nothing may follow
+        if stopped or (con is not None and con.done):   # a stop string, or a complete grammar: nothing may follow
             self._finish(slot, "stop")
             return
         if slot.generated >= req.max_tokens:
@@ -732,13 +765,14 @@ class Engine:
         from ..sampling import Sampler
 
         seed = (p.seed + index if p.seed is not None else next(self._seed)) & 0xFFFFFFFF
+        ctx = self.context
+        assert ctx is not None   # (submit refused the request otherwise)
         if p.penalized:   # logit bias and penalties: llama.cpp's samplers at the head of the chain
             from ..penalties import PenalizedSampler
 
-            pen = PenalizedSampler(self.kv.ctx, p, seed=seed, last_n=req.max_tokens)   # type: ignore[union-attr]
+            pen = PenalizedSampler(ctx, p, seed=seed, last_n=req.max_tokens)
             return pen.sample_logits, pen.close
-        smp = Sampler(self.kv.ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p,   # type: ignore[union-attr]
-                      min_p=p.min_p, seed=seed)
+        smp = Sampler(ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seed)
         return smp.sample_logits, smp.close
 
 

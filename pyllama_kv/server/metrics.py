@@ -1,17 +1,20 @@
 """``GET /metrics``: Prometheus text from prometheus_client, in a registry of the server's own.
 
-The KV cache and the engine's counters are read from a :class:`Snapshot` that the engine thread
-publishes after every step (``Engine.start(on_step=...)``): the HTTP thread never calls into the
-context while the engine decodes. Latencies are histograms observed by the handlers.
+The KV cache and the engine's counters are read from a :class:`Snapshot` that the engine takes when
+asked, between two steps (``Engine.between_steps(Snapshot.take)``, as llama.cpp's server answers its
+metrics task): the HTTP thread never calls into the context while the engine decodes, and an engine
+nobody asks pays nothing. Latencies are histograms observed by the handlers.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..errors import LlamaError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _P = "pyllama_kv_"
@@ -20,7 +23,7 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The engine and its cache after one step (taken on the engine thread)."""
+    """The engine and its cache between two steps (taken on the engine thread)."""
 
     kv: dict = field(default_factory=dict)        # KVStats.as_dict()
     stats: dict = field(default_factory=dict)     # EngineStats.as_dict()
@@ -31,17 +34,18 @@ class Snapshot:
 
     @classmethod
     def take(cls, engine) -> Snapshot:
-        ctx = getattr(engine.kv, "ctx", None)
-        kv = ctx.kv_stats().as_dict() if ctx is not None else {}
-        if ctx is not None:   # which used cells the idle cached prefixes hold, and which only requests hold
-            cache = getattr(engine.kv, "cache", None)
-            cached = [q.id for q in cache.cached] if cache is not None else []
-            _, seqs = ctx.kv_view()
-            by_cache = np.isin(seqs, cached).any(axis=1)
-            kv["cached_cells"] = int(by_cache.sum())
-            kv["request_cells"] = int(((seqs >= 0).any(axis=1) & ~by_cache).sum())
+        """The snapshot of ``engine`` now: call it between steps (``engine.between_steps(Snapshot.take)``)."""
+        try:
+            kv = engine.kv.kv_stats()
+        except LlamaError:   # a closed context (the server is shutting down): nothing to report
+            kv = {}
         return cls(kv=kv, stats=engine.stats.as_dict(), running_requests=engine.running_requests,
                    running_sequences=engine.running, waiting=engine.waiting, at=time.time())
+
+    @classmethod
+    async def ask(cls, engine) -> Snapshot:
+        """Ask ``engine`` for a snapshot between two steps and await it (the event loop is not blocked)."""
+        return await asyncio.wrap_future(engine.between_steps(cls.take))
 
 
 class _EngineCollector:
