@@ -121,7 +121,8 @@ def run_engine(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int
         cfg = EngineConfig(n_ctx=n_ctx, parallel=pl, prefix_cache=0, n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads, output_reserve=tg, max_tokens=max(tg, 1))
         with Engine(model, cfg) as eng:
-            ctx = eng.kv.ctx   # type: ignore[attr-defined]
+            ctx = eng.context
+            assert ctx is not None
             timed = _TimedLib(ctx._L)
             ctx._L = timed
             warm = eng.submit(list(range(16)), greedy, max_tokens=1)

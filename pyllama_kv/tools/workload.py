@@ -135,7 +135,8 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     handles = []
     nxt = 0
     eng = Engine(model, ecfg)
-    ctx = eng.kv.ctx   # type: ignore[union-attr]
+    ctx = eng.context
+    assert ctx is not None   # (an engine over its own context)
     t0 = time.perf_counter()
     try:
         for step in range(cfg.steps):
