@@ -20,7 +20,8 @@ import typing as _typing
 _LAZY = {
     "library_info": "._native.ffi",
     "Context": ".context", "KVStats": ".context",
-    "DecodeError": ".errors", "InvalidInputError": ".errors", "KVCacheFullError": ".errors",
+    "ChatTemplate": ".conversation", "Conversation": ".conversation",
+    "DecodeError": ".errors", "GGUFFileError": ".errors", "InvalidInputError": ".errors", "KVCacheFullError": ".errors",
     "LibraryError": ".errors", "LlamaError": ".errors", "ModelLoadError": ".errors",
     "Model": ".model",
     "PrefixCache": ".prefix",
@@ -32,7 +33,16 @@ _LAZY = {
 if _typing.TYPE_CHECKING:
     from ._native.ffi import library_info
     from .context import Context, KVStats
-    from .errors import DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError, ModelLoadError
+    from .conversation import ChatTemplate, Conversation
+    from .errors import (
+        DecodeError,
+        GGUFFileError,
+        InvalidInputError,
+        KVCacheFullError,
+        LibraryError,
+        LlamaError,
+        ModelLoadError,
+    )
     from .model import Model
     from .prefix import PrefixCache
     from .sampling import Sampler
@@ -75,7 +85,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "Context", "DecodeError", "InvalidInputError", "KVCacheFullError", "KVStats", "LibraryError", "LlamaError",
-    "Model", "ModelLoadError", "PrefixCache", "Sampler", "Sequence", "SequenceState", "Span", "library_info",
-    "__version__",
+    "ChatTemplate", "Context", "Conversation", "DecodeError", "GGUFFileError", "InvalidInputError",
+    "KVCacheFullError", "KVStats", "LibraryError", "LlamaError", "Model", "ModelLoadError", "PrefixCache", "Sampler",
+    "Sequence", "SequenceState", "Span", "library_info", "__version__",
 ]
