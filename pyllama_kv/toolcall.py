@@ -18,9 +18,8 @@ Formats, detected from the template's text (:func:`detect_format`):
   described in a system message (added, or appended to the first one), and the model answers one
   JSON object: ``{"tool_calls": [{"name": ..., "arguments": {...}}]}`` or ``{"response": "..."}``
   (llama.cpp's generic format, with a list of calls). Assistant ``tool_calls`` in the history are
-  rendered as that JSON, and ``tool`` results as user messages holding
-  ``{"tool_response": {"tool_call_id": ..., "name": ..., "content": ...}}``, since such templates
-  know no ``tool`` role.
+  rendered as that JSON, and ``tool`` results as user messages ``Result of the tool call NAME (id
+  ID):\nCONTENT``, since such templates know no ``tool`` role.
 
 ``tool_choice``: ``none`` (tools are not rendered, nothing is parsed), ``auto`` (the model chooses;
 for ``generic`` the grammar allows a call or a response, for the native formats the output is parsed
@@ -97,9 +96,13 @@ class ToolSpec:
 
 def _schema_ok(schema: Any, where: str) -> None:
     try:
-        Grammar.json_schema(schema).llguidance()
-    except GrammarError as e:
-        raise ToolError(where, f"{where} is not a JSON schema this server can use: {e}") from None
+        import llguidance
+
+        err = llguidance.LLMatcher.validate_grammar(Grammar.json_schema(schema).llguidance())
+    except (GrammarError, ImportError, ValueError, TypeError) as e:
+        err = str(e)
+    if err:
+        raise ToolError(where, f"{where} is not a JSON schema this server can use: {err}")
 
 
 def check_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolSpec | None:
@@ -221,7 +224,8 @@ def generic_instructions(spec: ToolSpec) -> str:
         lines.append(f"Call {what}: respond with one JSON object only, {calls}")
     else:
         lines.append(f"Respond with one JSON object only: either {calls} to call tools, or "
-                     '{"response": <your answer to the user, a string>} to answer the user directly.')
+                     '{"response": <your answer to the user, a string>} to answer the user directly. '
+                     "Once the tool results you need are there, answer with the response object.")
     return "\n".join(lines)
 
 
@@ -256,9 +260,9 @@ def prepare(fmt: str, spec: ToolSpec | None, messages: list[dict]) -> tuple[list
             out.append({"role": m["role"], "content": _compact({"tool_calls": calls})})
         elif m["role"] == "tool":
             tid = m.get("tool_call_id")
-            resp = {"tool_call_id": tid, "name": m.get("name") or names.get(tid or ""), "content": m["content"]}
-            out.append({"role": "user", "content": _compact({"tool_response": {k: v for k, v in resp.items()
-                                                                               if v is not None}})})
+            fname = m.get("name") or names.get(tid or "")
+            out.append({"role": "user", "content": f"Result of the tool call {fname or ''} (id {tid}):\n"
+                                                   f"{m['content']}"})
         else:
             out.append({"role": m["role"], "content": m["content"] or ""})
     if active and spec is not None:
@@ -449,10 +453,11 @@ class StreamParser:
             cut = len(t[:cut].rstrip())
         else:
             s = t.lstrip()
-            if not s:
-                return ""
-            if s[0] in "{[":
+            starts = ("{", "[", "<|python_tag|>")   # what a call may start with (after whitespace)
+            if any(s.startswith(m) for m in starts):
                 self.holding = True
+                return ""
+            if not s or any(m.startswith(s) for m in starts):
                 return ""
             cut = len(t)
         if cut <= self.sent:

@@ -275,8 +275,10 @@ def test_bad_requests_get_400(server, client):
         assert err["param"] and err["param"].split("[")[0] == field, (field, err)
     del good["model"]
     assert _error(httpx.post(url, json=good, headers=h, timeout=30), 400)["param"] == "model"
-    # unknown fields are ignored
+    # unknown fields are refused, naming the field (nothing is silently ignored); user is accepted
     r = httpx.post(url, json={**good, "model": MODEL, "frobnicate": 1, "user": "x"}, headers=h, timeout=60)
+    assert _error(r, 400)["param"] == "frobnicate"
+    r = httpx.post(url, json={**good, "model": MODEL, "user": "x"}, headers=h, timeout=60)
     assert r.status_code == 200, r.text
     # a prompt longer than the context
     with pytest.raises(openai.BadRequestError) as e:

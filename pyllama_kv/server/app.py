@@ -371,8 +371,8 @@ class Server:
             if req.kind == "chat" and req.tools is not None and req.tools.active else None
         try:
             if req.kind == "chat":
-                for i in range(req.n):
-                    yield _sse(protocol.chunk(req, i, "", role=True))
+                for i in range(req.n):   # with tools: no content yet (null beside tool calls, as OpenAI's)
+                    yield _sse(protocol.chunk(req, i, None if parsers is not None else "", role=True))
             while open_:
                 ev = await events.get()
                 if ev.finish_reason in _ERROR_FINISH:
