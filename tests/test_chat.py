@@ -234,7 +234,7 @@ def test_unlocatable_control_text_makes_the_whole_string_plain(real, monkeypatch
 
 def test_conversation_slices_keep_the_plain_spans(real):
     """`pyllama-kv chat` tokenizes each turn's new text (a slice of the rendering)."""
-    from pyllama_kv.cli.commands.chat import ChatTemplate, Conversation
+    from pyllama_kv.conversation import ChatTemplate, Conversation
 
     conv = Conversation(ChatTemplate(real), None)
     msgs, text, toks = conv.next_prompt("Hello")

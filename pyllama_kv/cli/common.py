@@ -1,4 +1,4 @@
-"""What every command shares: the user-facing error, the phase that Ctrl-C reports, argument checks,
+"""What every command shares: the user-facing errors, the phase that Ctrl-C reports, argument checks,
 and opening a model."""
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..errors import LlamaError
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -14,8 +16,15 @@ EXIT_INTERRUPTED = 130       # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141       # 128 + SIGPIPE
 
 
-class CLIError(Exception):
-    """A user-facing error: printed as one line, exit code EXIT_ERROR."""
+class CLIError(LlamaError):
+    """A user-facing error about the world the command met (a file, a model, a library): printed as
+    one line, exit code EXIT_ERROR."""
+
+
+class UsageError(CLIError):
+    """The command line itself is wrong, whatever the files it names: flags that need another flag or
+    exclude each other, a flag's value out of its range, a missing argument. One line, exit code
+    EXIT_USAGE, as argparse's own errors."""
 
 
 # what the command is doing, for the line main() prints when Ctrl-C stops it there
@@ -39,8 +48,9 @@ def setup_logging(debug: bool) -> None:
 
 
 def positive(name: str, v: int | None, minimum: int = 1) -> None:
+    """UsageError unless flag ``name``'s value ``v`` is None or at least ``minimum``."""
     if v is not None and v < minimum:
-        raise CLIError(f"{name} must be at least {minimum}, got {v}")
+        raise UsageError(f"{name} must be at least {minimum}, got {v}")
 
 
 def resolve_model(spec: str):
@@ -83,3 +93,42 @@ def check_output_file(out: str, what: str) -> Path:
     except OSError as exc:
         raise CLIError(f"cannot write {out}: {exc.strerror or exc}") from None
     return path
+
+
+def read_template(path: str | None) -> str | None:
+    """The source of a ``--template FILE`` (None without one); CLIError when it cannot be read."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        raise CLIError(f"cannot read the template file: {path} is a directory")
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CLIError(f"cannot read the template file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CLIError(f"cannot read the template file {path}: it is not UTF-8 text") from None
+
+
+def chat_template(model, source: str | None = None, file: str | None = None):
+    """The conversation's :class:`~pyllama_kv.conversation.ChatTemplate`: the model's, or ``source``
+    (read from the ``--template`` ``file``). CLIError naming --template when the model has none."""
+    from ..conversation import ChatTemplate
+
+    if source is None and model.chat_template is None:
+        raise CLIError(f"{model.path.name} has no chat template (no tokenizer.chat_template in the GGUF): "
+                       "give one with --template FILE")
+    return ChatTemplate(model, source, f"the template {file}" if file else None)
+
+
+def add_lib_flag(parser) -> None:
+    """``--lib``: which libllama the command loads; without it, what pk.Model loads ($PYLLAMA_KV_LIB,
+    else the patched build), as in every command."""
+    parser.add_argument("--lib", default=None, metavar="patched|vanilla|PATH",
+                        help="libllama to use (default: $PYLLAMA_KV_LIB if set, else patched)")
+
+
+def lib_label(lib: str | None) -> str:
+    """A short name of the library ``lib`` (a --lib value, None: the default) names, for progress and tables."""
+    name = lib or os.environ.get("PYLLAMA_KV_LIB") or "patched"
+    return name if name in ("patched", "vanilla") else Path(name).name

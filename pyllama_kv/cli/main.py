@@ -1,13 +1,27 @@
 """`pyllama-kv`: the command line.
 
 A registry of commands (one module each under ``commands/``, imported only when that command runs or
-its help is asked for), the global flags, and the one place where exceptions become exit codes:
+its help is asked for), the global flags, and the one place where exceptions become exit codes
+(:func:`exit_code`, :data:`EXIT_CODES`):
 
-* an error of pyllama_kv (LlamaError, HarnessError, GGUFFileError, the CLI's own CLIError) or a
-  file or value error (OSError, ValueError): one line on stderr, exit 1;
-* anything else is a bug: one "internal error" line, exit 1; ``--debug`` shows the traceback;
-* Ctrl-C: exit 130, after the summary of what was done (run, stress, demo) or a line saying what it
-  interrupted; a closed stdout (``| head``): quietly, exit 141.
+==========================================================  ====  ==========================================
+what                                                        exit  output on stderr
+==========================================================  ====  ==========================================
+a wrong command line: argparse's errors, UsageError         2     usage (argparse) or one line
+(``--system`` without ``--chat``, a flag's value out of
+range, ``-p`` with ``-f``, no prompt)
+an error of ours: LlamaError (LibraryError,                 1     one line (a HarnessError adds its detail,
+ModelLoadError, GGUFFileError, InvalidInputError, ...,            e.g. a patch's failing hunk)
+HarnessError, CLIError)
+OSError (a file or device: no space left, permission)       1     one line
+Ctrl-C (KeyboardInterrupt)                                  130   the summary of what was done (run,
+                                                                  stress, demo) or what it interrupted
+a closed stdout (``| head``: BrokenPipeError)               141   nothing
+anything else: a bug (a bare ValueError, TypeError,         1     the traceback, then one line saying it
+KeyError... from our code)                                        is an internal error
+==========================================================  ====  ==========================================
+
+``--debug`` shows the traceback of every error (and llama.cpp's log).
 """
 from __future__ import annotations
 
@@ -18,7 +32,8 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 
-from .common import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, phase, set_phase
+from ..errors import HarnessError, LlamaError
+from .common import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, phase, set_phase
 from .render import log
 
 #: command -> (module under commands/, one-line summary); the order of `pyllama-kv --help`
@@ -120,31 +135,40 @@ def _command_in(argv: Sequence[str]) -> str | None:
 # errors: the one place an exception becomes the CLI's output and exit code
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that are a user's error, not a bug: every error class of pyllama_kv (the API's
-    LlamaError, the harness's HarnessError, the GGUF checks' GGUFFileError, the CLI's CLIError), and
-    OSError and ValueError (a file that cannot be read or written, a value out of range)."""
-    from ..errors import HarnessError, LlamaError
-    from ..tools.gguf_check import GGUFFileError
+#: exception class -> exit code, the first match wins; an exception that matches none is a bug
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (UsageError, EXIT_USAGE),     # the command line is wrong (a CLIError, so before LlamaError)
+    (LlamaError, EXIT_ERROR),     # every error of ours (errors.py): the API's, the harness's, CLIError
+    (OSError, EXIT_ERROR),        # a file or device: not found, permission, no space left
+)
 
-    return (CLIError, LlamaError, HarnessError, GGUFFileError, OSError, ValueError)
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit code of an error the user can act on (EXIT_CODES), or None: a bug."""
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return None
 
 
 def _report_error(command: str | None, exc: BaseException) -> int:
-    """One line on stderr (a harness error adds its detail, e.g. a patch's failing hunk), exit code
-    EXIT_ERROR. An exception outside pyllama_kv's errors is a bug: it is named as an internal error,
-    still in one line; --debug shows its traceback."""
-    from ..errors import HarnessError
+    """An error of ours (or an OSError): one line on stderr (a harness error adds its detail, e.g. a
+    patch's failing hunk), its exit code. Anything else is a bug: its traceback, then one line that
+    says so, exit EXIT_ERROR."""
+    import traceback
 
+    code = exit_code(exc)
     msg = str(exc).strip()
     first, _, rest = msg.partition("\n")
-    if not isinstance(exc, _user_errors()):
-        first = f"internal error: {type(exc).__name__}" + (f": {first}" if first else "") + \
-            " (run with --debug for the traceback)"
+    if code is None:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        log(f"pyllama-kv {command}: error: internal error: {type(exc).__name__}" + (f": {first}" if first else "")
+            + " (a bug in pyllama-kv: the traceback above says where)")
+        return EXIT_ERROR
     log(f"pyllama-kv {command}: error: {first or type(exc).__name__}")
     if rest and isinstance(exc, HarnessError):
         log(rest)
-    return EXIT_ERROR
+    return code
 
 
 def _quiet_stdout() -> None:

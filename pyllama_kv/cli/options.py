@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar
 
 from ..config import ContextConfig, EngineConfig, SamplingParams, default_threads, on_off
 from ..errors import InvalidInputError
-from .common import CLIError
+from .common import UsageError
 
 T = TypeVar("T")
 
@@ -150,7 +150,8 @@ def values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build(cls: Callable[..., T], **kwargs: Any) -> T:
-    """``cls(**kwargs)``, with a validation error worded with the flags' names (one CLIError line)."""
+    """``cls(**kwargs)``, with a validation error worded with the flags' names (a UsageError: one line,
+    exit 2)."""
     try:
         return cls(**kwargs)
     except InvalidInputError as exc:
@@ -159,7 +160,7 @@ def build(cls: Callable[..., T], **kwargs: Any) -> T:
             if msg.startswith(f.field) and msg[len(f.field):len(f.field) + 1] in ("=", " ", ""):
                 msg = f.name + msg[len(f.field):]
                 break
-        raise CLIError(msg) from None
+        raise UsageError(msg) from None
 
 
 def from_args(cls: Callable[..., T], args: argparse.Namespace, **overrides: Any) -> T:

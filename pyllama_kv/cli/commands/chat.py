@@ -3,19 +3,16 @@
 Every turn renders the whole conversation with the model's chat template (or ``--template FILE``)
 and submits it to the engine with ``keep=True``. The engine keeps the finished turn (prompt and
 answer) as a cached sequence and starts the next turn as a fork of it, so only the new messages are
-evaluated. So that the next prompt really starts with the cached tokens, the conversation keeps the
-token ids it submitted and generated, and appends only the tokens of the newly rendered text (as
-llama.cpp's own chat does): re-tokenizing the whole text could merge differently at the end of an
-answer. If the template renders the earlier turns differently (it trims them, say), the whole text
-is tokenized and the prefix cache reuses what still matches.
+evaluated. So that the next prompt really starts with the cached tokens, the conversation
+(:class:`pyllama_kv.conversation.Conversation`, whose docstring states the token-stability contract)
+keeps the token ids it submitted and generated, and appends only the tokens of the newly rendered
+text.
 
 A conversation that outgrows the context goes on (``--context-shift``, on by default): a prompt that
 does not fit is truncated by whole turns from the oldest (the system prompt stays: it is the
 request's ``n_keep``), and an answer that reaches the end of the context shifts it (half of what
 follows the system prompt is dropped). The conversation then keeps the tokens the engine kept, so
 the next turn still starts from the cached cells. ``/stats`` counts what was dropped.
-
-Also ``ChatTemplate``, which `run --chat` renders and tokenizes its prompt with.
 """
 from __future__ import annotations
 
@@ -25,8 +22,18 @@ import sys
 import time
 from pathlib import Path
 
+from ...conversation import Conversation
 from .. import options
-from ..common import CLIError, check_ctx, open_model, positive, set_phase, setup_logging
+from ..common import (
+    add_lib_flag,
+    chat_template,
+    check_ctx,
+    open_model,
+    positive,
+    read_template,
+    set_phase,
+    setup_logging,
+)
 from ..render import Streamer, log
 
 DEFAULT_ANSWER_TOKENS = 512
@@ -63,7 +70,7 @@ def register(subparsers) -> None:
                 helps={"n_ctx": "KV cache cells: the whole conversation must fit (default: min({ctx}, the "
                                 "model's n_ctx_train))".format(ctx=options.field_default(options.EngineConfig,
                                                                                         "n_ctx"))})
-    s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
+    add_lib_flag(s)
     options.add(s, "n_threads", "rpc", "validate", "cache_ram")
     options.add(s, "context_shift", "n_keep", defaults={"n_keep": None},
                 helps={"n_keep": "tokens at the start that truncation and context shifts never drop "
@@ -73,140 +80,15 @@ def register(subparsers) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the template: the model's own or a file's, and the tokens of what it renders
-
-
-def read_template(path: str | None) -> str | None:
-    """The source of a ``--template FILE`` (None without one); CLIError when it cannot be read."""
-    if path is None:
-        return None
-    p = Path(path)
-    if p.is_dir():
-        raise CLIError(f"cannot read the template file: {path} is a directory")
-    try:
-        return p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CLIError(f"cannot read the template file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise CLIError(f"cannot read the template file {path}: it is not UTF-8 text") from None
-
-
-class ChatTemplate:
-    """Renders messages with the model's chat template, or with ``source`` (a --template file's,
-    rendered in the same sandbox with the model's BOS/EOS texts), and tokenizes the result."""
-
-    def __init__(self, model, source: str | None = None, file: str | None = None):
-        self.model = model
-        self.source = source
-        self.name = f"the template {file}" if file else "the template"
-        if source is None and model.chat_template is None:
-            raise CLIError(f"{model.path.name} has no chat template (no tokenizer.chat_template in the GGUF): "
-                           "give one with --template FILE")
-        # a hostile or broken template fails here, before any question is asked
-        self.render([{"role": "user", "content": "hello"}])
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from ...chat import apply_chat_template
-
-        return apply_chat_template(self.model, messages, add_generation_prompt, source=self.source, name=self.name)
-
-    def tokenize(self, text: str, start: bool = True) -> list[int]:
-        """Tokens of rendered ``text``, special tokens parsed; at the ``start`` of a prompt the
-        model's BOS is added unless the template wrote it already."""
-        from ...chat import tokenize_rendered
-
-        return tokenize_rendered(self.model, text, start)
-
-    def prompt(self, user: str, system: str | None = None) -> list[int]:
-        """One user message (and the system prompt) as a prompt for an answer: `run --chat`."""
-        msgs = ([{"role": "system", "content": system}] if system is not None else [])
-        return self.tokenize(self.render(msgs + [{"role": "user", "content": user}]))
-
-
-# ---------------------------------------------------------------------------------------------
-# the conversation
-
-
-class Conversation:
-    """The messages, and the token ids (and their text) the KV cache holds for them."""
-
-    def __init__(self, template: ChatTemplate, system: str | None):
-        self.template = template
-        self.system = system
-        self.reset()
-
-    def reset(self) -> None:
-        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system is not None else []
-        self.tokens: list[int] = []   # what was submitted and generated, in order (less what was dropped)
-        self.text = ""                # the rendered text of the whole conversation
-        self.boundaries: list[int] = []   # where each turn starts in ``tokens``
-        self.n_keep: int | None = None    # the tokens before the first turn (BOS, system prompt)
-        self.next_boundaries: list[int] = []   # ``boundaries`` of the prompt next_prompt made
-
-    def next_prompt(self, user: str) -> tuple[list[dict], str, list[int]]:
-        """The messages, rendered text and tokens of the next turn: the tokens kept so far plus the
-        tokens of the newly rendered text only (if the template renders the past as it was)."""
-        msgs = self.messages + [{"role": "user", "content": user}]
-        text = self.template.render(msgs)
-        if self.tokens and text.startswith(self.text):
-            start = len(self.tokens)
-            toks = self.tokens + self.template.tokenize(text[len(self.text):], start=False)
-            bounds = list(self.boundaries)
-        else:
-            start = 0
-            toks = self.template.tokenize(text)
-            bounds = []
-        turn = self._turn_start(text, toks, start)
-        if turn is not None:
-            bounds.append(turn)
-            if self.n_keep is None and not self.boundaries:
-                self.n_keep = turn
-        elif start:
-            bounds.append(start)
-        self.next_boundaries = bounds
-        return msgs, text, toks
-
-    def _turn_start(self, text: str, toks: list[int], start: int) -> int | None:
-        """Where the new user turn starts in ``toks``: after the conversation so far as the template
-        closes it (render without the generation prompt), when its tokens are a prefix there."""
-        try:
-            head = self.template.render(self.messages, add_generation_prompt=False) if self.messages else ""
-        except Exception:   # a template that refuses a conversation ending there: no boundary
-            return None
-        if not text.startswith(head):
-            return None
-        if start:
-            if not head.startswith(self.text):
-                return None
-            closing = self.template.tokenize(head[len(self.text):], start=False) if len(head) > len(self.text) else []
-        else:
-            closing = self.template.tokenize(head, start=True)
-        if toks[start:start + len(closing)] != closing or start + len(closing) >= len(toks):
-            return None
-        return start + len(closing)
-
-    def answered(self, msgs: list[dict], text: str, toks: list[int], completion, cells_kept: bool) -> None:
-        self.messages = msgs + [{"role": "assistant", "content": completion.text}]
-        kept = getattr(completion, "context_tokens", None)
-        if cells_kept and kept is not None:
-            # what the engine's sequence holds (less what truncation and shifts dropped), the answer
-            # included: the next turn starts with it and reuses the cached cells
-            self.tokens, self.text = list(kept), text + completion.text
-            self.boundaries = list(completion.boundaries or [])
-        elif cells_kept:   # the answer's tokens are in the cache (its last one is evaluated next turn)
-            self.tokens, self.text = toks + list(completion.tokens), text + completion.text
-            self.boundaries = list(self.next_boundaries)
-        else:            # its cells were freed (Ctrl-C, error): the answer is tokenized as text next turn
-            self.tokens, self.text = toks, text
-            self.boundaries = list(self.next_boundaries)
+# the session: the conversation (pyllama_kv.conversation) on an engine
 
 
 class Session:
-    """The engine, the conversation, and what each turn cost."""
+    """The engine (an EngineSession), the conversation, and what each turn cost."""
 
-    def __init__(self, model, ctx, kv, engine, conv: Conversation, params, n_predict: int, as_json: bool,
+    def __init__(self, model, engine, conv: Conversation, params, n_predict: int, as_json: bool,
                  context_shift: bool = True, n_keep: int | None = None):
-        self.model, self.ctx, self.kv, self.engine = model, ctx, kv, engine
+        self.model, self.engine, self.ctx = model, engine, engine.ctx
         self.conv = conv
         self.params = params
         self.n_predict = n_predict
@@ -245,25 +127,25 @@ class Session:
             return self._report({"turn": self.turns + 1, "answer": "", "finish_reason": "context_full", "error": msg})
         if self._stop:   # Ctrl-C while rendering: nothing was submitted
             return self._report({"turn": self.turns + 1, "answer": "", "finish_reason": "interrupted"})
-        events: list = []
         stream = None if self.as_json else Streamer(1)
         t0 = time.perf_counter()
         t_first = None
         n_keep = self.n_keep if self.n_keep is not None else self.conv.n_keep
         h = self._handle = self.engine.submit(toks, self.params, max_tokens=self.n_predict, keep=True,
-                                              on_event=events.append, context_shift=self.context_shift,
-                                              truncate=self.context_shift, n_keep=n_keep,
-                                              boundaries=self.conv.next_boundaries)
+                                              context_shift=self.context_shift, truncate=self.context_shift,
+                                              n_keep=n_keep, boundaries=self.conv.next_boundaries)
         if self._stop:
             h.cancel()
-        while not h.done:
-            self.engine.step()
-            batch, events[:] = events[:], []
-            if batch and t_first is None:
+
+        def on_events(batch: list) -> None:
+            nonlocal t_first
+            if t_first is None:
                 t_first = time.perf_counter()
             if stream is not None:
                 for ev in batch:
                     stream.add(0, ev.text)
+
+        self.engine.run(h, on_events)
         t_end = time.perf_counter()
         if stream is not None:
             stream.finish()
@@ -303,7 +185,7 @@ class Session:
 
     def reset(self) -> None:
         self.conv.reset()
-        self.kv.cache.clear()   # the cached turns: every cell of the conversation is freed
+        self.engine.forget()   # the cached turns: every cell of the conversation is freed
         self.last = None
 
     def stats(self) -> dict:
@@ -369,29 +251,25 @@ def run(args) -> int:
     model = open_model(args.model, args.lib, args.rpc, args.validate)
     try:
         check_ctx(model, args.n_ctx)
-        template = ChatTemplate(model, source, args.template)
+        template = chat_template(model, source, args.template)
         n_ctx = args.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
         cfg = options.build(options.EngineConfig, n_ctx=n_ctx, parallel=1, prefix_cache=2, n_threads=args.n_threads,
                             max_queue=1, max_tokens=args.n_predict, keep_finished=True, cache_ram=args.cache_ram,
                             context_shift=args.context_shift, truncate=args.context_shift,
                             **({} if args.n_keep is None else {"n_keep": args.n_keep}))
         set_phase("creating the context")
-        ctx = model.context(**cfg.context().context_kwargs())
-        try:
-            return _session(args, model, ctx, cfg, Conversation(template, args.system), params)
-        finally:
-            ctx.close()
+        from ...engine.oneshot import EngineSession
+
+        with EngineSession(model, cfg) as engine:
+            return _session(args, model, engine, cfg, Conversation(template, args.system), params)
     finally:
         model.close()
 
 
-def _session(args, model, ctx, cfg, conv: Conversation, params) -> int:
-    from ...engine import ContextKV, Engine
-
-    kv = ContextKV(ctx, cfg.parallel, cfg.prefix_cache, cfg.cache_ram)
-    eng = Engine(model, cfg, kv=kv)
-    sess = Session(model, ctx, kv, eng, conv, params, args.n_predict, args.json, context_shift=cfg.context_shift,
+def _session(args, model, engine, cfg, conv: Conversation, params) -> int:
+    sess = Session(model, engine, conv, params, args.n_predict, args.json, context_shift=cfg.context_shift,
                    n_keep=args.n_keep)
+    ctx = engine.ctx
     tty = sys.stdin.isatty()
     set_phase(None)
     if tty:
@@ -440,8 +318,6 @@ def _session(args, model, ctx, cfg, conv: Conversation, params) -> int:
                 log("(Ctrl-C again or Ctrl-D to exit)")
     finally:
         signal.signal(signal.SIGINT, previous)
-        eng.close()
-        kv.cache.clear()
 
 
 def _do(sess: Session, line: str) -> bool:

@@ -81,7 +81,7 @@ def _chat_answers(model_path: str, args) -> dict:
 
     from ...chat import tokenize_rendered
     from ...config import EngineConfig, SamplingParams
-    from ...engine import Engine, HoldingKV
+    from ...engine.oneshot import EngineSession
 
     set_phase("loading the model (chat)")
     model = open_model(model_path, "patched")
@@ -90,25 +90,23 @@ def _chat_answers(model_path: str, args) -> dict:
         toks = tokenize_rendered(model, prompt)
         cfg = options.build(EngineConfig, n_ctx=1024, parallel=N_ANSWERS, prefix_cache=0, n_threads=args.n_threads,
                             max_queue=1, max_tokens=ANSWER_TOKENS)
-        with model.context(**cfg.context().context_kwargs()) as ctx:
-            kv = HoldingKV(ctx, cfg.parallel, cfg.prefix_cache)   # the answers keep their cells for the stats
-            eng = Engine(model, cfg, kv=kv)
+        with EngineSession(model, cfg, hold=True) as session:   # the answers keep their cells for the stats
             params = SamplingParams(temperature=0.6, top_p=0.95, seed=args.seed)
             set_phase("answering")
-            t0 = time.perf_counter()
-            h = eng.submit(toks, params, max_tokens=ANSWER_TOKENS, n=N_ANSWERS, keep=False)
             tty = sys.stderr.isatty() and not args.json
-            while not h.done:
-                eng.step()
+            t0 = time.perf_counter()
+            h = session.submit(toks, params, max_tokens=ANSWER_TOKENS, n=N_ANSWERS, keep=False)
+
+            def progress(_events: list) -> None:
                 if tty:
                     sys.stderr.write(f"\r  answering: {sum(len(c.tokens) for c in h.completions)} tokens ")
                     sys.stderr.flush()
+
+            session.run(h, progress)
             seconds = time.perf_counter() - t0
             if tty:
                 sys.stderr.write("\n")
-            st = ctx.kv_stats()
-            eng.close()
-            kv.release()
+            st = session.ctx.kv_stats()
         comps = h.completions
         return {
             "question": QUESTION,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import options
-from ..common import CLIError, positive, resolve_model
+from ..common import CLIError, UsageError, positive, resolve_model
 from ..render import human_bytes, print_json
 
 
@@ -21,10 +21,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ...tools.gguf import inspect_gguf
+    from ...errors import InvalidInputError
+    from ...tools.gguf import inspect_gguf, kv_type_size
 
     positive("--seqs", args.seqs)
     positive("--ctx", args.n_ctx)
+    for flag, name in (("--type-k", args.type_k), ("--type-v", args.type_v)):
+        try:
+            kv_type_size(name)
+        except InvalidInputError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
     args.model = str(resolve_model(args.model))  # a catalogue name: its cached GGUF, pulled on first use
     if Path(args.model).is_dir():
         raise CLIError(f"{args.model} is a directory, not a GGUF file")

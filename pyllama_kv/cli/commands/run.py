@@ -16,7 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import options
-from ..common import EXIT_INTERRUPTED, EXIT_USAGE, CLIError, check_ctx, open_model, positive, set_phase, setup_logging
+from ..common import (
+    EXIT_INTERRUPTED,
+    CLIError,
+    UsageError,
+    add_lib_flag,
+    chat_template,
+    check_ctx,
+    open_model,
+    positive,
+    read_template,
+    set_phase,
+    setup_logging,
+)
 from ..render import Streamer, log, print_json
 
 DEFAULT_N_PREDICT = 64
@@ -41,7 +53,7 @@ def register(subparsers) -> None:
                 defaults={"parallel": 1, "n_ctx": None},
                 helps={"n_ctx": "KV cache cells (default: min({ctx}, the model's n_ctx_train))".format(
                     ctx=options.field_default(options.EngineConfig, "n_ctx"))})
-    s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
+    add_lib_flag(s)
     options.add(s, "n_threads", "type_k", "type_v", "rpc", "validate", "context_shift", "n_keep")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
     g = s.add_mutually_exclusive_group()
@@ -78,9 +90,9 @@ class RunSpec:
 
 def read_prompt(prompt: str | None, file: str | None) -> bytes:
     """The prompt as bytes: tokenized as given, so a prompt that is not UTF-8 (in argv, a file or on
-    stdin) is not an error."""
+    stdin) is not an error. UsageError for both -p and -f, or neither (and no stdin piped)."""
     if prompt is not None and file is not None:
-        raise CLIError("give the prompt with -p or -f, not both")
+        raise UsageError("give the prompt with -p or -f, not both")
     if prompt is not None:
         return os.fsencode(prompt)  # the bytes of argv, undoing Python's surrogateescape
     stdin = getattr(sys.stdin, "buffer", None)
@@ -98,7 +110,7 @@ def read_prompt(prompt: str | None, file: str | None) -> bytes:
             raise CLIError(f"cannot read the prompt file: {exc}") from None
     if stdin is not None and not sys.stdin.isatty():
         return stdin.read()
-    raise CLIError("no prompt: use -p TEXT, -f FILE, or pipe the prompt on stdin")
+    raise UsageError("no prompt: use -p TEXT, -f FILE, or pipe the prompt on stdin")
 
 
 def run(args) -> int:
@@ -106,18 +118,13 @@ def run(args) -> int:
 
     setup_logging(args.debug)
     if not args.chat and (args.system is not None or args.template is not None):
-        log(f"pyllama-kv run: error: {'--system' if args.system is not None else '--template'} needs --chat")
-        return EXIT_USAGE
+        raise UsageError(f"{'--system' if args.system is not None else '--template'} needs --chat")
     positive("--parallel", args.parallel)
     positive("-n", args.n_predict, 0)
     positive("--ctx", args.n_ctx)
     positive("-t", args.n_threads)
     params = options.sampling(args, seed=random.randrange(2**31))
-    template = None
-    if args.chat:
-        from .chat import read_template
-
-        template = read_template(args.template)
+    template = read_template(args.template) if args.chat else None
     grammar = None
     if args.json_schema or args.grammar:
         from ...constrain import Grammar, GrammarError
@@ -153,7 +160,7 @@ def generate(spec: RunSpec) -> int:
     """Load the model, serve the request, print the outputs and the summary. Exit code 130 when
     Ctrl-C stopped it (after the summary of what was done)."""
     if spec.parallel > 255:
-        raise CLIError(f"--parallel must be at most 255, got {spec.parallel}")
+        raise UsageError(f"--parallel must be at most 255, got {spec.parallel}")
     set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
     model = open_model(spec.model, spec.lib, spec.rpc, spec.validate)
     try:
@@ -161,42 +168,13 @@ def generate(spec: RunSpec) -> int:
         n_ctx = spec.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
         set_phase("tokenizing the prompt")
         if spec.chat:
-            from .chat import ChatTemplate
-
-            template = ChatTemplate(model, spec.template, spec.template_file)
+            template = chat_template(model, spec.template, spec.template_file)
             toks = template.prompt(spec.prompt.decode("utf-8", "replace"), spec.system)
         else:
             toks = model.tokenize(spec.prompt)
         if len(toks) >= n_ctx:
             raise CLIError(f"the prompt has {len(toks)} tokens, which does not fit in --ctx {n_ctx}")
         cfg = engine_config(spec, n_ctx)
-        set_phase("creating the context")
-        ctx = model.context(**cfg.context().context_kwargs())
-        try:
-            return _serve(spec, model, ctx, cfg, toks)
-        finally:
-            ctx.close()
-    finally:
-        model.close()
-
-
-def _serve(spec: RunSpec, model, ctx, cfg, toks: list[int]) -> int:
-    """Submit, step the engine until the request is done, render its events; the summary also when
-    Ctrl-C stops it (during the prompt or the generation): exit 130 then."""
-    from ...engine import Engine, HoldingKV
-
-    n = spec.parallel
-    stream = Streamer(n, out=sys.stdout) if not spec.json else None
-    kv = HoldingKV(ctx, cfg.parallel, cfg.prefix_cache)   # the summary reads the cache after the request
-    eng = Engine(model, cfg, kv=kv)
-    t_prompt = t_gen = 0.0
-    t0 = t_gen0 = time.perf_counter()
-    prompt_done = False
-    events: list = []   # filled by the engine during a step, rendered here after it
-
-    interrupted = None   # what Ctrl-C interrupted
-    set_phase("evaluating the prompt")
-    try:
         grammar = None
         if spec.grammar is not None:
             from ...constrain import GrammarError, compile_grammar
@@ -205,20 +183,43 @@ def _serve(spec: RunSpec, model, ctx, cfg, toks: list[int]) -> int:
                 grammar = compile_grammar(model, spec.grammar)   # type: ignore[arg-type]
             except GrammarError as e:
                 raise CLIError(str(e)) from None
-        h = eng.submit(toks, spec.params, max_tokens=max(1, spec.n_predict), n=n, keep=False,  # type: ignore[arg-type]
-                       on_event=events.append, grammar=grammar)
+        set_phase("creating the context")
+        from ...engine.oneshot import EngineSession
+
+        # hold: the summary reads the cache after the request
+        return _serve(spec, model, EngineSession(model, cfg, hold=True), toks, grammar)
+    finally:
+        model.close()
+
+
+def _serve(spec: RunSpec, model, session, toks: list[int], grammar) -> int:
+    """Submit, step the engine until the request is done, render its events; the summary also when
+    Ctrl-C stops it (during the prompt or the generation): exit 130 then. Closes ``session``."""
+    n = spec.parallel
+    stream = Streamer(n, out=sys.stdout) if not spec.json else None
+    ctx = session.ctx
+    t_prompt = t_gen = 0.0
+    t0 = t_gen0 = time.perf_counter()
+    prompt_done = False
+
+    def on_events(batch: list) -> None:
+        nonlocal prompt_done, t_gen0, t_prompt
+        if not prompt_done:   # the first tokens: the prompt is in
+            prompt_done = True
+            t_gen0 = time.perf_counter()
+            t_prompt = t_gen0 - t0
+            set_phase("generating")
+        if stream is not None and spec.n_predict > 0:
+            for ev in batch:
+                stream.add(ev.index, ev.text)
+
+    interrupted = None   # what Ctrl-C interrupted
+    set_phase("evaluating the prompt")
+    try:
+        h = session.submit(toks, spec.params, max_tokens=max(1, spec.n_predict), n=n, keep=False,
+                           grammar=grammar)
         try:
-            while not h.done:
-                eng.step()
-                if events and not prompt_done:   # the first tokens: the prompt is in
-                    prompt_done = True
-                    t_gen0 = time.perf_counter()
-                    t_prompt = t_gen0 - t0
-                    set_phase("generating")
-                batch, events[:] = events[:], []
-                if stream is not None and spec.n_predict > 0:
-                    for ev in batch:
-                        stream.add(ev.index, ev.text)
+            session.run(h, on_events)
             t_gen = time.perf_counter() - t_gen0
         except KeyboardInterrupt:
             if prompt_done:
@@ -231,14 +232,14 @@ def _serve(spec: RunSpec, model, ctx, cfg, toks: list[int]) -> int:
         if stream is not None:
             stream.finish()
         st = ctx.kv_stats()
+        n_threads = ctx.n_threads
         comps = h.completions   # before close(): that cancels what Ctrl-C left running
         counts = [min(len(c.tokens), spec.n_predict) for c in comps]
         texts = [c.text if spec.n_predict > 0 else "" for c in comps]
         stop = [c.finish_reason or "interrupted" for c in comps]
     finally:
         try:
-            eng.close()
-            kv.release()
+            session.close()
         except Exception:
             if interrupted is None:   # after Ctrl-C mid-step, the summary matters more than the cleanup
                 raise
@@ -249,7 +250,7 @@ def _serve(spec: RunSpec, model, ctx, cfg, toks: list[int]) -> int:
         "library": model.library.get("variant"),
         "seed": getattr(params, "seed", None),
         "parallel": n,
-        "threads": ctx.n_threads,
+        "threads": n_threads,
         "prompt_tokens": len(toks),
         "prompt_seconds": round(t_prompt, 4),
         "prompt_tokens_per_s": round(len(toks) / t_prompt, 1) if t_prompt > 0 and prompt_done else None,

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from .. import options
-from ..common import CLIError, check_ctx, open_model, positive, resolve_model, set_phase, setup_logging
+from ..common import CLIError, add_lib_flag, check_ctx, open_model, positive, resolve_model, set_phase, setup_logging
 from ..render import log
 
 API_KEY_ENV = "PYLLAMA_KV_API_KEY"
@@ -55,7 +55,7 @@ def register(subparsers) -> None:
                 helps={"n_ctx": "KV cache cells, shared by every request (default: min({ctx}, the model's "
                                 "n_ctx_train))".format(ctx=options.field_default(options.EngineConfig, "n_ctx")),
                        "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
-    s.add_argument("--lib", default=None, metavar="patched|vanilla|PATH", help="libllama to use (default: patched)")
+    add_lib_flag(s)
 
 
 def _model_names(spec: str, path: Path) -> list[str]:

@@ -10,8 +10,10 @@ from ..common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     CLIError,
+    add_lib_flag,
     check_ctx,
     check_output_file,
+    lib_label,
     open_model,
     positive,
     set_phase,
@@ -33,8 +35,7 @@ def register(subparsers) -> None:
                                                     "slot failures (batches refused although enough cells were "
                                                     "free), defrags, moves, graphs, retries and peak fragmentation.")
     s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
-    s.add_argument("--lib", default="patched", metavar="patched|vanilla|PATH",
-                   help="libllama to use (default: %(default)s)")
+    add_lib_flag(s)
     s.add_argument("--seqs", type=int, default=_default("n_seqs"),
                    help="requests served at once (default %(default)s)")
     options.add(s, "n_ctx", defaults={"n_ctx": _default("n_ctx")})
@@ -104,7 +105,7 @@ def run(args) -> int:
     cfg = stress_config(args.seqs, args.n_ctx, args.steps, args.seed, args.sequential, args.n_threads)
     map_path = check_map_path(args.map) if args.map is not None else None  # before the workload, not after
     cfg.record_map = map_path is not None
-    label = args.lib if args.lib in ("patched", "vanilla") else Path(args.lib).name
+    label = lib_label(args.lib)   # None: $PYLLAMA_KV_LIB, else patched, as pk.Model picks it
     d, occ = run_workload(args.model, args.lib, cfg, label, progress=not args.json, rpc=args.rpc,
                            validate=args.validate)
     rc = EXIT_INTERRUPTED if d.get("interrupted") else 0

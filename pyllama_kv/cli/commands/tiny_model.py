@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..common import CLIError, check_output_file, positive
+from ..common import UsageError, check_output_file, positive
 from ..render import human_bytes, print_json
 
 
@@ -36,9 +36,9 @@ def run(args) -> int:
     for name in ("layers", "embd", "heads", "kv_heads", "ff", "ctx_train"):
         positive("--" + name.replace("_", "-"), getattr(args, name))
     if args.embd % args.heads or args.heads % args.kv_heads:
-        raise CLIError("--embd must be a multiple of --heads, and --heads a multiple of --kv-heads")
+        raise UsageError("--embd must be a multiple of --heads, and --heads a multiple of --kv-heads")
     if (args.embd // args.heads) % 2:
-        raise CLIError("--embd / --heads (the head size) must be even: llama.cpp's rope needs pairs")
+        raise UsageError("--embd / --heads (the head size) must be even: llama.cpp's rope needs pairs")
     path = check_output_file(args.out, "the model")
     # written in a temporary directory next to the target, then renamed over it: nothing is left
     # behind on any failure (a full disk, Ctrl-C), and the target is never half written
