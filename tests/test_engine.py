@@ -391,3 +391,39 @@ def test_stress_on_a_small_cache_completes_instead_of_thrashing(tiny_model, vani
     with pk.Model(tiny_model, lib="vanilla") as m:
         van, _ = run_stress(m, cfg)
     assert van.slot_failures > 0 and van.requests["failed"] > 0
+
+
+def test_between_steps_runs_on_the_loop_thread_or_inline():
+    kv = FakeKV(64, 2, 8, [1] * 100)
+    eng = Engine(FakeModel(), EngineConfig(n_ctx=64, parallel=2, prefix_cache=0), kv=kv)
+    me = threading.current_thread()
+    # no loop thread: now, on the calling thread
+    assert eng.between_steps(lambda e: threading.current_thread()).result(0) is me
+    eng.start()
+    try:
+        h = eng.submit([1, 1], GREEDY, max_tokens=30)
+        seen = []
+        for _ in range(20):   # each answer is taken between two steps: never beside a decode
+            seen.append(eng.between_steps(lambda e: (threading.current_thread(), e.stats.steps)).result(10))
+        assert all(t is not me and t.name == "pyllama-kv-engine" for t, _ in seen) and h.wait(10)
+        assert [s for _, s in seen] == sorted(s for _, s in seen)
+        boom = eng.between_steps(lambda e: 1 // 0)
+        with pytest.raises(ZeroDivisionError):
+            boom.result(10)
+        assert eng.alive, "an asker's error does not stop the engine"
+    finally:
+        eng.close()
+    assert eng.between_steps(lambda e: 7).result(0) == 7
+
+
+def test_sampling_beyond_greedy_needs_a_context_or_a_sampler_factory():
+    kv = FakeKV(64, 2, 8, [1] * 10)
+    eng = Engine(FakeModel(), EngineConfig(n_ctx=64, parallel=2, prefix_cache=0), kv=kv)
+    assert eng.context is None
+    with pytest.raises(pk.InvalidInputError, match="sampler_factory"):
+        eng.submit([1, 1], SamplingParams(temperature=0.8), max_tokens=2)
+    eng = Engine(FakeModel(), EngineConfig(n_ctx=64, parallel=2, prefix_cache=0), kv=kv,
+                 sampler_factory=lambda req, i: ((lambda logits: 6), None))
+    h = eng.submit([1, 1], SamplingParams(temperature=0.8), max_tokens=2)
+    eng.run_until_idle(max_steps=10)
+    assert h.result()[0].tokens == [6, 6]
