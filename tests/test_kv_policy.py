@@ -329,7 +329,7 @@ def test_evicted_conversations_are_paged_out_and_come_back_restored(host_tokens)
 
 def test_a_prompt_sharing_one_in_evaluation_waits_for_it_then_forks_it():
     kv = FakeKV(400, parallel=2, prefix_cache=2)
-    eng = engine(kv, output_reserve=4, n_batch=16)
+    eng = engine(kv, output_reserve=4, n_batch=16, n_ubatch=16)
     system = prompt(1, 3 * _MIN_SHARED)
     a = eng.submit(system + [2, 2], GREEDY, max_tokens=2)
     eng.step()
