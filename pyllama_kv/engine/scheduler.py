@@ -492,7 +492,7 @@ class Engine:
         # preempted continuations first
         while self._resume:
             slot = self._resume[0]
-            if not self._fits(slot.tokens, 1, max(0, slot.reserve - slot.generated)):
+            if not self._reserve(slot.tokens, 1, max(0, slot.reserve - slot.generated)):
                 return
             self._resume.popleft()
             if slot.constraint is not None:   # rebuilt from its tokens, not trusted across the pause
@@ -506,7 +506,7 @@ class Engine:
             if i > 0 and self._waiting[0].skipped >= _MAX_OVERTAKES:
                 return
             reserve = min(req.max_tokens, self.config.output_reserve)
-            if self._waits_for_prefix(req) or not self._fits(req.prompt, req.n, reserve * req.n):
+            if self._waits_for_prefix(req) or not self._reserve(req.prompt, req.n, reserve * req.n):
                 i += 1
                 continue
             del self._waiting[i]
@@ -532,11 +532,12 @@ class Engine:
         shared = max((shared_prefix(s.tokens, toks) for s in self._slots if s.prefilling), default=0)
         return shared >= _MIN_SHARED and shared >= self.kv.match(req.prompt) + _MIN_SHARED
 
-    def _fits(self, tokens: list[int], n_ids: int, reserve: int) -> bool:
-        """Whether ``tokens`` can start now with ``reserve`` cells for its output and ``n_ids`` ids: the
-        KV layer is asked for that room beside what running continuations were promised (it makes
-        the room if it can). With nothing running the reserve is a target, not a limit: the prompt
-        and one more cell are enough, since nothing else would ever free cells for it."""
+    def _reserve(self, tokens: list[int], n_ids: int, reserve: int) -> bool:
+        """Ask the KV layer for room to start ``tokens`` now with ``reserve`` cells for its output and
+        ``n_ids`` ids, beside what running continuations were promised; whether it is there (the KV
+        layer evicts idle prefixes for it, by its rule). With nothing running the reserve is a
+        target, not a limit: the prompt and one more cell are enough, since nothing else would ever
+        free cells for it."""
         ids = n_ids + sum(s.req.n - 1 for s in self._slots if not s.forked)   # forks still to come
         cells = reserve + self._promised() if self._slots else 1
         return self.kv.reserve(tokens, cells, ids)
