@@ -1,9 +1,12 @@
 """Options, defined once: validated dataclasses that the API, the engine and every CLI command share.
 
-``SamplingParams`` says how one request draws tokens; ``ContextConfig`` how a context (one KV cache)
-is made; ``EngineConfig`` adds the generation engine's admission and batching policy. Each is
-validated in ``__post_init__`` (InvalidInputError), so a bad value is refused where it is written,
-and the CLI maps its flags onto these fields (``cli/options.py``) instead of repeating defaults.
+``SamplingParams`` says how one request draws tokens; ``CacheConfig`` how a KV cache is made (its size,
+batch sizes, cache types and threads), and each config that makes one extends it instead of copying
+its fields: ``ContextConfig`` (a context: adds its sequence ids), ``EngineConfig`` (the generation
+engine's admission and batching policy; its context is ``EngineConfig.context()``) and the stress
+workload's ``StressConfig``. Each is validated in ``__post_init__`` (InvalidInputError), so a bad value
+is refused where it is written, and the CLI maps its flags onto these fields (``cli/options.py``)
+instead of repeating defaults. The bounds themselves are :mod:`pyllama_kv.limits`'.
 """
 from __future__ import annotations
 
@@ -12,9 +15,21 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 from .errors import InvalidInputError
+from .limits import (
+    DEFAULT_N_CTX,
+    INT32_MAX,
+    KV_CACHE_TYPES,
+    LOGIT_BIAS_MAX,
+    MAX_SEQUENCES,
+    MAX_THREADS,
+    PENALTY_MAX,
+    QUANTIZED_KV_TYPES,
+    REPEAT_PENALTY_MAX,
+    TEMPERATURE_MAX,
+    UINT32_MAX,
+)
 
-INT32_MAX = 2**31 - 1
-KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+KV_TYPES = tuple(KV_CACHE_TYPES)   # the names, for callers of this module
 
 
 def default_threads() -> int:
@@ -72,10 +87,6 @@ class _Config:
     def as_dict(self) -> dict:
         return asdict(self)  # type: ignore[call-overload]
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True)
 class SamplingParams(_Config):
@@ -96,21 +107,23 @@ class SamplingParams(_Config):
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs added to the logits first
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "temperature", _num("temperature", self.temperature, 0.0, 100.0))
+        object.__setattr__(self, "temperature", _num("temperature", self.temperature, 0.0, TEMPERATURE_MAX))
         object.__setattr__(self, "top_k", _int("top_k", self.top_k, 0))
         object.__setattr__(self, "top_p", _num("top_p", self.top_p, 0.0, 1.0, lo_open=True))
         object.__setattr__(self, "min_p", _num("min_p", self.min_p, 0.0, 1.0))
         if self.seed is not None:
-            object.__setattr__(self, "seed", _int("seed", self.seed, 0, 2**32 - 1))
+            object.__setattr__(self, "seed", _int("seed", self.seed, 0, UINT32_MAX))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidInputError("ignore_eos must be a bool")
         for name in ("frequency_penalty", "presence_penalty"):
-            object.__setattr__(self, name, _num(name, getattr(self, name), -2.0, 2.0))
-        object.__setattr__(self, "repeat_penalty", _num("repeat_penalty", self.repeat_penalty, 0.0, 10.0, lo_open=True))
+            object.__setattr__(self, name, _num(name, getattr(self, name), -PENALTY_MAX, PENALTY_MAX))
+        object.__setattr__(self, "repeat_penalty",
+                           _num("repeat_penalty", self.repeat_penalty, 0.0, REPEAT_PENALTY_MAX, lo_open=True))
         object.__setattr__(self, "penalty_last_n", _int("penalty_last_n", self.penalty_last_n, -1))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
-            pairs = tuple((_int("logit_bias token", t, 0), _num("logit_bias value", b, -100.0, 100.0)) for t, b in bias)
+            pairs = tuple((_int("logit_bias token", t, 0), _num("logit_bias value", b, -LOGIT_BIAS_MAX, LOGIT_BIAS_MAX))
+                          for t, b in bias)
         except (TypeError, ValueError):
             raise InvalidInputError("logit_bias must be (token id, bias) pairs or a {token id: bias} dict") from None
         object.__setattr__(self, "logit_bias", pairs)
@@ -128,45 +141,85 @@ class SamplingParams(_Config):
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@dataclass(frozen=True)
-class ContextConfig(_Config):
-    """One KV cache: its size, batch sizes, cache types and threads (see Context)."""
+def _bool(name: str, v) -> bool:
+    """``v`` as a bool (numpy's bool too), else InvalidInputError."""
+    if not isinstance(v, bool):
+        import numpy as np
 
-    n_ctx: int = 2048
-    n_seq_max: int = 8
+        if not isinstance(v, np.bool_):
+            raise InvalidInputError(f"{name} must be a bool, got {type(v).__name__}")
+    return bool(v)
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Config):
+    """A KV cache: its cells, batch sizes, cache types and threads; the fields that ContextConfig,
+    EngineConfig and the workload's StressConfig share (each extends this class).
+
+    ``n_batch`` is the most tokens one decode takes, ``n_ubatch`` the most one compute graph takes;
+    a batch is never bigger than the cache (``n_batch`` is brought down to ``n_ctx``, as llama.cpp
+    does, then ``n_ubatch`` to ``n_batch``). A quantized V cache needs ``flash_attn``.
+    """
+
+    n_ctx: int = DEFAULT_N_CTX
     n_batch: int = 512
     n_ubatch: int = 512
     flash_attn: bool = False
     type_k: str = "f16"
     type_v: str = "f16"
     n_threads: int | None = None   # None: every core this process may use
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_batch", "n_ubatch"):
+            object.__setattr__(self, name, _int(name, getattr(self, name), 1))
+        if self.n_ubatch > self.n_batch:
+            raise InvalidInputError(f"n_ubatch={self.n_ubatch} must not exceed n_batch={self.n_batch}")
+        # the batch within the context: a batch of more tokens than the cache has cells can never fit
+        object.__setattr__(self, "n_batch", min(self.n_batch, self.n_ctx))
+        object.__setattr__(self, "n_ubatch", min(self.n_ubatch, self.n_batch))
+        for name in ("type_k", "type_v"):
+            t = getattr(self, name)
+            if not isinstance(t, str) or t not in KV_CACHE_TYPES:
+                raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(KV_CACHE_TYPES)}")
+        object.__setattr__(self, "flash_attn", _bool("flash_attn", self.flash_attn))
+        if self.type_v in QUANTIZED_KV_TYPES and not self.flash_attn:
+            raise InvalidInputError(f"a quantized V cache (type_v={self.type_v!r}) needs flash_attn=True")
+        if self.n_threads is not None:
+            object.__setattr__(self, "n_threads", _int("n_threads", self.n_threads, 1, MAX_THREADS))
+
+    def cache_kwargs(self) -> dict:
+        """The CacheConfig fields of this config, as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(CacheConfig)}
+
+
+@dataclass(frozen=True)
+class ContextConfig(CacheConfig):
+    """One context (see Context): a KV cache shared by ``n_seq_max`` sequence ids, and llama.cpp's
+    automatic defrag threshold (None: off; below 0 or above 1 it never triggers)."""
+
+    n_seq_max: int = 8
     defrag_thold: float | None = None
 
     def __post_init__(self) -> None:
-        for name, lo in (("n_ctx", 1), ("n_seq_max", 1), ("n_batch", 1), ("n_ubatch", 1)):
-            object.__setattr__(self, name, _int(name, getattr(self, name), lo))
-        if self.n_seq_max > 256:
-            raise InvalidInputError("n_seq_max must be <= 256")
-        if self.n_ubatch > self.n_batch:
-            raise InvalidInputError(f"n_ubatch={self.n_ubatch} must not exceed n_batch={self.n_batch}")
-        for name in ("type_k", "type_v"):
-            t = getattr(self, name)
-            if not isinstance(t, str) or t not in KV_TYPES:
-                raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(KV_TYPES)}")
-        if not isinstance(self.flash_attn, bool):
-            raise InvalidInputError("flash_attn must be a bool")
-        if self.n_threads is not None:
-            object.__setattr__(self, "n_threads", _int("n_threads", self.n_threads, 1, 512))
+        super().__post_init__()
+        object.__setattr__(self, "n_seq_max", _int("n_seq_max", self.n_seq_max, 1, MAX_SEQUENCES))
         if self.defrag_thold is not None:
-            object.__setattr__(self, "defrag_thold", _num("defrag_thold", self.defrag_thold, -1.0, 1.0))
+            try:
+                t = _num("defrag_thold", self.defrag_thold, -math.inf, math.inf)
+            except InvalidInputError:
+                raise InvalidInputError(f"defrag_thold must be a finite number or None, got {self.defrag_thold!r}") \
+                    from None
+            object.__setattr__(self, "defrag_thold", t)
 
     def context_kwargs(self) -> dict:
+        """Keyword arguments for ``Model.context`` / ``Context``."""
         return self.as_dict()
 
 
 @dataclass(frozen=True)
-class EngineConfig(_Config):
-    """The generation engine: one context, ``parallel`` sequences generating at once.
+class EngineConfig(CacheConfig):
+    """The generation engine: one context (``context()``: the CacheConfig fields, and
+    ``parallel + prefix_cache`` sequence ids), ``parallel`` sequences generating at once.
 
     Admission: a request enters when its prompt (less the prefix it reuses) and an output reserve
     of ``min(max_tokens, output_reserve)`` cells per continuation fit beside what running requests
@@ -189,18 +242,11 @@ class EngineConfig(_Config):
     context is ever kept, so that a shift always frees a quarter of it.
     """
 
-    n_ctx: int = 2048
     parallel: int = 8            # continuations generating at once (sequence ids for requests)
     prefix_cache: int = 4        # extra sequence ids that keep idle prompts for prefix reuse
     cache_ram: int = 256         # MiB of host memory for idle prefixes paged out of the cache (0: dropped)
     cache_dir: str | None = None  # a directory for paged-out prefixes leaving host memory (None: no disk tier)
     cache_dir_mib: int = 1024    # the bound on the span files in cache_dir
-    n_batch: int = 512           # tokens per decode: one per generating sequence + prompt chunks
-    n_ubatch: int = 512
-    flash_attn: bool = False
-    type_k: str = "f16"
-    type_v: str = "f16"
-    n_threads: int | None = None
     max_queue: int = 64          # requests waiting for admission; more are refused (QueueFullError)
     output_reserve: int = 64     # cells reserved per continuation at admission
     max_tokens: int = 4096       # the cap on one request's max_tokens
@@ -210,14 +256,15 @@ class EngineConfig(_Config):
     truncate: bool = False       # cut a prompt that does not fit the context (else it is refused)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "parallel", _int("parallel", self.parallel, 1, 255))
+        super().__post_init__()
+        object.__setattr__(self, "parallel", _int("parallel", self.parallel, 1, MAX_SEQUENCES))
         for name in ("context_shift", "truncate"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be a bool")
         object.__setattr__(self, "n_keep", _int("n_keep", self.n_keep, -1))
-        object.__setattr__(self, "prefix_cache", _int("prefix_cache", self.prefix_cache, 0, 255))
-        if self.parallel + self.prefix_cache > 256:
-            raise InvalidInputError("parallel + prefix_cache must be <= 256")
+        object.__setattr__(self, "prefix_cache", _int("prefix_cache", self.prefix_cache, 0, MAX_SEQUENCES - 1))
+        if self.parallel + self.prefix_cache > MAX_SEQUENCES:
+            raise InvalidInputError(f"parallel + prefix_cache must be <= {MAX_SEQUENCES} (a context's sequence ids)")
         object.__setattr__(self, "max_queue", _int("max_queue", self.max_queue, 0))
         object.__setattr__(self, "cache_ram", _int("cache_ram", self.cache_ram, 0))
         if self.cache_dir is not None:
@@ -227,11 +274,8 @@ class EngineConfig(_Config):
         object.__setattr__(self, "cache_dir_mib", _int("cache_dir_mib", self.cache_dir_mib, 1))
         object.__setattr__(self, "output_reserve", _int("output_reserve", self.output_reserve, 0))
         object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
-        self.context()  # validates the context fields
+        self.context()  # validates the context's own fields (its sequence ids)
 
     def context(self) -> ContextConfig:
-        # the batch within the context: a batch of more tokens than the cache has cells can never fit
-        n_batch = min(self.n_batch, self.n_ctx)
-        return ContextConfig(n_ctx=self.n_ctx, n_seq_max=self.parallel + self.prefix_cache, n_batch=n_batch,
-                             n_ubatch=min(self.n_ubatch, n_batch), flash_attn=self.flash_attn,
-                             type_k=self.type_k, type_v=self.type_v, n_threads=self.n_threads)
+        """The engine's context: this config's CacheConfig fields, ``parallel + prefix_cache`` ids."""
+        return ContextConfig(**self.cache_kwargs(), n_seq_max=self.parallel + self.prefix_cache)

@@ -50,7 +50,6 @@ All C calls go through ``self._native`` (:class:`pyllama_kv._native.kv.NativeCon
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -60,8 +59,9 @@ import numpy as np
 
 from . import _signals, state as _state
 from ._native import kv as _kv
-from .config import default_threads, int_param
+from .config import ContextConfig, default_threads, int_param
 from .errors import DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError
+from .limits import KV_CACHE_TYPES, kv_type_block
 from .sequence import Sequence as _Sequence
 from .state import SequenceState as _SequenceState
 
@@ -107,8 +107,6 @@ def _fast_tokens(toks, n_vocab: int) -> list | None:
     return toks
 
 
-INT32_MAX = 2**31 - 1
-MAX_THREADS = 512          # GGML_MAX_N_THREADS
 # decodes of at least this many tokens poll for Ctrl-C from the abort callback (a prompt chunk);
 # smaller ones (generation steps) are short enough to finish before the interrupt is delivered
 _POLL_TOKENS = 32
@@ -128,6 +126,7 @@ class _SeqEntry:
 
 
 _NO_TOKENS: tuple = ()
+_CC = ContextConfig   # the defaults of Context's arguments are ContextConfig's
 
 
 def _is_model(obj) -> bool:
@@ -185,46 +184,29 @@ class Context(_kv.CResource):
     ``flash_attn`` is needed for a quantized V cache.
     """
 
-    def __init__(self, model: Model, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512, n_ubatch: int = 512,
-                 flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16",
-                 n_threads: int | None = None, defrag_thold: float | None = None):
+    def __init__(self, model: Model, n_ctx: int = _CC.n_ctx, n_seq_max: int = _CC.n_seq_max,
+                 n_batch: int = _CC.n_batch, n_ubatch: int = _CC.n_ubatch, flash_attn: bool = _CC.flash_attn,
+                 type_k: str = _CC.type_k, type_v: str = _CC.type_v, n_threads: int | None = _CC.n_threads,
+                 defrag_thold: float | None = _CC.defrag_thold):
         if not _is_model(model):
             raise InvalidInputError("model must be a pyllama_kv.Model")
         model._check_open()
-        n_ctx = int_param("n_ctx", n_ctx, 1)
-        n_seq_max = int_param("n_seq_max", n_seq_max, 1)
-        n_batch = int_param("n_batch", n_batch, 1)
-        n_ubatch = int_param("n_ubatch", n_ubatch, 1)
-        if n_ubatch > n_batch:
-            raise InvalidInputError(f"n_ubatch={n_ubatch} must not exceed n_batch={n_batch}")
-        # llama.cpp clamps the batch to the context for causal models; do it here so our batch
-        # arrays are never bigger than the cache
-        n_batch = min(n_batch, n_ctx)
-        n_ubatch = min(n_ubatch, n_batch)
+        # what needs no model is ContextConfig's to check (the batch within the context included)
+        cfg = ContextConfig(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_ubatch=n_ubatch,
+                            flash_attn=flash_attn, type_k=type_k, type_v=type_v, n_threads=n_threads,
+                            defrag_thold=defrag_thold)
+        n_ctx, n_seq_max, n_batch, n_ubatch = cfg.n_ctx, cfg.n_seq_max, cfg.n_batch, cfg.n_ubatch
+        flash_attn, type_k, type_v, defrag_thold = cfg.flash_attn, cfg.type_k, cfg.type_v, cfg.defrag_thold
         if n_ctx > model.n_ctx_train:
             raise InvalidInputError(
                 f"n_ctx={n_ctx} is larger than the model supports (n_ctx_train={model.n_ctx_train})")
         if n_seq_max > n_ctx:
             raise InvalidInputError(f"n_seq_max={n_seq_max} is larger than n_ctx={n_ctx}")
-        if n_seq_max > 256:
-            raise InvalidInputError("n_seq_max must be <= 256")
-        for name, t in (("type_k", type_k), ("type_v", type_v)):
-            if not isinstance(t, str) or t not in _kv.GGML_TYPES:
-                raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(_kv.GGML_TYPES)}")
-        if type_v in _kv.QUANTIZED_TYPES and not flash_attn:
-            raise InvalidInputError(f"a quantized V cache (type_v={type_v!r}) needs flash_attn=True")
         for name, t, hd in (("type_k", type_k, model.head_dim_k), ("type_v", type_v, model.head_dim_v)):
-            if t in _kv.QUANTIZED_TYPES and hd % 32:
-                raise InvalidInputError(
-                    f"{name}={t!r} needs a head size that is a multiple of its block size 32; this model's is {hd}")
-        if n_threads is not None:
-            n_threads = int_param("n_threads", n_threads, 1, MAX_THREADS)
-        if not isinstance(flash_attn, (bool, np.bool_)):
-            raise InvalidInputError(f"flash_attn must be a bool, got {type(flash_attn).__name__}")
-        if defrag_thold is not None:
-            if isinstance(defrag_thold, bool) or not isinstance(defrag_thold, (int, float, np.floating, np.integer)) \
-                    or not math.isfinite(defrag_thold):
-                raise InvalidInputError(f"defrag_thold must be a finite number or None, got {defrag_thold!r}")
+            block = kv_type_block(t)
+            if hd % block:
+                raise InvalidInputError(f"{name}={t!r} needs a head size that is a multiple of its block size "
+                                        f"{block}; this model's is {hd}")
 
         lib = model._lib
         if defrag_thold is not None and defrag_thold > 0 and not lib.patched:
@@ -234,7 +216,7 @@ class Context(_kv.CResource):
         self._libobj = lib
         # llama.cpp's default is a fixed 4 threads; more threads than cores makes ggml's spinning
         # barriers crawl (a defrag graph of many small copies ran ~30x slower on 2 cores)
-        n_threads = n_threads or default_threads()
+        n_threads = cfg.n_threads or default_threads()
         self.n_threads = n_threads
         self._lock = threading.RLock()
         self._busy = False        # inside a C call that may call back into Python (decode, update)
@@ -250,8 +232,8 @@ class Context(_kv.CResource):
             # swapped in only on success (copy-on-write and exact removal stay atomic)
             native, err = _kv.NativeContext.create(
                 lib, native_model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
-                n_seq_max=n_seq_max + 1, flash_attn=bool(flash_attn), type_k=_kv.GGML_TYPES[type_k],
-                type_v=_kv.GGML_TYPES[type_v], n_threads=n_threads, defrag_thold=defrag_thold)
+                n_seq_max=n_seq_max + 1, flash_attn=flash_attn, type_k=KV_CACHE_TYPES[type_k],
+                type_v=KV_CACHE_TYPES[type_v], n_threads=n_threads, defrag_thold=defrag_thold)
             if native is None:
                 raise LlamaError("llama.cpp could not create the context" + (f": {err}" if err else ""))
             self._native = native
@@ -260,7 +242,7 @@ class Context(_kv.CResource):
         self.n_ctx, self.n_batch, self.n_ubatch = native.sizes()
         self.n_seq_max: int = n_seq_max
         self._spare_id: int = n_seq_max
-        self.flash_attn = bool(flash_attn)
+        self.flash_attn = flash_attn
         self.type_k, self.type_v = type_k, type_v
         self.can_shift: bool = native.can_shift() and model.rope_type != -1
         self.patched: bool = self._libobj.patched

@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._native import kv as _kv
+from .config import ContextConfig as _CC
 from .errors import InvalidInputError, LibraryError, LlamaError, ModelLoadError
+from .limits import INT32_MAX, INT32_MIN
 
 if TYPE_CHECKING:
     from .gguf import GGUFHeader
 
-INT32_MAX = 2**31 - 1
 # what the vocabulary functions return when llama.cpp threw an exception (patch 0005)
-C_EXCEPTION = -(2**31)
+C_EXCEPTION = INT32_MIN
 
 
 # ggml's RPC protocol at the pin (ggml/include/ggml-rpc.h, ggml-rpc.cpp): a client's first command is
@@ -252,7 +253,7 @@ class Model(_kv.CResource):
                     if not _rpc_open.get(ep):   # else this process is connected already
                         probe_rpc(ep)
             native, err = _kv.NativeModel.load(self._lib, os.fsencode(load_path),
-                                               2**31 - 1 if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap),
+                                               INT32_MAX if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap),
                                                devices)
             if native is None:
                 raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
@@ -461,9 +462,11 @@ class Model(_kv.CResource):
 
     # -- contexts -------------------------------------------------------------------------------
 
-    def context(self, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512, n_ubatch: int = 512,
-                flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16", **kwargs):
-        """A new :class:`~pyllama_kv.context.Context` over this model (see its docstring)."""
+    def context(self, n_ctx: int = _CC.n_ctx, n_seq_max: int = _CC.n_seq_max, n_batch: int = _CC.n_batch,
+                n_ubatch: int = _CC.n_ubatch, flash_attn: bool = _CC.flash_attn, type_k: str = _CC.type_k,
+                type_v: str = _CC.type_v, **kwargs):
+        """A new :class:`~pyllama_kv.context.Context` over this model (see its docstring; the defaults
+        are :class:`~pyllama_kv.config.ContextConfig`'s)."""
         from .context import Context
 
         return Context(self, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_ubatch=n_ubatch,

@@ -27,8 +27,12 @@ def add_sampling_stages(native: _kv.NativeSampler, p: SamplingParams, seed: int)
     native.add_dist(min(seed & 0xFFFFFFFF, 0xFFFFFFFE))
 
 
+_SP = SamplingParams
+
+
 class Sampler(_kv.CResource):
-    """A llama.cpp sampler chain. ``temp <= 0`` means greedy (argmax).
+    """A llama.cpp sampler chain. ``temp <= 0`` means greedy (argmax); top-k, top-p, min-p and the
+    temperature default to :class:`~pyllama_kv.config.SamplingParams`' values.
 
     ``sample(seq)`` draws the next token for ``seq`` from its next-token logits: those of its last
     decode, whenever that was (decoding other sequences in between does not matter), or freshly
@@ -37,8 +41,10 @@ class Sampler(_kv.CResource):
     Sampler gives one reproducible stream of draws; use one per sequence for independent streams.
     """
 
-    def __init__(self, ctx, temp: float = 0.8, top_k: int = 40, top_p: float = 0.95, seed: int = 0,
-                 min_p: float = 0.0):
+    # the defaults are SamplingParams' (llama.cpp's common ones, min_p 0.05 included), but the seed on
+    # purpose: a Sampler is one reproducible stream (seed 0), a request draws a random seed unless given
+    def __init__(self, ctx, temp: float = _SP.temperature, top_k: int = _SP.top_k, top_p: float = _SP.top_p,
+                 seed: int = 0, min_p: float = _SP.min_p):
         if not isinstance(ctx, Context):
             raise InvalidInputError(f"Sampler needs a pyllama_kv.Context, got {type(ctx).__name__}")
         ctx._check_open()

@@ -38,15 +38,15 @@ from typing import Callable
 
 import numpy as np
 
-from ._native.kv import GGML_TYPES
 from .errors import GGUFFileError, InvalidInputError, KVCacheFullError, LlamaError
+from .gguf import ggml_type_name
+from .limits import INT32_MAX, INT32_MIN, KV_CACHE_TYPES
 
 _DIGEST_TAG = b"pyllama-kv sequence state v1\0"
-_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 
 
 def _tname(t: int) -> str:
-    return _TYPE_NAMES.get(t, f"ggml type {t}")
+    return ggml_type_name(t) if t in KV_CACHE_TYPES.values() else f"ggml type {t}"
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def context_layout(empty_state: bytes, type_k: str, type_v: str) -> Layout:
     except InvalidInputError as exc:
         raise LlamaError(f"llama.cpp's empty sequence state is not in the expected format: {exc}") from None
     ly = p.layout
-    want_k, want_v = GGML_TYPES[type_k], GGML_TYPES[type_v]
+    want_k, want_v = KV_CACHE_TYPES[type_k], KV_CACHE_TYPES[type_v]
     if any(x.k_type != want_k or x.v_type != want_v for x in ly.layers):
         raise LlamaError("llama.cpp's state headers disagree with the context's cache types")
     return ly
@@ -328,7 +328,7 @@ def state_digest(tokens, data: bytes, model: str) -> str:
     """SHA-256 over the fingerprint, the tokens (int32) and the data: what export records and
     import checks, so that a state changed after export (a flipped byte, other tokens) is refused."""
     arr = np.asarray(tokens, dtype=np.int64)
-    if arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
+    if arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
         return ""  # cannot be a valid state's tokens
     h = hashlib.sha256(_DIGEST_TAG)
     mb = model.encode("utf-8", "surrogatepass")

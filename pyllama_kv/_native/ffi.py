@@ -26,6 +26,7 @@ from pathlib import Path
 import cffi
 
 from ..errors import InvalidInputError, LibraryError
+from ..limits import KV_CACHE_TYPES, QUANTIZED_KV_TYPES
 from .locate import _one_line, resolve
 
 DECL_DIR = Path(__file__).resolve().parent / "decl"
@@ -51,8 +52,9 @@ ffi.cdef(TYPES_CDEF)
 ffi.cdef(FUNCS_CDEF)
 ffi.cdef(PATCHED_FUNCS_CDEF)
 
-GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
-QUANTIZED_TYPES = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"}
+# the KV cache types (name -> ggml type id) and the quantized ones, under the names scripts use here
+GGML_TYPES = KV_CACHE_TYPES
+QUANTIZED_TYPES = QUANTIZED_KV_TYPES
 
 log = logging.getLogger("pyllama_kv.llama")
 logging.getLogger("pyllama_kv").addHandler(logging.NullHandler())

@@ -15,9 +15,9 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .ffi import GGML_TYPES, QUANTIZED_TYPES, CResource, Library, _callback_error, ffi, library_info, load
+from .ffi import CResource, Library, _callback_error, ffi, library_info, load
 
-__all__ = ["GGML_TYPES", "QUANTIZED_TYPES", "CResource", "Library", "library_info", "load_library",
+__all__ = ["CResource", "Library", "library_info", "load_library",
            "rpc_devices", "ModelInfo", "NativeModel", "NativeBatch", "NativeContext", "NativeSampler"]
 
 _alloc = ffi.new_allocator(should_clear_after_alloc=False)

@@ -1,0 +1,81 @@
+"""The limits and type tables of the library, each written once.
+
+Every module that bounds a value imports it from here: the dataclasses of :mod:`pyllama_kv.config`
+(``ContextConfig``, ``EngineConfig``, ``SamplingParams``), the context, the engine, the HTTP protocol,
+the CLI and the tools. A limit that two layers apply differently says why, here, in one comment.
+A leaf module: it imports nothing (not numpy), so the CLI can read it to write its --help.
+"""
+from __future__ import annotations
+
+# -- integers as llama.cpp stores them ----------------------------------------------------------
+
+INT32_MAX = 2**31 - 1      # llama.cpp's int32_t: token ids, positions, counts of cells, tokens and layers
+INT32_MIN = -(2**31)
+UINT32_MAX = 2**32 - 1     # a uint32 in a GGUF file; sampling seeds (llama_sampler_init_dist)
+
+# -- a context ----------------------------------------------------------------------------------
+
+#: sequence ids of one context (``n_seq_max``; the engine's ``parallel + prefix_cache``). Our bound
+#: (llama.cpp at the pin has none; later releases' LLAMA_MAX_SEQ is the same 256).
+MAX_SEQUENCES = 256
+#: threads of one context (GGML_MAX_N_THREADS, ggml.h)
+MAX_THREADS = 512
+#: the KV cache cells of a context, an engine and the stress workload when none is asked for
+DEFAULT_N_CTX = 2048
+
+
+def default_n_ctx(n_ctx_train: int) -> int:
+    """The context the commands (run, chat, serve) make when ``--ctx`` is not given: DEFAULT_N_CTX
+    cells, or the model's training context when that is smaller (a larger one is refused)."""
+    return max(1, min(DEFAULT_N_CTX, int(n_ctx_train)))
+
+
+#: the KV cache types a context may use (llama.cpp's ``--cache-type-k/-v`` choices, common/arg.cpp), in
+#: its order: name -> ggml type id. Block sizes and bytes per block are ggml's (``gguf.GGML_TYPES``).
+KV_CACHE_TYPES: dict[str, int] = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20,
+                                  "q5_0": 6, "q5_1": 7}
+#: the quantized ones (every type but the floats; blocks of 32 values): a quantized V cache needs flash
+#: attention, and a quantized cache a head size that is a multiple of its block
+QUANTIZED_KV_TYPES: frozenset[str] = frozenset(KV_CACHE_TYPES) - {"f32", "f16", "bf16"}
+
+
+def kv_type_block(name: str) -> int:
+    """Values per block of KV cache type ``name`` (1 for f32, f16, bf16); KeyError for another name."""
+    from .gguf import GGML_TYPES  # (it imports numpy: not at this module's import)
+
+    return GGML_TYPES[KV_CACHE_TYPES[name]][1]
+
+
+def kv_type_size(name: str) -> float:
+    """Bytes per value of KV cache type ``name`` (a block type's averaged over its block); KeyError for
+    another name."""
+    from .gguf import GGML_TYPES
+
+    _name, block, size = GGML_TYPES[KV_CACHE_TYPES[name]]
+    return size / block
+
+
+# -- a request ----------------------------------------------------------------------------------
+
+#: temperature: the library takes [0, TEMPERATURE_MAX] (llama.cpp takes any; past a few the draw is
+#: all but uniform), while the HTTP API keeps to OpenAI's documented [0, OPENAI_TEMPERATURE_MAX], so
+#: that a request valid here is valid at OpenAI and the reverse
+TEMPERATURE_MAX = 100.0
+OPENAI_TEMPERATURE_MAX = 2.0
+#: OpenAI's ranges, the library's too: frequency and presence penalties in [-PENALTY_MAX, PENALTY_MAX],
+#: a logit bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]; llama.cpp's repeat penalty in (0, REPEAT_PENALTY_MAX]
+PENALTY_MAX = 2.0
+LOGIT_BIAS_MAX = 100.0
+REPEAT_PENALTY_MAX = 10.0
+#: stop strings of one request (the engine's bound, and the HTTP API's 400)
+MAX_STOP_STRINGS = 16
+
+
+def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:
+    """None when a prompt of ``n_prompt`` tokens fits a context of ``n_ctx`` cells, else why not, in
+    the words the engine, the server and the CLI each add their remedy to: at least one cell more than
+    the prompt is needed, for the first generated token."""
+    if n_prompt < n_ctx:
+        return None
+    return (f"the prompt has {n_prompt} tokens; the context holds {n_ctx} (and at least one more is needed "
+            "to generate)")
