@@ -27,7 +27,7 @@ def test_usage_errors_exit_2_with_one_line(capsys, tiny_model, tmp_path):
         (["run", m, "--system", "be brief", "-p", "hi"], "--system needs --chat"),
         (["run", m, "--template", str(tmp_path / "t.jinja"), "-p", "hi"], "--template needs --chat"),
         (["run", m, "-p", "x", "--parallel", "0"], "--parallel must be at least 1"),
-        (["run", m, "-p", "x", "--parallel", "300"], "--parallel must be at most 255"),
+        (["run", m, "-p", "x", "--parallel", "300"], "--parallel must be at most 256"),
         (["run", m, "-p", "x", "-f", str(tmp_path / "p.txt")], "not both"),
         (["run", m, "-p", "x", "--top-p", "5"], "--top-p=5.0 is out of range"),   # a dataclass's check, flag-named
         (["stress", m, "--steps", "0"], "--steps must be at least 1"),

@@ -74,6 +74,15 @@ def check_ctx(model, n_ctx: int | None, flag: str = "--ctx") -> None:
         raise CLIError(f"{flag} {n_ctx} is larger than the model supports (n_ctx_train {model.n_ctx_train})")
 
 
+def context_size(model, n_ctx: int | None, flag: str = "--ctx") -> int:
+    """The cells of the context a command makes: ``n_ctx`` (CLIError when the model supports fewer),
+    or without one pyllama_kv.limits.default_n_ctx (the default, or the model's n_ctx_train if smaller)."""
+    from ..limits import default_n_ctx
+
+    check_ctx(model, n_ctx, flag)
+    return n_ctx or default_n_ctx(model.n_ctx_train)
+
+
 def check_output_file(out: str, what: str) -> Path:
     """``out`` as a file path to write, or CLIError: not a directory, and its directory must exist
     (nothing is created silently) and be writable."""

@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 
 from ..config import ContextConfig, EngineConfig, SamplingParams, default_threads, on_off
 from ..errors import InvalidInputError
+from ..limits import DEFAULT_N_CTX, KV_CACHE_TYPES
 from .common import UsageError
 
 T = TypeVar("T")
@@ -74,6 +75,8 @@ def _threads_help() -> str:
     return f"CPU threads (default: every core this process may use, {default_threads()} here)"
 
 
+_KV_TYPES = ", ".join(KV_CACHE_TYPES)
+
 #: every option of the config dataclasses that a command exposes, keyed by field name
 FLAGS: dict[str, Flag] = {f.field: f for f in (
     # SamplingParams: how one request draws tokens
@@ -86,8 +89,10 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     # ContextConfig: one KV cache
     Flag(ContextConfig, "n_ctx", ("--ctx",), "KV cache cells (default {default})", metavar="N"),
     Flag(ContextConfig, "n_threads", ("-t", "--threads"), "", metavar="N"),
-    Flag(ContextConfig, "type_k", ("--type-k",), "K cache type (default {default})", str, metavar="TYPE"),
-    Flag(ContextConfig, "type_v", ("--type-v",), "V cache type (default {default})", str, metavar="TYPE"),
+    Flag(ContextConfig, "type_k", ("--type-k",), f"K cache type: {_KV_TYPES} (default {{default}})", str,
+         metavar="TYPE"),
+    Flag(ContextConfig, "type_v", ("--type-v",), f"V cache type: {_KV_TYPES}; a quantized one needs flash "
+         "attention, which only the library's API turns on (default {default})", str, metavar="TYPE"),
     Flag(ContextConfig, "n_batch", ("--batch",), "tokens per decode (default {default})", metavar="N"),
     # EngineConfig: the generation engine
     Flag(EngineConfig, "parallel", ("--parallel",), "continuations generated at once (default {default})",
@@ -118,6 +123,9 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "network", _rpc_endpoints, metavar="HOST:PORT[,HOST:PORT...]"),
 )}
 
+
+#: --ctx of the commands that size the context to the model (common.context_size): the help's tail
+CTX_DEFAULT_HELP = f"(default: min({DEFAULT_N_CTX}, the model's n_ctx_train))"
 
 #: flags whose help text is computed (it names this machine's core count, or the validation levels)
 _HELP_FUNCS: dict[str, Callable[[], str]] = {"n_threads": _threads_help, "validate": _validate_help}

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import limits
 from ..errors import GGUFFileError, InvalidInputError, ModelLoadError
 from ..gguf import (
     _INTEGER_TYPES,
@@ -348,16 +349,13 @@ def make_f32_copy(src: str | os.PathLike, dst: str | os.PathLike,
 # ---------------------------------------------------------------------------------------------
 # inspection
 
-_TYPE_SIZES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-               "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
-
-
 def kv_type_size(name: str) -> float:
-    """Bytes per element of a KV cache type (block types averaged over their block)."""
+    """Bytes per element of a KV cache type (block types averaged over their block; any case)."""
     try:
-        return _TYPE_SIZES[name.lower()]
+        return limits.kv_type_size(name.lower())
     except KeyError:
-        raise InvalidInputError(f"unknown KV cache type {name!r}: one of {', '.join(_TYPE_SIZES)}") from None
+        raise InvalidInputError(f"unknown KV cache type {name!r}: one of {', '.join(limits.KV_CACHE_TYPES)}") \
+            from None
 
 
 def _hparam(header, key: str):

@@ -90,9 +90,8 @@ from ..gguf import (  # noqa: F401
     ggml_type_name,
     read_gguf_header,
 )
+from ..limits import INT32_MAX, UINT32_MAX
 
-INT32_MAX = 2**31 - 1
-UINT32_MAX = 2**32 - 1
 LLAMA_MAX_LAYERS = 512     # llama-hparams.h
 
 VALIDATED_ARCHITECTURES = ("llama",)

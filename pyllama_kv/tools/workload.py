@@ -26,19 +26,19 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import SamplingParams
+from ..config import CacheConfig, SamplingParams
 
 _GREEDY_FULL_LENGTH = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
-@dataclass
-class StressConfig:
+@dataclass(frozen=True)
+class StressConfig(CacheConfig):
+    """The workload: its KV cache (CacheConfig's fields: n_ctx, batch sizes, cache types, threads) and
+    the request stream drawn from ``seed``."""
+
     n_seqs: int = 8              # requests served at once
-    n_ctx: int = 2048            # KV cache cells
     steps: int = 300             # decode steps (server iterations)
     seed: int = 0
-    n_batch: int = 512
-    n_ubatch: int = 512
     prompt_min: int = 16
     prompt_max: int = 384
     gen_min: int = 8
@@ -50,8 +50,9 @@ class StressConfig:
     arrival_rate: float = 0.6    # mean new requests per step
     sequential: bool = False     # serve the requests one after another (no fragmentation)
     record_map: bool = False     # keep the cache occupancy of every step (for --map)
-    n_threads: int | None = None
-    output_reserve: int = 32     # cells the engine reserves per running request at admission
+    # cells the engine reserves per running request at admission: on purpose fewer than EngineConfig's
+    # 64, so that more requests are admitted at once and the cache fills and fragments (what is measured)
+    output_reserve: int = 32
 
 
 @dataclass
@@ -123,8 +124,7 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     from ..engine import Engine
 
     parallel = 1 if cfg.sequential else cfg.n_seqs
-    ecfg = EngineConfig(n_ctx=cfg.n_ctx, parallel=parallel, prefix_cache=max(cfg.n_prefixes, 1),
-                        n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch), n_threads=cfg.n_threads,
+    ecfg = EngineConfig(**cfg.cache_kwargs(), parallel=parallel, prefix_cache=max(cfg.n_prefixes, 1),
                         max_queue=100_000, output_reserve=cfg.output_reserve, max_tokens=max(cfg.gen_max, 1),
                         keep_finished=False)
     res = StressResult(config=asdict(cfg), library={k: model.library.get(k) for k in ("variant", "path", "backend")})
@@ -214,7 +214,7 @@ def draw_map(occupancy: np.ndarray, path, title: str = "") -> Path:
     n_ids = int(occ.max()) + 1 if occ.size and occ.max() >= 0 else 1
     base = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
     colors = [(1.0, 1.0, 1.0), (0.25, 0.25, 0.25)] + [base[i % len(base)] for i in range(n_ids)]
-    img = occ.astype(np.int32) + 2  # -2 shared -> 0 ... ; remap: free first
+    # colour indices: free 0, shared 1, sequence i: i + 2
     img = np.where(occ == -1, 0, np.where(occ == -2, 1, occ.astype(np.int32) + 2))
     steps, cells = occ.shape
     fig_w = min(16.0, max(6.0, cells / 160))

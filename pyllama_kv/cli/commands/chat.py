@@ -27,7 +27,7 @@ from .. import options
 from ..common import (
     add_lib_flag,
     chat_template,
-    check_ctx,
+    context_size,
     open_model,
     positive,
     read_template,
@@ -67,9 +67,7 @@ def register(subparsers) -> None:
     s.add_argument("-n", "--n-predict", type=int, default=DEFAULT_ANSWER_TOKENS,
                    help="tokens per answer at most (default %(default)s)")
     options.add(s, "n_ctx", "temperature", "top_k", "top_p", "min_p", "seed", defaults={"n_ctx": None},
-                helps={"n_ctx": "KV cache cells: the whole conversation must fit (default: min({ctx}, the "
-                                "model's n_ctx_train))".format(ctx=options.field_default(options.EngineConfig,
-                                                                                        "n_ctx"))})
+                helps={"n_ctx": "KV cache cells: the whole conversation must fit " + options.CTX_DEFAULT_HELP})
     add_lib_flag(s)
     options.add(s, "n_threads", "rpc", "validate", "cache_ram")
     options.add(s, "context_shift", "n_keep", defaults={"n_keep": None},
@@ -250,9 +248,8 @@ def run(args) -> int:
     set_phase("loading the model")
     model = open_model(args.model, args.lib, args.rpc, args.validate)
     try:
-        check_ctx(model, args.n_ctx)
+        n_ctx = context_size(model, args.n_ctx)
         template = chat_template(model, source, args.template)
-        n_ctx = args.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
         cfg = options.build(options.EngineConfig, n_ctx=n_ctx, parallel=1, prefix_cache=2, n_threads=args.n_threads,
                             max_queue=1, max_tokens=args.n_predict, keep_finished=True, cache_ram=args.cache_ram,
                             context_shift=args.context_shift, truncate=args.context_shift,

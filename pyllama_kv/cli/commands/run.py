@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...config import CacheConfig as _CACHE
+from ...limits import MAX_SEQUENCES, prompt_too_long
 from .. import options
 from ..common import (
     EXIT_INTERRUPTED,
@@ -22,7 +24,7 @@ from ..common import (
     UsageError,
     add_lib_flag,
     chat_template,
-    check_ctx,
+    context_size,
     open_model,
     positive,
     read_template,
@@ -51,8 +53,7 @@ def register(subparsers) -> None:
                    help="tokens to generate per sequence (default %(default)s)")
     options.add(s, "parallel", "n_ctx", "temperature", "top_k", "top_p", "min_p", "seed",
                 defaults={"parallel": 1, "n_ctx": None},
-                helps={"n_ctx": "KV cache cells (default: min({ctx}, the model's n_ctx_train))".format(
-                    ctx=options.field_default(options.EngineConfig, "n_ctx"))})
+                helps={"n_ctx": "KV cache cells " + options.CTX_DEFAULT_HELP})
     add_lib_flag(s)
     options.add(s, "n_threads", "type_k", "type_v", "rpc", "validate", "context_shift", "n_keep")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
@@ -71,10 +72,10 @@ class RunSpec:
     params: object                 # SamplingParams, with its seed drawn (reported in the summary)
     n_predict: int = DEFAULT_N_PREDICT
     parallel: int = 1
-    n_ctx: int | None = None       # None: min(EngineConfig's n_ctx, the model's n_ctx_train)
+    n_ctx: int | None = None       # None: limits.default_n_ctx (the default, or the model's n_ctx_train)
     n_threads: int | None = None
-    type_k: str = "f16"
-    type_v: str = "f16"
+    type_k: str = _CACHE.type_k
+    type_v: str = _CACHE.type_v
     lib: str | None = None
     json: bool = False
     chat: bool = False             # render the prompt (UTF-8) as one user message with the chat template
@@ -159,21 +160,21 @@ def engine_config(spec: RunSpec, n_ctx: int):
 def generate(spec: RunSpec) -> int:
     """Load the model, serve the request, print the outputs and the summary. Exit code 130 when
     Ctrl-C stopped it (after the summary of what was done)."""
-    if spec.parallel > 255:
-        raise UsageError(f"--parallel must be at most 255, got {spec.parallel}")
+    if spec.parallel > MAX_SEQUENCES:
+        raise UsageError(f"--parallel must be at most {MAX_SEQUENCES}, got {spec.parallel}")
     set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
     model = open_model(spec.model, spec.lib, spec.rpc, spec.validate)
     try:
-        check_ctx(model, spec.n_ctx)
-        n_ctx = spec.n_ctx or min(options.field_default(options.EngineConfig, "n_ctx"), model.n_ctx_train)
+        n_ctx = context_size(model, spec.n_ctx)
         set_phase("tokenizing the prompt")
         if spec.chat:
             template = chat_template(model, spec.template, spec.template_file)
             toks = template.prompt(spec.prompt.decode("utf-8", "replace"), spec.system)
         else:
             toks = model.tokenize(spec.prompt)
-        if len(toks) >= n_ctx:
-            raise CLIError(f"the prompt has {len(toks)} tokens, which does not fit in --ctx {n_ctx}")
+        why = prompt_too_long(len(toks), n_ctx)
+        if why is not None:
+            raise CLIError(f"{why}: shorten it or give a larger --ctx")
         cfg = engine_config(spec, n_ctx)
         grammar = None
         if spec.grammar is not None:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from .. import options
-from ..common import CLIError, add_lib_flag, check_ctx, open_model, positive, resolve_model, set_phase, setup_logging
+from ..common import CLIError, add_lib_flag, context_size, open_model, positive, resolve_model, set_phase, setup_logging
 from ..render import log
 
 API_KEY_ENV = "PYLLAMA_KV_API_KEY"
@@ -52,8 +52,7 @@ def register(subparsers) -> None:
                 "cache_ram", "n_batch", "type_k", "type_v", "n_threads", "max_body", "body_timeout", "shutdown_grace",
                 "rpc", "validate",
                 defaults={"n_ctx": None},
-                helps={"n_ctx": "KV cache cells, shared by every request (default: min({ctx}, the model's "
-                                "n_ctx_train))".format(ctx=options.field_default(options.EngineConfig, "n_ctx")),
+                helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
                        "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
     add_lib_flag(s)
 
@@ -88,8 +87,7 @@ def run(args) -> int:
     path = Path(resolve_model(args.model))
     model = open_model(str(path), args.lib, args.rpc, args.validate)
     try:
-        check_ctx(model, args.n_ctx)
-        n_ctx = args.n_ctx or min(options.field_default(EngineConfig, "n_ctx"), model.n_ctx_train)
+        n_ctx = context_size(model, args.n_ctx)
         ecfg = options.from_args(EngineConfig, args, n_ctx=n_ctx)
         set_phase("creating the context")
         from ...engine import Engine

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,7 @@ def run(args) -> int:
     setup_logging(args.debug)
     cfg = stress_config(args.seqs, args.n_ctx, args.steps, args.seed, args.sequential, args.n_threads)
     map_path = check_map_path(args.map) if args.map is not None else None  # before the workload, not after
-    cfg.record_map = map_path is not None
+    cfg = replace(cfg, record_map=map_path is not None)
     label = lib_label(args.lib)   # None: $PYLLAMA_KV_LIB, else patched, as pk.Model picks it
     d, occ = run_workload(args.model, args.lib, cfg, label, progress=not args.json, rpc=args.rpc,
                            validate=args.validate)
