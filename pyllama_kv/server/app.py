@@ -381,7 +381,7 @@ class Server:
                     assert err is not None
                     yield _sse(err.body())
                     break
-                text = ev.text if parsers is None else parsers[ev.index].feed(ev.text)
+                text = ev.text if parsers is None else (parsers[ev.index].feed(ev.text) or None)
                 if ev.logprobs:
                     lp = protocol.logprobs_json(req, ev.logprobs, self._piece, offsets[ev.index])
                     yield _sse(protocol.chunk(req, ev.index, text, logprobs=lp))
