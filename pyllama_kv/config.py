@@ -157,8 +157,8 @@ class CacheConfig(_Config):
     EngineConfig and the workload's StressConfig share (each extends this class).
 
     ``n_batch`` is the most tokens one decode takes, ``n_ubatch`` the most one compute graph takes;
-    a batch is never bigger than the cache (``n_batch`` is brought down to ``n_ctx``, as llama.cpp
-    does, then ``n_ubatch`` to ``n_batch``). A quantized V cache needs ``flash_attn``.
+    as llama.cpp does, a batch is never bigger than the cache (``n_batch`` is brought down to ``n_ctx``)
+    nor a graph than the batch (``n_ubatch`` to ``n_batch``). A quantized V cache needs ``flash_attn``.
     """
 
     n_ctx: int = DEFAULT_N_CTX
@@ -172,9 +172,8 @@ class CacheConfig(_Config):
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch"):
             object.__setattr__(self, name, _int(name, getattr(self, name), 1))
-        if self.n_ubatch > self.n_batch:
-            raise InvalidInputError(f"n_ubatch={self.n_ubatch} must not exceed n_batch={self.n_batch}")
-        # the batch within the context: a batch of more tokens than the cache has cells can never fit
+        # the batch within the context (a batch of more tokens than the cache has cells can never fit),
+        # the graph's within the batch: both brought down as llama.cpp does (llama_context's constructor)
         object.__setattr__(self, "n_batch", min(self.n_batch, self.n_ctx))
         object.__setattr__(self, "n_ubatch", min(self.n_ubatch, self.n_batch))
         for name in ("type_k", "type_v"):

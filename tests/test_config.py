@@ -79,7 +79,7 @@ def test_limits_are_applied_once():
     assert ContextConfig(n_seq_max=limits.MAX_SEQUENCES).n_seq_max == limits.MAX_SEQUENCES
     assert EngineConfig(parallel=limits.MAX_SEQUENCES, prefix_cache=0).context().n_seq_max == limits.MAX_SEQUENCES
     for bad in (dict(n_seq_max=limits.MAX_SEQUENCES + 1), dict(n_threads=limits.MAX_THREADS + 1),
-                dict(n_ubatch=1024, n_batch=512), dict(flash_attn="yes"), dict(defrag_thold=float("nan")),
+                dict(n_ubatch=0), dict(flash_attn="yes"), dict(defrag_thold=float("nan")),
                 dict(n_ctx=limits.INT32_MAX + 1)):
         with pytest.raises(InvalidInputError):
             ContextConfig(**bad)
@@ -88,6 +88,9 @@ def test_limits_are_applied_once():
     # the batch within the context, once, for every config
     for cfg in (ContextConfig(n_ctx=64), EngineConfig(n_ctx=64).context()):
         assert (cfg.n_batch, cfg.n_ubatch) == (64, 64)
+    # and the graph within the batch (llama.cpp's rule; EngineConfig(n_batch=32) used to be the only one)
+    for cfg in (ContextConfig(n_batch=32), EngineConfig(n_batch=32), EngineConfig(n_batch=32).context()):
+        assert (cfg.n_batch, cfg.n_ubatch) == (32, 32)
     assert ContextConfig(defrag_thold=5).defrag_thold == 5.0   # any finite number, as llama.cpp takes
     # the library's temperature range is wider than OpenAI's (on purpose: see limits)
     assert SamplingParams(temperature=limits.TEMPERATURE_MAX).temperature == limits.TEMPERATURE_MAX
