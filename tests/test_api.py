@@ -158,8 +158,10 @@ def test_model_load_errors(tmp_path, tiny_model):
 def test_context_parameter_errors(model):
     with pytest.raises(pk.InvalidInputError, match="n_ctx_train"):
         model.context(n_ctx=model.n_ctx_train * 2)
+    with model.context(n_ctx=256, n_batch=32, n_ubatch=64) as c:   # the graph within the batch, as llama.cpp
+        assert c.n_ubatch == 32 <= c.n_batch
     with pytest.raises(pk.InvalidInputError, match="n_ubatch"):
-        model.context(n_ctx=256, n_batch=32, n_ubatch=64)
+        model.context(n_ctx=256, n_ubatch=0)
     with pytest.raises(pk.InvalidInputError, match="flash_attn"):
         model.context(n_ctx=256, type_v="q8_0")
     with pytest.raises(pk.InvalidInputError, match="KV cache type"):
