@@ -156,7 +156,7 @@ def _name(model) -> str:
 
 def read_chat_template(model) -> str | None:
     """The GGUF's ``tokenizer.chat_template`` (read from the file's header, in full), or None."""
-    from .tools.gguf_check import STRING, GGUFFileError, read_gguf_header
+    from .gguf import STRING, GGUFFileError, read_gguf_header
 
     try:
         kv = read_gguf_header(model.path).kv.get("tokenizer.chat_template")

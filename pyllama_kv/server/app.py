@@ -45,6 +45,7 @@ from .. import toolcall
 from ..chat import chat_template, tokenize_rendered
 from ..constrain import GrammarError, compile_grammar
 from ..errors import InvalidInputError, LlamaError, QueueFullError
+from ..limits import prompt_too_long
 from . import protocol
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE, Metrics, Snapshot
@@ -300,10 +301,9 @@ class Server:
         toks, grammar = await run_in_threadpool(self._prepare, req)
         n_ctx = self.engine.n_ctx
         truncate = req.truncate if req.truncate is not None else cfg.truncate
-        if len(toks) >= n_ctx and not truncate:   # with "truncate": true the engine cuts it
-            raise protocol.bad("messages" if kind == "chat" else "prompt",
-                               f"the prompt has {len(toks)} tokens; the context holds {n_ctx} (and at least one more "
-                               "is needed to generate)", code="context_length_exceeded")
+        why = None if truncate else prompt_too_long(len(toks), n_ctx)   # with "truncate": true the engine cuts it
+        if why:
+            raise protocol.bad("messages" if kind == "chat" else "prompt", why, code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:

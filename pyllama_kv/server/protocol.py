@@ -47,11 +47,19 @@ from typing import Any, Callable
 from .. import toolcall
 from ..config import SamplingParams
 from ..constrain import Grammar, GrammarError
+from ..limits import (
+    INT32_MAX,
+    LOGIT_BIAS_MAX,
+    MAX_STOP_STRINGS as MAX_STOP,
+    OPENAI_TEMPERATURE_MAX,
+    PENALTY_MAX,
+    REPEAT_PENALTY_MAX,
+    UINT32_MAX,
+)
 from ..toolcall import ToolError, ToolSpec
 
 #: the engine's finish reasons as OpenAI's (cache_full and error are reported as errors instead)
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "cancelled"}
-MAX_STOP = 16
 
 
 class APIError(Exception):
@@ -210,8 +218,10 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     for k, b in v.items():
         if not (isinstance(k, str) and k.isascii() and k.isdigit()):
             raise bad("logit_bias", f"logit_bias keys must be token ids, got {k!r}")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
-            raise bad("logit_bias", f"logit_bias[{k}] must be a number in [-100, 100], got {b!r}")
+        if (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                or not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX):
+            raise bad("logit_bias", f"logit_bias[{k}] must be a number in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
+                                    f"got {b!r}")
         out.append((int(k), float(b)))
     return tuple(out)
 
@@ -399,13 +409,13 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
     if kind == "chat" and max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap)
     sp: dict[str, Any] = {}
-    for name, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
+    for name, lo, hi, lo_open in (("temperature", 0.0, OPENAI_TEMPERATURE_MAX, False), ("top_p", 0.0, 1.0, True),
                                   ("min_p", 0.0, 1.0, False)):
         x = _number(body, name, lo, hi, lo_open)
         if x is not None:
             sp[name] = x
-    for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0),
-                         ("repeat_penalty", 0.0, 10.0)):
+    for name, lo, hi in (("frequency_penalty", -PENALTY_MAX, PENALTY_MAX),
+                         ("presence_penalty", -PENALTY_MAX, PENALTY_MAX), ("repeat_penalty", 0.0, REPEAT_PENALTY_MAX)):
         x = _number(body, name, lo, hi, lo_open=name == "repeat_penalty")
         if x is not None:
             sp[name] = x
@@ -420,7 +430,7 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
         sp["top_k"] = top_k
     seed = _integer(body, "seed", -(2**63), 2**64 - 1)   # OpenAI's int64 (and uint64, as some clients send)
     if seed is not None:
-        sp["seed"] = seed & 0xFFFFFFFF   # the sampler's seeds are 32-bit
+        sp["seed"] = seed & UINT32_MAX   # the sampler's seeds are 32-bit
     n = _integer(body, "n", 1, parallel)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
@@ -444,7 +454,7 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
     return GenRequest(kind=kind, model=model, prompt=prompt, params=SamplingParams(**sp), max_tokens=max_tokens,
                       stop=_stop(body), n=n or 1, stream=stream, include_usage=include_usage,
                       context_shift=_bool(body, "context_shift") if body.get("context_shift") is not None else None,
-                      n_keep=_integer(body, "n_keep", -1, 2**31 - 1),
+                      n_keep=_integer(body, "n_keep", -1, INT32_MAX),
                       truncate=_bool(body, "truncate") if body.get("truncate") is not None else None,
                       grammar=grammar, grammar_param=grammar_param, logprobs=_logprobs(body, kind), tools=tools)
 
