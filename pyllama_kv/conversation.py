@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from .errors import InvalidInputError
 
-__all__ = ["ChatTemplate", "Conversation", "Turn"]
+__all__ = ["ChatTemplate", "Conversation", "Transcripts", "Turn"]
 
 
 class ChatTemplate:
@@ -168,3 +168,79 @@ class Conversation:
         else:            # its cells were freed (Ctrl-C, error): the answer is tokenized as text next turn
             self.tokens, self.text = toks, text
             self.boundaries = list(self.next_boundaries)
+
+
+class Transcripts:
+    """Token-stable chats for a server, whose clients send the whole chat every time.
+
+    A server renders each chat request's messages anew. After an answer, :meth:`remember` keeps the
+    rendered prompt plus the answer's text with the exact tokens the cache holds for them (the prompt's
+    and the generated ones); :meth:`tokenize` of a later rendering that starts with a remembered text
+    returns those tokens plus the tokens of the new text only, as :class:`Conversation` does for one
+    chat. So the next turn of a chat over HTTP starts with exactly the cached cells, instead of
+    differing where re-tokenizing the answer would merge differently (and evaluating from there).
+
+    Safe with untrusted messages: a remembered text is only used where the new rendering has the same
+    ``plain`` spans (control-token text that came from the messages, :class:`pyllama_kv.chat.Rendered`)
+    inside it, so message text that spells what the template wrote never takes the template's control
+    tokens; answers with a control token among their tokens are not remembered. Bounded: at most
+    ``max_entries`` transcripts and ``max_chars`` characters, least recently used dropped first.
+    Thread-safe."""
+
+    def __init__(self, model, max_entries: int = 512, max_chars: int = 8 << 20):
+        import threading
+        from collections import OrderedDict
+
+        self.model = model
+        self.max_entries, self.max_chars = int(max_entries), int(max_chars)
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = OrderedDict()
+        self._chars = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def tokenize(self, text) -> list[int]:
+        """The tokens of ``text`` (a rendering, :func:`pyllama_kv.chat.apply_chat_template`): a
+        remembered transcript's tokens for the longest remembered start of it, then the rest's tokens;
+        else all of it tokenized (:func:`pyllama_kv.chat.tokenize_rendered`)."""
+        from .chat import tokenize_rendered
+
+        raw = str.__str__(text)
+        plain = tuple(getattr(text, "plain", ()))
+        best: tuple[str, tuple[int, ...]] | None = None
+        with self._lock:
+            for key, (spans, toks) in self._entries.items():
+                if (len(key) < len(raw) and (best is None or len(key) > len(best[0])) and raw.startswith(key)
+                        and tuple((a, min(b, len(key))) for a, b in plain if a < len(key)) == spans):
+                    best = (key, toks)
+            if best is not None:
+                self._entries.move_to_end(best[0])
+                self.hits += 1
+        if best is None:
+            return tokenize_rendered(self.model, text)
+        return list(best[1]) + tokenize_rendered(self.model, text[len(best[0]):], start=False)
+
+    def remember(self, text, tokens, answer: str, answer_tokens) -> bool:
+        """Keep ``text`` + ``answer`` with ``tokens`` + ``answer_tokens`` (the rendering a request was
+        tokenized from and its tokens; an answer whose tokens the cache holds, i.e. one that finished
+        by ``eos`` or ``length``, its text exactly their pieces). Returns whether it was kept."""
+        m = self.model
+        answer_tokens = [int(t) for t in answer_tokens]
+        if not answer_tokens or any(m.token_to_piece(t) != m.token_to_piece(t, special=True) for t in answer_tokens):
+            return False   # a control token in the answer (or nothing to keep)
+        key = str.__str__(text) + answer
+        if len(key) > self.max_chars:
+            return False
+        spans = tuple(getattr(text, "plain", ()))
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._chars -= len(key)
+            self._entries[key] = (spans, tuple(int(t) for t in tokens) + tuple(answer_tokens))
+            self._chars += len(key)
+            while len(self._entries) > self.max_entries or self._chars > self.max_chars:
+                k, _ = self._entries.popitem(last=False)
+                self._chars -= len(k)
+        return True

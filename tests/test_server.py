@@ -174,6 +174,24 @@ def test_chat_and_usage(client):
     assert r2.usage.prompt_tokens_details.cached_tokens == u.prompt_tokens - 1
 
 
+def test_the_next_turn_of_a_chat_reuses_every_cached_token(client):
+    """A chat sent back whole with its answer (as every OpenAI client does) starts with the tokens the
+    cache holds for the previous turn (the server's Transcripts), streamed or not, so only the new
+    message is evaluated: every token of the previous prompt and answer but the undecoded last one."""
+    for stream in (False, True):
+        msgs = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Tell me a story about a {'red' if stream else 'blue'} fox."}]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)
+        assert r.choices[0].finish_reason == "length"   # 20 tokens of a story: the cells are kept
+        u = r.usage
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+        kw = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, **kw)
+        u2 = list(r2)[-1].usage if stream else r2.usage
+        assert u2.prompt_tokens_details.cached_tokens == u.prompt_tokens + u.completion_tokens - 1
+
+
 def test_chat_streaming(client):
     stream = chat(client, "Name three colours.", max_tokens=16, temperature=0, stream=True,
                   stream_options={"include_usage": True})

@@ -42,8 +42,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import toolcall
-from ..chat import chat_template, tokenize_rendered
+from ..chat import chat_template
 from ..constrain import GrammarError, compile_grammar
+from ..conversation import Transcripts
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from ..limits import prompt_too_long
 from . import protocol
@@ -97,6 +98,8 @@ class Server:
         # compiled grammars by (kind, source): agents send the same schema and tools again and again
         self._grammars: collections.OrderedDict = collections.OrderedDict()
         self._grammar_lock = threading.Lock()
+        # chats come back whole: their earlier answers are tokenized as the cache holds them
+        self.transcripts = Transcripts(model)
         routes = [
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
@@ -280,7 +283,9 @@ class Server:
             if req.kind == "chat":
                 req.tool_format = toolcall.detect_format(chat_template(m))
                 msgs, tools = toolcall.prepare(req.tool_format, req.tools, req.prompt)
-                return tokenize_rendered(m, m.apply_chat_template(msgs, tools=tools))
+                req.rendered = m.apply_chat_template(msgs, tools=tools)
+                req.prompt_ids = self.transcripts.tokenize(req.rendered)
+                return req.prompt_ids
             if isinstance(req.prompt, str):
                 return m.tokenize(req.prompt, add_bos=True, special=True)
             return m.check_tokens(req.prompt).tolist()
@@ -318,6 +323,16 @@ class Server:
             return StreamingResponse(self._stream(req, handle, events, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, req, handle, events, t0)
+
+    def _remember(self, req: GenRequest, comps) -> None:
+        """Keep each chat answer whose cells the cache holds as it was generated (finished by eos or
+        length, the prompt neither truncated nor shifted) for the chat's next turn (Transcripts)."""
+        if req.rendered is None or req.prompt_ids is None:
+            return
+        for c in comps:
+            if (c.finish_reason in ("eos", "length") and c.tokens
+                    and c.context_tokens == req.prompt_ids + list(c.tokens)):
+                self.transcripts.remember(req.rendered, req.prompt_ids, c.text, c.tokens)
 
     def _observe(self, handle, t0: float) -> None:
         if handle.ttft is not None:
@@ -359,6 +374,7 @@ class Server:
         if err is not None:
             return _error(err)
         self._observe(handle, t0)
+        self._remember(req, comps)
         return JSONResponse(protocol.response(req, comps, handle.usage, self._piece))
 
     async def _stream(self, req: GenRequest, handle, events: asyncio.Queue, t0: float) -> AsyncIterator[str]:
@@ -402,6 +418,7 @@ class Server:
                     yield _sse(protocol.chunk(req, ev.index, None if req.kind == "chat" else "", finish))
             else:
                 self._observe(handle, t0)
+                self._remember(req, handle.completions)
                 if req.include_usage:
                     yield _sse(protocol.usage_chunk(req, handle.usage))
             yield "data: [DONE]\n\n"

@@ -104,6 +104,8 @@ class GenRequest:
     logprobs: int | None = None        # top alternatives per token (chat: top_logprobs; completions: logprobs)
     tools: ToolSpec | None = None      # tools, tool_choice, parallel_tool_calls (chat)
     tool_format: str = "generic"       # the model's tool-call format (set when the prompt is prepared)
+    rendered: Any = None               # chat: the messages as the template rendered them (set when prepared)
+    prompt_ids: list[int] | None = None   # chat: the tokens submitted for them
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
