@@ -116,7 +116,7 @@ def _defrag_time(d: dict) -> str:
 
 _STRESS_ROWS: list[tuple[str, Callable[[dict], object]]] = [
     ("decode calls", lambda d: d["decode_calls"]),
-    ("tokens (prompt + gen)", lambda d: f"{d['prompt_tokens']} + {d['gen_tokens']}"),
+    ("tokens (evaluated + gen)", lambda d: f"{d['evaluated_tokens']} + {d['gen_tokens']}"),
     ("tokens/s", lambda d: d["tokens_per_s"]),
     ("requests completed", lambda d: d["requests"]["completed"]),
     ("slot failures", lambda d: d["slot_failures"]),

@@ -77,7 +77,7 @@ _MIN_SHARED = 16       # prompt tokens shared with a prompt being evaluated that
 class EngineStats:
     steps: int = 0
     decode_calls: int = 0
-    prompt_tokens: int = 0        # prompt tokens of admitted requests
+    prompt_tokens: int = 0        # prompt tokens of admitted requests (their length, as Usage.prompt_tokens)
     evaluated_tokens: int = 0     # prompt tokens decoded (including resumed continuations)
     reused_tokens: int = 0        # prompt tokens served from cached cells
     generated_tokens: int = 0

@@ -70,7 +70,8 @@ class StressResult:
     library: dict
     steps: int = 0
     decode_calls: int = 0
-    prompt_tokens: int = 0       # prompt tokens evaluated
+    evaluated_tokens: int = 0    # prompt tokens evaluated (EngineStats.evaluated_tokens; not the admitted
+                                 # prompts' length, which EngineStats.prompt_tokens and Usage count)
     gen_tokens: int = 0
     reused_tokens: int = 0       # prompt tokens served from cached cells (shared system prompts)
     seconds: float = 0.0
@@ -86,7 +87,7 @@ class StressResult:
 
     @property
     def tokens(self) -> int:
-        return self.prompt_tokens + self.gen_tokens
+        return self.evaluated_tokens + self.gen_tokens
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -186,7 +187,7 @@ def _fill(res: StressResult, eng, handles: list, t0: float) -> None:
     st = eng.stats
     res.seconds = time.perf_counter() - t0
     res.decode_calls = st.decode_calls
-    res.prompt_tokens = st.evaluated_tokens
+    res.evaluated_tokens = st.evaluated_tokens
     res.gen_tokens = st.generated_tokens
     res.reused_tokens = st.reused_tokens
     res.slot_failures = st.slot_failures
