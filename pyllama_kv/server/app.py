@@ -37,7 +37,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -140,7 +140,7 @@ class Server:
     # -- plumbing -------------------------------------------------------------------------------
 
     def _endpoint(self, fn, auth: bool = True):
-        async def handler(request: Request) -> Response:
+        async def handler(request: HTTPRequest) -> Response:
             try:
                 if auth:
                     self._auth(request)
@@ -156,7 +156,7 @@ class Server:
                 return _error(APIError(500, "internal server error (see the server's log)", "server_error"))
         return handler
 
-    def _auth(self, request: Request) -> None:
+    def _auth(self, request: HTTPRequest) -> None:
         key = self.config.api_key
         if key is None:
             return
@@ -168,18 +168,18 @@ class Server:
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
+    async def _http_error(self, request: HTTPRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         return _error(APIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
 
-    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+    async def _internal_error(self, request: HTTPRequest, exc: Exception) -> Response:
         log.error("error while serving %s %s", request.method, request.url.path, exc_info=exc)
         self.metrics.internal_errors.inc()
         return _error(APIError(500, "internal server error (see the server's log)", "server_error"))
 
-    async def _body(self, request: Request):
+    async def _body(self, request: HTTPRequest):
         cap = self.config.max_body
         too_big = APIError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
         length = request.headers.get("content-length")
@@ -208,7 +208,7 @@ class Server:
 
     # -- endpoints --------------------------------------------------------------------------------
 
-    async def health(self, request: Request) -> Response:
+    async def health(self, request: HTTPRequest) -> Response:
         ok = self.engine.alive and not self.shutting_down
         eng = self.engine   # (two counts: no need to wait for a step to end)
         return JSONResponse({"status": "ok" if ok else "unavailable", "requests_running": eng.running_requests,
@@ -217,21 +217,21 @@ class Server:
     def _model_object(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pyllama-kv"}
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_object()]})
 
-    async def model_info(self, request: Request) -> Response:
+    async def model_info(self, request: HTTPRequest) -> Response:
         self._check_model(request.path_params["model"])
         return JSONResponse(self._model_object())
 
-    async def metrics_text(self, request: Request) -> Response:
+    async def metrics_text(self, request: HTTPRequest) -> Response:
         self.snapshot = await Snapshot.ask(self.engine)   # taken by the engine between two steps
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
-    async def chat(self, request: Request) -> Response:
+    async def chat(self, request: HTTPRequest) -> Response:
         return await self._generate(request, "chat")
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: HTTPRequest) -> Response:
         return await self._generate(request, "completion")
 
     def _check_model(self, name: str) -> None:
@@ -292,7 +292,7 @@ class Server:
         except InvalidInputError as e:
             raise protocol.bad(param, str(e)) from None
 
-    async def _generate(self, request: Request, kind: str) -> Response:
+    async def _generate(self, request: HTTPRequest, kind: str) -> Response:
         t0 = time.perf_counter()
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
@@ -347,7 +347,8 @@ class Server:
                 return APIError(status, c.error or f"the request failed ({c.finish_reason})", typ, code=code)
         return None
 
-    async def _complete(self, request: Request, req: GenRequest, handle, events: asyncio.Queue, t0: float) -> Response:
+    async def _complete(self, request: HTTPRequest, req: GenRequest, handle, events: asyncio.Queue,
+                        t0: float) -> Response:
         """A non-streaming request: wait for every continuation, or for the client to go away."""
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":

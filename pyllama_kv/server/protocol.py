@@ -85,7 +85,8 @@ def bad(param: str | None, message: str, code: str | None = "invalid_value") -> 
 
 @dataclass
 class GenRequest:
-    """A checked request, ready for the engine (``prompt`` is still text or messages)."""
+    """A checked request, ready for the engine (``prompt`` is still text or messages). Not the engine's
+    queued ``engine.request.Request``, nor starlette's HTTP request (``HTTPRequest`` in app.py)."""
 
     kind: str                          # "chat" or "completion"
     model: str

@@ -56,7 +56,9 @@ class StressConfig(CacheConfig):
 
 
 @dataclass
-class Request:
+class WorkItem:
+    """One request of the drawn stream (what Engine.submit will get at step ``arrival``)."""
+
     rid: int
     arrival: int
     prefix: int | None
@@ -96,7 +98,7 @@ class StressResult:
         return d
 
 
-def make_requests(cfg: StressConfig, n_vocab: int, n: int) -> tuple[list[list[int]], list[Request]]:
+def make_requests(cfg: StressConfig, n_vocab: int, n: int) -> tuple[list[list[int]], list[WorkItem]]:
     """The shared prefixes and ``n`` requests, from the seed alone."""
     rng = np.random.default_rng(cfg.seed)
     lo, hi = 3, max(4, n_vocab)
@@ -112,7 +114,7 @@ def make_requests(cfg: StressConfig, n_vocab: int, n: int) -> tuple[list[list[in
         if prefix is not None:
             plen = max(1, plen - len(prefixes[prefix]))
         suffix = rng.integers(lo, hi, plen).tolist()
-        reqs.append(Request(rid, int(t), prefix, suffix, int(rng.integers(cfg.gen_min, cfg.gen_max + 1))))
+        reqs.append(WorkItem(rid, int(t), prefix, suffix, int(rng.integers(cfg.gen_min, cfg.gen_max + 1))))
     return prefixes, reqs
 
 
