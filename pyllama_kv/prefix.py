@@ -3,6 +3,7 @@ prefixes evicted from the context paged out to host memory and disk (pyllama_kv.
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,9 +48,9 @@ class PrefixCache:
     :mod:`pyllama_kv.spanfile`. ``cache_ram=0`` without a ``cache_dir``: evicted sequences are
     dropped.
 
-    Every acquired sequence has ``prefix_reused`` (the tokens it did not evaluate); ``stats`` sums
-    them up, ``tier_info`` (:class:`~pyllama_kv.tier.TierStats`) counts the tiers. Thread-safe
-    through the context's lock.
+    Every acquired sequence has ``reused_tokens`` (the tokens it did not evaluate; the last acquire's
+    are ``last_reused_tokens``); ``stats`` sums them up, ``tier_info``
+    (:class:`~pyllama_kv.tier.TierStats`) counts the tiers. Thread-safe through the context's lock.
     """
 
     def __init__(self, ctx, max_sequences: int | None = None, cache_ram: int = 256,
@@ -70,7 +71,7 @@ class PrefixCache:
         self.max_sequences = max_sequences
         self._idle: OrderedDict[int, Sequence] = OrderedDict()  # seq id -> Sequence, LRU first
         self.stats = PrefixCacheStats()
-        self.last_reused = 0
+        self.last_reused_tokens = 0
         self.tier_info = TierStats()   # live: the engine's stats hold this object
         self.tiers: Tiers | None = None
         if cache_ram == 0 and cache_dir is None:
@@ -189,7 +190,7 @@ class PrefixCache:
             seq = self._with_room(lambda: best.fork(n) if (best is not None and n > 0) else ctx.new_sequence(),
                                   best, full=LlamaError)
             n = len(seq)
-            seq.prefix_reused = n
+            seq.reused_tokens = n
             st = self.stats
             st.requests += 1
             st.prompt_tokens += int(toks.size)
@@ -209,7 +210,7 @@ class PrefixCache:
             self.ctx._own(seq)
             got = self.tiers.restore_into(seq, tokens, limit, make_room)
             if got:
-                seq.prefix_reused = len(seq)
+                seq.reused_tokens = len(seq)
                 self.stats.restored_tokens += got
                 self.stats.evaluated_tokens -= got
                 self.tier_info.evaluated_tokens -= got
@@ -234,6 +235,13 @@ class PrefixCache:
                 keep = self._best(self.ctx.model.check_tokens(keep_for))[0]
             return self._evict(keep)
 
+    @property
+    def last_reused(self) -> int:
+        """Deprecated alias of :attr:`last_reused_tokens`."""
+        warnings.warn("PrefixCache.last_reused is deprecated: use PrefixCache.last_reused_tokens",
+                      DeprecationWarning, stacklevel=2)
+        return self.last_reused_tokens
+
     def acquire(self, tokens, remember: bool = True):
         """A new sequence holding ``tokens`` (see the class docstring); the caller owns it."""
         ctx = self.ctx
@@ -248,7 +256,7 @@ class PrefixCache:
             except BaseException:
                 seq.close()
                 raise
-            self.last_reused = n
+            self.last_reused_tokens = n
             if remember and self.max_sequences > 0:
                 try:
                     self._remember(seq.fork())

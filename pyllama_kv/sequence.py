@@ -9,6 +9,7 @@ and copy-on-write work is in :mod:`pyllama_kv.context`.
 """
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +30,14 @@ class Sequence:
     def __init__(self, ctx, seq_id: int):
         self._ctx = ctx
         self.id = seq_id
-        self.prefix_reused = 0  # set by PrefixCache.acquire: tokens served from cached cells
+        self.reused_tokens = 0  # set by PrefixCache.acquire: tokens served from cached cells
+
+    @property
+    def prefix_reused(self) -> int:
+        """Deprecated alias of :attr:`reused_tokens` (the one name for prompt tokens served from cache)."""
+        warnings.warn("Sequence.prefix_reused is deprecated: use Sequence.reused_tokens", DeprecationWarning,
+                      stacklevel=2)
+        return self.reused_tokens
 
     # -- state ----------------------------------------------------------------------------------
 

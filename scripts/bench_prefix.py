@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                     s = pc.acquire(p)
                     lg = s.logits()
                     ttft.append(time.perf_counter() - t)
-                    evaluated += len(p) - s.prefix_reused
+                    evaluated += len(p) - s.reused_tokens
                     assert np.abs(lg - ref_logits[i]).max() < 5e-2
                     pc.release(s, keep=False)
                 pc.clear()

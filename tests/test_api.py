@@ -547,12 +547,14 @@ def test_prefix_cache_reuses_the_longest_prefix(model, ref):
         pc = pk.PrefixCache(c, max_sequences=3)
         prefix = toks(40)
         r1 = pc.acquire(prefix + toks(5, seed=1))
-        assert r1.prefix_reused == 0
+        assert r1.reused_tokens == 0
         r2 = pc.acquire(prefix + toks(6, seed=2))
-        assert r2.prefix_reused == 40 and pc.last_reused == 40
+        assert r2.reused_tokens == 40 and pc.last_reused_tokens == 40
+        with pytest.warns(DeprecationWarning):   # the old names still read, with a warning
+            assert r2.prefix_reused == 40 and pc.last_reused == 40
         np.testing.assert_allclose(r2.logits(), ref(prefix + toks(6, seed=2)), atol=F32_ATOL)
         r3 = pc.acquire(prefix[:20])
-        assert r3.prefix_reused == 19  # the last token is always evaluated
+        assert r3.reused_tokens == 19  # the last token is always evaluated
         np.testing.assert_allclose(r3.logits(), ref(prefix[:20]), atol=F32_ATOL)
         assert pc.stats.requests == 3 and pc.stats.reused_tokens == 59
         assert pc.stats.evaluated_tokens == 45 + 6 + 1

@@ -63,14 +63,14 @@ def test_a_span_comes_back_from_disk_byte_exact_in_a_new_context(model, tmp_path
         pc = pk.PrefixCache(ctx, max_sequences=2, cache_ram=0, cache_dir=tmp_path)
         prompt = a + toks(4, seed=2)
         s = pc.acquire(prompt)
-        assert s.prefix_reused == 200 and pc.stats.restored_tokens == 200 and pc.stats.evaluated_tokens == 4
+        assert s.reused_tokens == 200 and pc.stats.restored_tokens == 200 and pc.stats.evaluated_tokens == 4
         assert s.snapshot(0, 200).data == want            # K/V of every layer, byte for byte
         np.testing.assert_allclose(s.logits(), fresh_logits(model, prompt), atol=ATOL)
         st = pc.tier_stats()
         assert st["disk_hits"] == 1 and st["disk_restored_tokens"] == 200 and st["disk_corrupt"] == 0
         # a prompt that goes on inside the span: the file is cut where the prompt leaves it
         t = pc.acquire(a[:120] + toks(3, seed=3))
-        assert t.prefix_reused >= 120
+        assert t.reused_tokens >= 120
 
 
 def test_a_later_turn_writes_only_its_tail(model, tmp_path):
@@ -82,7 +82,7 @@ def test_a_later_turn_writes_only_its_tail(model, tmp_path):
     with new_ctx(model) as ctx:
         pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=tmp_path)
         s = pc.acquire(b + [7])
-        assert s.prefix_reused == 190 and pc.tier_stats()["disk_hits"] == 2
+        assert s.reused_tokens == 190 and pc.tier_stats()["disk_hits"] == 2
         np.testing.assert_allclose(s.logits(), fresh_logits(model, b + [7]), atol=ATOL)
 
 
@@ -127,7 +127,7 @@ def test_a_bad_file_is_a_miss_and_the_sequence_is_untouched(model, tmp_path, kin
         assert not f.exists(), "a refused file is deleted"
         # and the API path evaluates instead, correctly
         s = pc.acquire(a + [5])
-        assert s.prefix_reused == 0
+        assert s.reused_tokens == 0
         np.testing.assert_allclose(s.logits(), fresh_logits(model, a + [5]), atol=ATOL)
 
 
@@ -140,7 +140,7 @@ def test_files_that_are_not_span_files_are_left_alone(model, tmp_path):
     with new_ctx(model) as ctx:
         pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=tmp_path)
         s = pc.acquire(a + [9, 9])
-        assert s.prefix_reused == 60
+        assert s.reused_tokens == 60
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -155,8 +155,8 @@ def test_the_directory_stays_within_its_bound(model, tmp_path):
         assert st["disk_writes"] == 14 and st["disk_evicted_files"] > 0
         assert st["disk_bytes"] == sum(f.stat().st_size for f in files(tmp_path)) <= st["disk_budget_bytes"]
         # the most recent conversation is still there, the oldest is gone
-        assert pc.acquire(toks(190, seed=113) + [3]).prefix_reused == 190
-        assert pc.acquire(toks(190, seed=100) + [3]).prefix_reused == 0
+        assert pc.acquire(toks(190, seed=113) + [3]).reused_tokens == 190
+        assert pc.acquire(toks(190, seed=100) + [3]).reused_tokens == 0
 
 
 def test_host_memory_spills_to_disk_and_both_restore_through_the_api(model, tmp_path):
@@ -170,7 +170,7 @@ def test_host_memory_spills_to_disk_and_both_restore_through_the_api(model, tmp_
         st = pc.tier_info   # live
         assert st.host_tokens == 200 and st.disk_files == 0
         s = pc.acquire(a + [4])
-        assert s.prefix_reused == 200 and st.restored_tokens == 200 and st.disk_restored_tokens == 0
+        assert s.reused_tokens == 200 and st.restored_tokens == 200 and st.disk_restored_tokens == 0
         np.testing.assert_allclose(s.logits(), fresh_logits(model, a + [4]), atol=ATOL)
         s.close()
         # enough other prompts to push a out of the 1 MiB of host memory (~100 KB each)
@@ -180,7 +180,7 @@ def test_host_memory_spills_to_disk_and_both_restore_through_the_api(model, tmp_
         assert st.evicted_nodes > 0 and st.disk_writes > 0 and st.host_bytes <= 1 << 20
         assert pc.tier.matched(a) == 0   # not in host memory any more
         s = pc.acquire(a + [4])
-        assert s.prefix_reused == 200 and st.disk_restored_tokens == 200
+        assert s.reused_tokens == 200 and st.disk_restored_tokens == 200
         np.testing.assert_allclose(s.logits(), fresh_logits(model, a + [4]), atol=ATOL)
         assert pc.tier.matched(a) == 200, "a span read from disk is kept in host memory again"
 

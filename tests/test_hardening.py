@@ -519,7 +519,7 @@ def test_releasing_twice_to_the_prefix_cache_is_refused(m2):
             cache.release(s)
         assert not s.closed and s in cache.cached
         t = cache.acquire(s.tokens + [9])
-        assert t.prefix_reused == 10
+        assert t.reused_tokens == 10
 
 
 def test_n_ctx_train_reads_as_unsigned(tmp_path):
