@@ -191,6 +191,11 @@ class CacheConfig(_Config):
         return {f.name: getattr(self, f.name) for f in fields(CacheConfig)}
 
 
+# How many sequences, in two words, llama.cpp's: ``n_seq_max`` is how many sequence ids a *context* has
+# (llama_context_params.n_seq_max: Context, ContextConfig, PrefixCache's bound); ``parallel`` is how many
+# continuations the *engine* runs at once, each holding one id (llama-server's --parallel: EngineConfig,
+# the KV layer's KVCache.parallel, StressConfig, and the --parallel flag of serve, run, stress and
+# inspect). The engine's context has ``n_seq_max = parallel + prefix_cache``.
 @dataclass(frozen=True)
 class ContextConfig(CacheConfig):
     """One context (see Context): a KV cache shared by ``n_seq_max`` sequence ids, and llama.cpp's

@@ -6,7 +6,7 @@ the patched build serving the same requests one after another (--sequential: no 
 Reported: tokens/s, slot failures, slot retries and defrags (patched), the time spent in defrag as a
 share of the run, and the ratios patched/vanilla and patched/sequential tokens/s.
 
-  python scripts/bench_stress.py [--quick] [--json] [--seqs 4,8,16] [--seeds 0,1] [--steps 300]
+  python scripts/bench_stress.py [--quick] [--json] [--parallel 4,8,16] [--seeds 0,1] [--steps 300]
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from pyllama_kv.tools.workload import StressConfig, run_stress
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqs", default="4,8,16")
+    ap.add_argument("--parallel", default="4,8,16", help="requests served at once, comma-separated")
+    ap.add_argument("--seqs", dest="parallel", help=argparse.SUPPRESS)   # the old name of --parallel
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--ctx", type=int, default=2048)
@@ -34,11 +35,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one small configuration, for the test suite")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
-    seqs = [int(x) for x in args.seqs.split(",")]
+    parallels = [int(x) for x in args.parallel.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
     steps, n_ctx = args.steps, args.ctx
     if args.quick:  # one thread: ggml's barriers crawl when the suite's other work takes the cores
-        seqs, seeds, steps = [8], [0], 120
+        parallels, seeds, steps = [8], [0], 120
     out = {"benchmark": "stress", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
            "model": {"n_layer": args.layers, "n_embd": args.embd}, "n_ctx": n_ctx, "steps": steps, "seeds": seeds,
            "rows": []}
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
         mp = make_tiny_model(Path(tmp) / "m.gguf", n_layer=args.layers, n_embd=args.embd)
         models = {lib: pk.Model(mp, lib=lib) for lib in ("patched", "vanilla")}
         try:
-            for n in seqs:
+            for n in parallels:
                 agg = {}
                 for mode, lib, sequential in (("patched", "patched", False), ("vanilla", "vanilla", False),
                                               ("sequential", "patched", True)):
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
                            "defrags": 0, "slot_retries": 0, "defrag_seconds": 0.0, "completed": 0,
                            "peak_fragmentation": 0.0}
                     for seed in seeds:
-                        cfg = StressConfig(n_seqs=n, n_ctx=n_ctx, steps=steps, seed=seed, sequential=sequential,
+                        cfg = StressConfig(parallel=n, n_ctx=n_ctx, steps=steps, seed=seed, sequential=sequential,
                                            n_threads=1 if args.quick else None)
                         r, _ = run_stress(models[lib], cfg)
                         d = r.as_dict()
@@ -74,11 +75,11 @@ def main(argv=None) -> int:
                     tot["defrag_seconds"] = round(tot["defrag_seconds"], 4)
                     agg[mode] = tot
                 pat, van, seq = agg["patched"], agg["vanilla"], agg["sequential"]
-                row = {"n_seqs": n, **agg,
+                row = {"parallel": n, **agg,
                        "patched_vs_vanilla_tps": round(pat["tokens_per_s"] / van["tokens_per_s"], 3),
                        "patched_vs_sequential_tps": round(pat["tokens_per_s"] / seq["tokens_per_s"], 3)}
                 out["rows"].append(row)
-                print(f"  {n:2} seqs: patched {pat['tokens_per_s']:8.1f} tok/s ({pat['slot_failures']} "
+                print(f"  parallel {n:2}: patched {pat['tokens_per_s']:8.1f} tok/s ({pat['slot_failures']} "
                       f"failures, defrag {pat['defrag_share']:.1%}), vanilla {van['tokens_per_s']:8.1f} "
                       f"({van['slot_failures']} failures), sequential {seq['tokens_per_s']:8.1f}",
                       file=sys.stderr)

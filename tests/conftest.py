@@ -120,8 +120,8 @@ class KVWrapper:
         return self.kv.n_cells
 
     @property
-    def n_seq_ids(self):
-        return self.kv.n_seq_ids
+    def parallel(self):
+        return self.kv.parallel
 
 
 def run_py(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -144,7 +144,7 @@ def test_tiny_model_and_inspect(tmp_path):
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["n_layer"] == 3 and info["n_embd"] == 32 and out.is_file()
-    r = run_cli(["inspect", str(out), "--ctx", "1024", "--seqs", "4", "--json"])
+    r = run_cli(["inspect", str(out), "--ctx", "1024", "--parallel", "4", "--json"])
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["architecture"] == "llama" and d["n_head_kv"] == 2
@@ -153,6 +153,10 @@ def test_tiny_model_and_inspect(tmp_path):
     # 3 layers x (K 16 f16 + V 16 f16) = 3 * (16*2 + 16*2) bytes per token
     assert kv["n_embd_k_gqa"] == 16 and kv["bytes_per_token"] == 3 * (16 * 2 + 16 * 2)
     assert kv["bytes_total"] == kv["bytes_per_token"] * 1024 and kv["cells_per_seq"] == 256
+    assert kv["parallel"] == 4
+    r = run_cli(["inspect", str(out), "--ctx", "1024", "--seqs", "4", "--json"])   # the deprecated name
+    assert r.returncode == 0 and "--seqs is deprecated" in r.stderr, r.stderr
+    assert json.loads(r.stdout)["kv_cache"]["cells_per_seq"] == 256
     r = run_cli(["inspect", str(out), "--type-k", "q8_0", "--type-v", "q8_0", "--json"])
     assert json.loads(r.stdout)["kv_cache"]["bytes_per_token"] == pytest.approx(3 * 32 * 34 / 32)
     r = run_cli(["inspect", str(out)])
@@ -247,7 +251,7 @@ def test_stress_fails_on_vanilla_not_on_patched(stress_pair):
 
 
 def test_stress_table_and_progress(tiny_model):
-    r = run_cli(["stress", str(tiny_model), "--steps", "40", "--seqs", "4", "--ctx", "1024"])
+    r = run_cli(["stress", str(tiny_model), "--steps", "40", "--parallel", "4", "--ctx", "1024"])
     assert r.returncode == 0, r.stderr
     assert "slot failures" in r.stdout and "tokens/s" in r.stdout and "peak fragmentation" in r.stdout
     assert "40/40 steps" in r.stderr  # progress

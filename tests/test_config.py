@@ -34,7 +34,7 @@ def test_configs_extend_the_cache_config_instead_of_copying_it():
     c = e.context()
     assert c.cache_kwargs() == e.cache_kwargs() and c.n_seq_max == 5
     # the old keywords still work, and the workload's engine is made from its cache fields
-    s = StressConfig(n_seqs=4, n_ctx=512, steps=3, seed=1, sequential=True, n_threads=1)
+    s = StressConfig(parallel=4, n_ctx=512, steps=3, seed=1, sequential=True, n_threads=1)
     assert s.cache_kwargs()["n_ctx"] == 512 and s.n_threads == 1
 
 

@@ -274,7 +274,7 @@ class FakeKV:
     """Cells are counted per sequence (no sharing); the logits pick ``script[len(tokens)]``."""
 
     def __init__(self, n_cells, parallel, n_vocab, script):
-        self.n_cells, self.n_seq_ids, self.n_vocab, self.script = n_cells, parallel, n_vocab, script
+        self.n_cells, self.parallel, self.n_vocab, self.script = n_cells, parallel, n_vocab, script
         self.seqs: dict[int, list[int]] = {}
         self.ids = iter(range(10**6))
 
@@ -282,7 +282,7 @@ class FakeKV:
         return self.n_cells - sum(len(t) for t in self.seqs.values())
 
     def free_ids(self):
-        return self.n_seq_ids - len(self.seqs)
+        return self.parallel - len(self.seqs)
 
     context = None
 
@@ -381,7 +381,7 @@ def test_stress_on_a_small_cache_completes_instead_of_thrashing(tiny_model, vani
     steps; now most admitted requests complete, preemption is rare, and only vanilla fails slots."""
     from pyllama_kv.tools.workload import StressConfig, run_stress
 
-    cfg = StressConfig(n_ctx=1024, n_seqs=8, steps=200, n_threads=1)
+    cfg = StressConfig(n_ctx=1024, parallel=8, steps=200, n_threads=1)
     with pk.Model(tiny_model) as m:
         res, _ = run_stress(m, cfg)
     rq = res.requests

@@ -44,7 +44,7 @@ class FakeKV(PrefixPolicy):
     context = None
 
     def __init__(self, n_cells: int, parallel: int, prefix_cache: int = 0, host_tokens: int = 0):
-        self.n_cells, self.n_seq_ids, self.prefix_cache = n_cells, parallel, prefix_cache
+        self.n_cells, self.parallel, self.prefix_cache = n_cells, parallel, prefix_cache
         self.host_tokens = host_tokens
         self.refs: Counter = Counter()                 # cell -> sequences holding it
         self.cells: dict[int, list[int]] = {}          # sequence -> its cells, by position
@@ -62,7 +62,7 @@ class FakeKV(PrefixPolicy):
     # -- storage ---------------------------------------------------------------------------------
 
     def _new(self, cells: list[int], toks: list[int]) -> int:
-        if len(self.cells) >= self.n_seq_ids + self.prefix_cache:
+        if len(self.cells) >= self.parallel + self.prefix_cache:
             raise LlamaError("no free sequence id")
         sid = next(self._ids)
         self.refs.update(cells)
@@ -95,7 +95,7 @@ class FakeKV(PrefixPolicy):
         return self.n_cells - len(self.refs)
 
     def free_ids(self) -> int:
-        return min(self.n_seq_ids - len(self.live), self.n_seq_ids + self.prefix_cache - len(self.cells))
+        return min(self.parallel - len(self.live), self.parallel + self.prefix_cache - len(self.cells))
 
     @property
     def n_live(self) -> int:
@@ -139,7 +139,7 @@ class FakeKV(PrefixPolicy):
         return sid, n
 
     def fork(self, seq):
-        while len(self.cells) >= self.n_seq_ids + self.prefix_cache and self._evict_idle(None):
+        while len(self.cells) >= self.parallel + self.prefix_cache and self._evict_idle(None):
             pass
         sid = self._new(self.cells[seq], self.toks[seq])
         self.live.add(sid)
@@ -179,7 +179,7 @@ class FakeKV(PrefixPolicy):
             self._close(seq)
 
     def remember(self, seq):
-        if self.prefix_cache and len(self.cells) < self.n_seq_ids + self.prefix_cache:
+        if self.prefix_cache and len(self.cells) < self.parallel + self.prefix_cache:
             self._keep_idle(self._new(self.cells[seq], self.toks[seq]))
 
     def kv_stats(self):
@@ -187,7 +187,7 @@ class FakeKV(PrefixPolicy):
 
 
 def engine(kv: FakeKV, **cfg) -> Engine:
-    config = EngineConfig(n_ctx=kv.n_cells, parallel=kv.n_seq_ids, prefix_cache=kv.prefix_cache, **cfg)
+    config = EngineConfig(n_ctx=kv.n_cells, parallel=kv.parallel, prefix_cache=kv.prefix_cache, **cfg)
     return Engine(FakeModel(), config, kv=kv)
 
 

@@ -2,6 +2,7 @@
 and opening a model."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -135,6 +136,17 @@ def add_lib_flag(parser) -> None:
     else the patched build), as in every command."""
     parser.add_argument("--lib", default=None, metavar="patched|vanilla|PATH",
                         help="libllama to use (default: $PYLLAMA_KV_LIB if set, else patched)")
+
+
+def add_deprecated_flag(parser, old: str, new: str, dest: str, **kw) -> None:
+    """Accept ``old`` as a hidden alias of ``new`` (the value goes to ``dest``), with a warning on stderr."""
+
+    class _Alias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(f"pyllama-kv: {old} is deprecated, use {new}", file=sys.stderr)
+            setattr(namespace, self.dest, values)
+
+    parser.add_argument(old, dest=dest, action=_Alias, help=argparse.SUPPRESS, **kw)
 
 
 def lib_label(lib: str | None) -> str:

@@ -36,8 +36,8 @@ class KVCache(Protocol):
         """Cells in the cache."""
 
     @property
-    def n_seq_ids(self) -> int:
-        """Sequence ids for live sequences (idle cached prefixes excluded)."""
+    def parallel(self) -> int:
+        """Sequence ids for live sequences (idle cached prefixes excluded): EngineConfig.parallel."""
 
     @property
     def context(self) -> Context | None:
@@ -170,10 +170,6 @@ class ContextKV(PrefixPolicy):
     @property
     def n_cells(self) -> int:
         return self.ctx.n_ctx
-
-    @property
-    def n_seq_ids(self) -> int:
-        return self.parallel
 
     @property
     def context(self) -> Context:

@@ -223,8 +223,8 @@ class Engine:
                                         "context, or let the engine truncate it (truncate=True)")
             room = max(1, min(max_tokens, (self.n_ctx - keep_n) // 2))
             toks, bounds, truncated = truncate_prompt(toks, self.n_ctx - room, keep_n, bounds)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.kv.n_seq_ids:
-            raise InvalidInputError(f"n must be an integer in [1, {self.kv.n_seq_ids}] (the engine's parallel)")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.kv.parallel:
+            raise InvalidInputError(f"n must be an integer in [1, {self.kv.parallel}] (the engine's parallel)")
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         if not all(isinstance(s, str) for s in stops) or len(stops) > 16:
             raise InvalidInputError("stop must be a string or a list of at most 16 strings")

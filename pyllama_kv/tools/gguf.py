@@ -398,13 +398,14 @@ def _can_shift(arch: str, type_k: str) -> tuple[bool | None, str]:
     return None, f"a {type_k} K cache: decided by the backend when the context is made (else re-evaluated)"
 
 
-def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int = 1,
+def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: int = 1,
                  type_k: str = "f16", type_v: str = "f16") -> dict:
     """Architecture, sizes, tensors and vocabulary of a GGUF file, and its KV cache cost.
 
     KV bytes per token = n_layer * (n_embd_k_gqa * size(type_k) + n_embd_v_gqa * size(type_v)).
     The cache holds n_ctx cells shared by all sequences (llama.cpp's unified cache), so the total is
-    per-token bytes * n_ctx; ``n_seqs`` is reported with the average room per sequence.
+    per-token bytes * n_ctx; ``parallel`` (sequences sharing the cache, as serve's ``--parallel``) is
+    reported with the average room per sequence.
 
     Reads the header and tensor table with :func:`pyllama_kv.gguf.read_gguf_header` (never the
     weights). ``validation`` says how ``Model(path)`` checks the file: ``ok`` False with the ``error``
@@ -498,7 +499,7 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
         ctx = n_ctx or (n_ctx_train if isinstance(n_ctx_train, int) else 0) or 0
         out["kv_cache"] = {
             "n_ctx": ctx,
-            "n_seqs": n_seqs,
+            "parallel": parallel,
             "type_k": type_k,
             "type_v": type_v,
             "n_embd_k_gqa": n_embd_k,
@@ -507,7 +508,7 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, n_seqs: int 
             "bytes_per_token_k": n_layer * n_embd_k * sk,
             "bytes_per_token_v": n_layer * n_embd_v * sv,
             "bytes_total": per_token * ctx,
-            "cells_per_seq": ctx // max(1, n_seqs),
+            "cells_per_seq": ctx // max(1, parallel),
         }
     return out
 

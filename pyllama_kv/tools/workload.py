@@ -36,7 +36,7 @@ class StressConfig(CacheConfig):
     """The workload: its KV cache (CacheConfig's fields: n_ctx, batch sizes, cache types, threads) and
     the request stream drawn from ``seed``."""
 
-    n_seqs: int = 8              # requests served at once
+    parallel: int = 8            # requests served at once (EngineConfig.parallel)
     steps: int = 300             # decode steps (server iterations)
     seed: int = 0
     prompt_min: int = 16
@@ -126,7 +126,7 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     from ..config import EngineConfig
     from ..engine import Engine
 
-    parallel = 1 if cfg.sequential else cfg.n_seqs
+    parallel = 1 if cfg.sequential else cfg.parallel
     ecfg = EngineConfig(**cfg.cache_kwargs(), parallel=parallel, prefix_cache=max(cfg.n_prefixes, 1),
                         max_queue=100_000, output_reserve=cfg.output_reserve, max_tokens=max(cfg.gen_max, 1),
                         keep_finished=False)

@@ -20,7 +20,7 @@ QUESTION = "What is the capital of France, and what is it famous for?"
 N_ANSWERS = 4
 ANSWER_TOKENS = 96
 TINY_PROMPT = b"The KV cache of the model"
-WORKLOAD_SEQS = 8        # requests served at once by the workload
+WORKLOAD_PARALLEL = 8    # requests served at once by the workload
 
 
 def register(subparsers) -> None:
@@ -47,7 +47,7 @@ def _workload(model_path: str, steps: int, n_ctx: int, args) -> tuple[list[tuple
 
     results: list[tuple[str, dict]] = []
     for lib in ("vanilla", "patched"):
-        cfg = stress_config(WORKLOAD_SEQS, n_ctx, steps, args.seed, n_threads=args.n_threads)
+        cfg = stress_config(WORKLOAD_PARALLEL, n_ctx, steps, args.seed, n_threads=args.n_threads)
         try:
             d, _ = run_workload(model_path, lib, cfg, lib, progress=not args.json)
         except KeyboardInterrupt:
@@ -157,7 +157,7 @@ def run(args) -> int:
     model_path = str(resolve(args.model))
     steps, n_ctx = (150, 1024) if args.quick else (300, 1024)   # about a minute in all on 2 cores
     if not args.json:
-        print(f"pyllama-kv demo on {args.model}: a server-like workload ({WORKLOAD_SEQS} requests at once, {n_ctx} "
+        print(f"pyllama-kv demo on {args.model}: a server-like workload ({WORKLOAD_PARALLEL} requests at once, {n_ctx} "
               f"KV cells, {steps} steps, seed {args.seed}) on the vanilla and the patched llama.cpp\n", flush=True)
     results, interrupted = _workload(model_path, steps, n_ctx, args)
     if interrupted:
@@ -200,8 +200,8 @@ def _tiny(args) -> int:
         make_tiny_model(mpath, n_layer=2, n_embd=64, seed=0)
     steps, n_ctx = (120 if args.quick else 300), DEFAULT_N_CTX
     if not args.json:
-        print(f"pyllama-kv demo --tiny: a server-like workload ({WORKLOAD_SEQS} requests at once, {n_ctx} KV cells, "
-              f"{steps} steps, seed {args.seed}) on the vanilla and the patched llama.cpp\n")
+        print(f"pyllama-kv demo --tiny: a server-like workload ({WORKLOAD_PARALLEL} requests at once, "
+              f"{n_ctx} KV cells, {steps} steps, seed {args.seed}) on the vanilla and the patched llama.cpp\n")
     results, interrupted = _workload(str(mpath), steps, n_ctx, args)
     if interrupted:
         return _interrupted(results, args)

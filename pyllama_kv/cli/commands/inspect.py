@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import options
-from ..common import CLIError, UsageError, positive, resolve_model
+from ..common import CLIError, UsageError, add_deprecated_flag, positive, resolve_model
 from ..render import human_bytes, print_json
 
 
@@ -16,7 +16,9 @@ def register(subparsers) -> None:
     s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     options.add(s, "n_ctx", "type_k", "type_v", defaults={"n_ctx": None},
                 helps={"n_ctx": "context cells for the KV total (default: n_ctx_train)"})
-    s.add_argument("--seqs", type=int, default=1, help="sequences sharing the cache (default 1)")
+    s.add_argument("--parallel", type=int, default=1,
+                   help="sequences sharing the cache, as serve's --parallel (default 1)")
+    add_deprecated_flag(s, "--seqs", "--parallel", "parallel", type=int)
     s.add_argument("--json", action="store_true", help="print as JSON")
 
 
@@ -24,7 +26,7 @@ def run(args) -> int:
     from ...errors import InvalidInputError
     from ...tools.gguf import inspect_gguf, kv_type_size
 
-    positive("--seqs", args.seqs)
+    positive("--parallel", args.parallel)
     positive("--ctx", args.n_ctx)
     for flag, name in (("--type-k", args.type_k), ("--type-v", args.type_v)):
         try:
@@ -34,7 +36,7 @@ def run(args) -> int:
     args.model = str(resolve_model(args.model))  # a catalogue name: its cached GGUF, pulled on first use
     if Path(args.model).is_dir():
         raise CLIError(f"{args.model} is a directory, not a GGUF file")
-    info = inspect_gguf(args.model, n_ctx=args.n_ctx, n_seqs=args.seqs, type_k=args.type_k, type_v=args.type_v)
+    info = inspect_gguf(args.model, n_ctx=args.n_ctx, parallel=args.parallel, type_k=args.type_k, type_v=args.type_v)
     if args.json:
         print_json(info)
         return 0
@@ -60,7 +62,7 @@ def run(args) -> int:
               f"(K {kv['type_k']}: {human_bytes(kv['bytes_per_token_k'])}, "
               f"V {kv['type_v']}: {human_bytes(kv['bytes_per_token_v'])})")
         print(f"              {human_bytes(kv['bytes_total'])} for n_ctx {kv['n_ctx']} cells, shared by "
-              f"{kv['n_seqs']} sequence(s): {kv['cells_per_seq']} cells each on average")
+              f"{kv['parallel']} sequence(s): {kv['cells_per_seq']} cells each on average")
     return 0
 
 

@@ -11,6 +11,7 @@ from ..common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     CLIError,
+    add_deprecated_flag,
     add_lib_flag,
     check_ctx,
     check_output_file,
@@ -37,8 +38,9 @@ def register(subparsers) -> None:
                                                     "free), defrags, moves, graphs, retries and peak fragmentation.")
     s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     add_lib_flag(s)
-    s.add_argument("--seqs", type=int, default=_default("n_seqs"),
+    s.add_argument("--parallel", type=int, default=_default("parallel"),
                    help="requests served at once (default %(default)s)")
+    add_deprecated_flag(s, "--seqs", "--parallel", "parallel", type=int)
     options.add(s, "n_ctx", defaults={"n_ctx": _default("n_ctx")})
     s.add_argument("--steps", type=int, default=_default("steps"), help="decode steps (default %(default)s)")
     s.add_argument("--seed", type=int, default=_default("seed"), help="workload seed (default %(default)s)")
@@ -51,16 +53,16 @@ def register(subparsers) -> None:
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def stress_config(n_seqs: int, n_ctx: int, steps: int, seed: int, sequential: bool = False,
+def stress_config(parallel: int, n_ctx: int, steps: int, seed: int, sequential: bool = False,
                   n_threads: int | None = None):
     """The workload's StressConfig, from flag values (checked, with the flags' names)."""
     from ...tools.workload import StressConfig
 
-    positive("--seqs", n_seqs)
+    positive("--parallel", parallel)
     positive("--ctx", n_ctx)
     positive("--steps", steps)
     positive("-t", n_threads)
-    return StressConfig(n_seqs=n_seqs, n_ctx=n_ctx, steps=steps, seed=seed, sequential=sequential,
+    return StressConfig(parallel=parallel, n_ctx=n_ctx, steps=steps, seed=seed, sequential=sequential,
                         n_threads=n_threads)
 
 
@@ -103,7 +105,7 @@ def run(args) -> int:
     from ...tools.workload import draw_map
 
     setup_logging(args.debug)
-    cfg = stress_config(args.seqs, args.n_ctx, args.steps, args.seed, args.sequential, args.n_threads)
+    cfg = stress_config(args.parallel, args.n_ctx, args.steps, args.seed, args.sequential, args.n_threads)
     map_path = check_map_path(args.map) if args.map is not None else None  # before the workload, not after
     cfg = replace(cfg, record_map=map_path is not None)
     label = lib_label(args.lib)   # None: $PYLLAMA_KV_LIB, else patched, as pk.Model picks it
