@@ -84,10 +84,10 @@ def engine_rate(model, parallel: int, n_tokens: int, threads: int | None, repeat
             finally:
                 split["decode"] += time.perf_counter() - t
 
-        def timed_sample(slot):
+        def timed_sample(cont):
             t = time.perf_counter()
             try:
-                return sample(slot)
+                return sample(cont)
             finally:
                 split["sample"] += time.perf_counter() - t
 
@@ -98,7 +98,7 @@ def engine_rate(model, parallel: int, n_tokens: int, threads: int | None, repeat
                 hs = [eng.submit(p, SamplingParams(temperature=0.8, seed=i, ignore_eos=True), max_tokens=n_tokens,
                                  grammar=g) for i, p in enumerate(prompts)]
                 # the prompts first (same for both), then time the generation alone
-                while any(s.prefilling for s in eng._slots) or eng._waiting or eng._inbox:
+                while any(s.prefilling for s in eng._continuations) or eng._waiting or eng._inbox:
                     eng.step()
                 gen0 = eng.stats.generated_tokens
                 split["decode"] = split["sample"] = 0.0

@@ -52,10 +52,10 @@ class Recorder(KVWrapper):
         return out
 
 
-def check_positions(ctx, slots) -> None:
-    """Every live sequence holds exactly positions 0..n-1, and its tokens are the slot's first n."""
+def check_positions(ctx, conts) -> None:
+    """Every live sequence holds exactly positions 0..n-1, and its tokens are the continuation's first n."""
     pos, seqs = ctx.kv_view()
-    for s in slots:
+    for s in conts:
         mine = (seqs == s.seq.id).any(axis=1)
         assert sorted(pos[mine].tolist()) == list(range(len(s.seq))), f"sequence {s.seq.id}"
         assert s.seq.tokens == s.tokens[:len(s.seq)]
@@ -69,8 +69,8 @@ def fresh_logits(model, tokens: list[int]) -> np.ndarray:
 def run_checked(eng: Engine, handle) -> None:
     while not handle.done:
         eng.step()
-        assert all(len(s.seq) < eng.n_ctx for s in eng._slots)
-        check_positions(eng.kv.ctx, eng._slots)
+        assert all(len(s.seq) < eng.n_ctx for s in eng._continuations)
+        check_positions(eng.kv.ctx, eng._continuations)
 
 
 # -- the real model: a 64-cell context generates 500 tokens --------------------------------------------
@@ -122,7 +122,7 @@ def _shift_run(model, n: int = 1, params=GREEDY_ALL, force_reeval: bool = False,
         h = eng.submit(toks(prompt_len, 7), params, max_tokens=max_tokens, n=n, n_keep=5)
         while not h.done:
             eng.step()
-            check_positions(rec.kv.ctx, eng._slots)
+            check_positions(rec.kv.ctx, eng._continuations)
         return h, eng.stats, rec
 
 

@@ -101,8 +101,9 @@ class EngineStats:
         return asdict(self)
 
 
-class _Slot:
-    """One continuation: its sequence, the tokens still to decode, its sampler and text stream."""
+class _Continuation:
+    """One continuation: its sequence, the tokens still to decode, its sampler and text stream. (Not
+    a "slot": that word is llama.cpp's, for where a batch's cells go, as in slot failures.)"""
 
     __slots__ = ("req", "index", "seq", "pending", "tokens", "generated", "stream", "sampler", "close_sampler",
                  "logits", "reserve", "forked", "admit_order", "last_token", "boundaries", "constraint")
@@ -164,8 +165,8 @@ class Engine:
         self._inbox: deque = deque()           # ("submit", Request) | ("cancel", Request)
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
-        self._resume: deque[_Slot] = deque()   # preempted continuations, served first
-        self._slots: list[_Slot] = []          # admitted, holding a sequence
+        self._resume: deque[_Continuation] = deque()    # preempted continuations, served first
+        self._continuations: list[_Continuation] = []   # admitted, holding a sequence
         self._n_waiting = 0                    # for the queue bound, counted at submit
         self._thread: threading.Thread | None = None
         self._tasks: list = []                 # (fn, Future) for between_steps(), run by the loop thread
@@ -291,12 +292,12 @@ class Engine:
     @property
     def running(self) -> int:
         """Continuations holding a sequence."""
-        return len(self._slots)
+        return len(self._continuations)
 
     @property
     def running_requests(self) -> int:
         """Requests with a continuation holding a sequence."""
-        return len({id(s.req) for s in list(self._slots)})   # (a copy: read from other threads too)
+        return len({id(s.req) for s in list(self._continuations)})   # (a copy: read from other threads too)
 
     @property
     def alive(self) -> bool:
@@ -311,7 +312,7 @@ class Engine:
             return self._n_waiting + len(self._resume)
 
     def has_work(self) -> bool:
-        return bool(self._slots or self._waiting or self._resume or self._inbox)
+        return bool(self._continuations or self._waiting or self._resume or self._inbox)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -326,17 +327,17 @@ class Engine:
         out = self._decode(batch, owners)
         n = 0
         for seq, logits in out.items():
-            slot = owners[seq]
+            cont = owners[seq]
             took = len(batch[seq])
             n += took
-            was_prefill = slot.prefilling
-            del slot.pending[:took]
+            was_prefill = cont.prefilling
+            del cont.pending[:took]
             if was_prefill:
                 self.stats.evaluated_tokens += took
-            if slot.pending:
+            if cont.pending:
                 continue   # a prompt chunk: more to come
-            slot.logits = logits
-            self._after_decode(slot)
+            cont.logits = logits
+            self._after_decode(cont)
         return n
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
@@ -465,18 +466,18 @@ class Engine:
             self._waiting.remove(req)
         if not req.admitted:   # waiting, or still in the inbox (skipped when drained)
             self._dequeued()
-        for slot in [s for s in self._resume if s.req is req]:
-            self._resume.remove(slot)
-            self._finish(slot, "cancelled", release=False)
-        for slot in [s for s in self._slots if s.req is req]:
-            self._finish(slot, "cancelled", keep=False)
+        for cont in [s for s in self._resume if s.req is req]:
+            self._resume.remove(cont)
+            self._finish(cont, "cancelled", release=False)
+        for cont in [s for s in self._continuations if s.req is req]:
+            self._finish(cont, "cancelled", keep=False)
         # continuations never started (n > 1 before the fork) end too
         self._end_unstarted(req, "cancelled")
 
     def _end_unstarted(self, req: Request, reason: str, error: str | None = None) -> None:
         for c in req.handle.completions:
             if c.finish_reason is None and not any(s.req is req and s.index == c.index
-                                                   for s in itertools.chain(self._slots, self._resume)):
+                                                   for s in itertools.chain(self._continuations, self._resume)):
                 self._emit(req, c.index, "", (), reason, error)
 
     def _dequeued(self) -> None:
@@ -486,18 +487,18 @@ class Engine:
     def _promised(self) -> int:
         """Cells promised to admitted continuations: their prompt tokens still to decode, and what
         is left of their output reserves."""
-        return sum(len(s.pending) + max(0, s.reserve - s.generated) for s in self._slots)
+        return sum(len(s.pending) + max(0, s.reserve - s.generated) for s in self._continuations)
 
     def _admit(self) -> None:
         # preempted continuations first
         while self._resume:
-            slot = self._resume[0]
-            if not self._reserve(slot.tokens, 1, max(0, slot.reserve - slot.generated)):
+            cont = self._resume[0]
+            if not self._reserve(cont.tokens, 1, max(0, cont.reserve - cont.generated)):
                 return
             self._resume.popleft()
-            if slot.constraint is not None:   # rebuilt from its tokens, not trusted across the pause
-                slot.constraint.replay()
-            self._place(slot, slot.tokens)
+            if cont.constraint is not None:   # rebuilt from its tokens, not trusted across the pause
+                cont.constraint.replay()
+            self._place(cont, cont.tokens)
         # requests in arrival order; a later one may overtake the head when the head does not fit,
         # but only a bounded number of times (the head is not starved by a stream of small ones)
         i = 0
@@ -517,10 +518,10 @@ class Engine:
             self.stats.admitted += 1
             self.stats.prompt_tokens += len(req.prompt)
             order = next(self._admit_counter)
-            slot = _Slot(req, 0, list(req.prompt), self._make_sampler(req, 0), reserve, order)
-            self._place(slot, req.prompt)
-            req.handle.usage.reused_tokens += len(req.prompt) - len(slot.pending)
-            self.stats.reused_tokens += len(req.prompt) - len(slot.pending)
+            cont = _Continuation(req, 0, list(req.prompt), self._make_sampler(req, 0), reserve, order)
+            self._place(cont, req.prompt)
+            req.handle.usage.reused_tokens += len(req.prompt) - len(cont.pending)
+            self.stats.reused_tokens += len(req.prompt) - len(cont.pending)
 
     def _waits_for_prefix(self, req: Request) -> bool:
         """Whether a prompt being evaluated now shares at least _MIN_SHARED more of ``req``'s prompt
@@ -529,7 +530,7 @@ class Engine:
         if self.config.prefix_cache == 0:
             return False
         toks = req.prompt[:-1]
-        shared = max((shared_prefix(s.tokens, toks) for s in self._slots if s.prefilling), default=0)
+        shared = max((shared_prefix(s.tokens, toks) for s in self._continuations if s.prefilling), default=0)
         return shared >= _MIN_SHARED and shared >= self.kv.match(req.prompt) + _MIN_SHARED
 
     def _reserve(self, tokens: list[int], n_ids: int, reserve: int) -> bool:
@@ -538,15 +539,15 @@ class Engine:
         layer evicts idle prefixes for it, by its rule). With nothing running the reserve is a
         target, not a limit: the prompt and one more cell are enough, since nothing else would ever
         free cells for it."""
-        ids = n_ids + sum(s.req.n - 1 for s in self._slots if not s.forked)   # forks still to come
-        cells = reserve + self._promised() if self._slots else 1
+        ids = n_ids + sum(s.req.n - 1 for s in self._continuations if not s.forked)   # forks still to come
+        cells = reserve + self._promised() if self._continuations else 1
         return self.kv.reserve(tokens, cells, ids)
 
-    def _place(self, slot: _Slot, tokens: list[int]) -> None:
+    def _place(self, cont: _Continuation, tokens: list[int]) -> None:
         seq, n = self.kv.start(tokens)
-        slot.seq = seq
-        slot.pending = list(tokens[n:])
-        self._slots.append(slot)
+        cont.seq = seq
+        cont.pending = list(tokens[n:])
+        self._continuations.append(cont)
 
     # -- internals: batch, decode, sampling ------------------------------------------------------
 
@@ -554,12 +555,12 @@ class Engine:
         batch: dict = {}
         owners: dict = {}
         budget = self.n_batch
-        gen = [s for s in self._slots if not s.prefilling and s.pending]
+        gen = [s for s in self._continuations if not s.prefilling and s.pending]
         for s in gen:
             batch[s.seq] = [s.pending[0]]
             owners[s.seq] = s
             budget -= 1
-        for s in sorted((s for s in self._slots if s.prefilling), key=lambda s: s.admit_order):
+        for s in sorted((s for s in self._continuations if s.prefilling), key=lambda s: s.admit_order):
             if budget <= 0:
                 break
             take = min(budget, len(s.pending))
@@ -615,100 +616,100 @@ class Engine:
                 self._finish(owners[seq], "cache_full", error=msg, keep=False)
         return results
 
-    def _victim(self, batch: dict, owners: dict) -> _Slot:
+    def _victim(self, batch: dict, owners: dict) -> _Continuation:
         """The continuation to preempt: of the most recently admitted request, prompts first."""
         cands = [owners[s] for s in batch]
         return max(cands, key=lambda s: (s.admit_order, s.prefilling, s.index))
 
-    def _preempt(self, slot: _Slot) -> None:
+    def _preempt(self, cont: _Continuation) -> None:
         self.stats.preempted += 1
         # what it holds, plus what it has yet to decode, is redone on resume (mostly from cache)
-        self.kv.finish(slot.seq, keep=True)
-        slot.seq = None
-        slot.pending = []
-        self._slots.remove(slot)
-        self._resume.appendleft(slot)
+        self.kv.finish(cont.seq, keep=True)
+        cont.seq = None
+        cont.pending = []
+        self._continuations.remove(cont)
+        self._resume.appendleft(cont)
 
-    def _after_decode(self, slot: _Slot) -> None:
-        req = slot.req
-        if not slot.forked:
+    def _after_decode(self, cont: _Continuation) -> None:
+        req = cont.req
+        if not cont.forked:
             # the prompt is in: remember it for later requests, then fork the other continuations
-            self.kv.remember(slot.seq)
-            slot.forked = True
+            self.kv.remember(cont.seq)
+            cont.forked = True
             for i in range(1, req.n):
-                child = _Slot(req, i, list(slot.tokens), self._make_sampler(req, i), slot.reserve, slot.admit_order,
-                              slot.boundaries)
-                child.seq = self.kv.fork(slot.seq)
-                child.logits = slot.logits
-                self._slots.append(child)
+                child = _Continuation(req, i, list(cont.tokens), self._make_sampler(req, i), cont.reserve,
+                                      cont.admit_order, cont.boundaries)
+                child.seq = self.kv.fork(cont.seq)
+                child.logits = cont.logits
+                self._continuations.append(child)
                 self._sample(child)
-        elif slot.last_token is None and slot.generated == 0:
-            self.kv.remember(slot.seq)
-        self._sample(slot)
+        elif cont.last_token is None and cont.generated == 0:
+            self.kv.remember(cont.seq)
+        self._sample(cont)
 
-    def _sample(self, slot: _Slot) -> None:
-        req = slot.req
-        raw = slot.logits
+    def _sample(self, cont: _Continuation) -> None:
+        req = cont.req
+        raw = cont.logits
         assert raw is not None
-        slot.logits = None
+        cont.logits = None
         logits: np.ndarray | None = raw
-        con = slot.constraint
+        con = cont.constraint
         if con is not None:
             # the grammar's mask before the sampler (a copy: forks share their first logits)
             logits = con.mask(raw)
             if logits is None:   # no token allowed: the grammar is complete, or its matcher broke
                 err = con.error
-                self._finish(slot, "error" if err else "stop", error=f"grammar: {err}" if err else None)
+                self._finish(cont, "error" if err else "stop", error=f"grammar: {err}" if err else None)
                 return
-        tok = slot.sampler(logits)
+        tok = cont.sampler(logits)
         if req.handle.ttft is None:
             req.handle.ttft = time.perf_counter() - req.handle.submitted_at
         if not req.params.ignore_eos and self._is_eog(tok):
-            self._finish(slot, "eos")
+            self._finish(cont, "eos")
             return
         if con is not None and not con.accept(tok):
-            self._finish(slot, "error", error=f"grammar: the sampled token {tok} was not allowed: {con.error}")
+            self._finish(cont, "error", error=f"grammar: the sampled token {tok} was not allowed: {con.error}")
             return
-        slot.generated += 1
+        cont.generated += 1
         self.stats.generated_tokens += 1
         req.handle.usage.completion_tokens += 1
-        text, stopped = slot.stream.feed(self._piece(tok))
-        slot.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
+        text, stopped = cont.stream.feed(self._piece(tok))
+        cont.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
         lps = (token_logprobs(raw, tok, req.logprobs),) if req.logprobs is not None else None
-        self._emit(req, slot.index, text, (tok,), None, logprobs=lps)
+        self._emit(req, cont.index, text, (tok,), None, logprobs=lps)
         if stopped or (con is not None and con.done):   # a stop string, or a complete grammar: nothing may follow
-            self._finish(slot, "stop")
+            self._finish(cont, "stop")
             return
-        if slot.generated >= req.max_tokens:
-            self._finish(slot, "length")
+        if cont.generated >= req.max_tokens:
+            self._finish(cont, "length")
             return
-        slot.pending = [tok]
-        slot.last_token = tok
+        cont.pending = [tok]
+        cont.last_token = tok
         # the end of the context: the sequence would hold n_ctx positions after this token
-        if len(slot.tokens) >= self.n_ctx and not (req.context_shift and self._shift(slot)):
-            self._finish(slot, "length")
+        if len(cont.tokens) >= self.n_ctx and not (req.context_shift and self._shift(cont)):
+            self._finish(cont, "length")
 
-    def _shift(self, slot: _Slot) -> bool:
+    def _shift(self, cont: _Continuation) -> bool:
         """Context shift of a full continuation: keep ``n_keep`` tokens, drop half of the rest (the
         oldest), by a K-shift of the kept tail where the cache can, else by cutting the sequence after
         ``n_keep`` and re-evaluating the tail in the next batches. False when nothing can be dropped."""
-        req = slot.req
-        held = len(slot.tokens) - len(slot.pending)       # positions the sequence holds
+        req = cont.req
+        held = len(cont.tokens) - len(cont.pending)       # positions the sequence holds
         n_keep = min(req.n_keep, held)
         discard = (held - n_keep) // 2
         if discard < 1:
             return False
         end = n_keep + discard
-        if not self.kv.shift(slot.seq, n_keep, discard):
+        if not self.kv.shift(cont.seq, n_keep, discard):
             # re-evaluate: the sequence keeps [0, n_keep); the kept tail (with the pending token) is
             # decoded again at its new positions, chunked and batched like a prompt
-            self.kv.truncate(slot.seq, n_keep)
-            slot.pending = slot.tokens[end:]
+            self.kv.truncate(cont.seq, n_keep)
+            cont.pending = cont.tokens[end:]
             self.stats.shifts_reevaluated += 1
-            self.stats.reevaluated_tokens += len(slot.pending) - 1
+            self.stats.reevaluated_tokens += len(cont.pending) - 1
         # (K-shift: positions [end, held) are now [n_keep, held - discard), nothing to decode)
-        del slot.tokens[n_keep:end]
-        slot.boundaries = _drop_range(slot.boundaries, n_keep, end)
+        del cont.tokens[n_keep:end]
+        cont.boundaries = _drop_range(cont.boundaries, n_keep, end)
         self.stats.context_shifts += 1
         self.stats.dropped_tokens += discard
         usage = req.handle.usage
@@ -722,30 +723,30 @@ class Engine:
             self.stats.finished[reason] += 1
         req.handle._emit(Event(req.handle.id, index, text, tuple(tokens), reason, error, logprobs))
 
-    def _finish(self, slot: _Slot, reason: str, error: str | None = None, keep: bool | None = None,
+    def _finish(self, cont: _Continuation, reason: str, error: str | None = None, keep: bool | None = None,
                 release: bool = True) -> None:
-        req = slot.req
-        tail = slot.stream.flush() if reason in ("eos", "length") else ""
-        comp = req.handle.completions[slot.index]
-        comp.context_tokens = list(slot.tokens)
-        comp.boundaries = list(slot.boundaries)
-        if release and slot.seq is not None:
-            self.kv.finish(slot.seq, keep=req.keep if keep is None else keep)
-        slot.seq = None
-        if slot in self._slots:
-            self._slots.remove(slot)
-        if slot.close_sampler is not None:
-            slot.close_sampler()
-            slot.close_sampler = None
-        self._emit(req, slot.index, tail, (), reason, error)
-        if not slot.forked:
+        req = cont.req
+        tail = cont.stream.flush() if reason in ("eos", "length") else ""
+        comp = req.handle.completions[cont.index]
+        comp.context_tokens = list(cont.tokens)
+        comp.boundaries = list(cont.boundaries)
+        if release and cont.seq is not None:
+            self.kv.finish(cont.seq, keep=req.keep if keep is None else keep)
+        cont.seq = None
+        if cont in self._continuations:
+            self._continuations.remove(cont)
+        if cont.close_sampler is not None:
+            cont.close_sampler()
+            cont.close_sampler = None
+        self._emit(req, cont.index, tail, (), reason, error)
+        if not cont.forked:
             # the prompt never completed: the other continuations end the same way
             self._end_unstarted(req, reason, error)
 
     def _cancel_everything(self, now: bool = False) -> None:
         with self._cv:
             reqs = [r for k, r in self._inbox if k == "submit"]
-        running = {id(s.req): s.req for s in itertools.chain(self._slots, self._resume)}
+        running = {id(s.req): s.req for s in itertools.chain(self._continuations, self._resume)}
         reqs += list(self._waiting) + list(running.values())
         for r in reqs:
             if now:
@@ -754,8 +755,8 @@ class Engine:
                 r.handle.cancel()
 
     def _fail_all(self, msg: str) -> None:
-        for slot in list(self._slots):
-            self._finish(slot, "error", error=msg, keep=False)
+        for cont in list(self._continuations):
+            self._finish(cont, "error", error=msg, keep=False)
 
     def _default_sampler(self, req: Request, index: int):
         """(logits -> token, closer) for one continuation: greedy is an argmax in numpy, anything
