@@ -211,3 +211,31 @@ def test_the_cache_dir_flags_map_onto_the_engine_config(tmp_path):
     with pytest.raises(CLIError, match="--cache-dir-mib"):
         options.from_args(EngineConfig, p.parse_args(["--cache-dir-mib", "0"]))
     assert EngineConfig(cache_dir=tmp_path).cache_dir == str(tmp_path)
+
+
+def test_the_engine_pages_out_to_disk_and_a_new_engine_restores_from_it(model, tmp_path):
+    """EngineConfig.cache_dir reaches the engine's KV layer: a conversation evicted with no host
+    memory goes to disk, and a later engine (as after a restart) restores it from there instead of
+    evaluating it, answering exactly as the first did (F32)."""
+    from pyllama_kv.engine import GREEDY, Engine
+
+    def ask(eng, prompt):
+        h = eng.submit(prompt, GREEDY, max_tokens=8)
+        eng.run_until_idle()
+        return h.result()[0].tokens, h.usage.prompt_tokens - h.usage.reused_tokens
+
+    cfg = EngineConfig(n_ctx=512, parallel=1, prefix_cache=2, cache_ram=0, cache_dir=tmp_path, **F32)
+    first = toks(120, seed=1)
+    with Engine(model, cfg) as eng:
+        answer, _ = ask(eng, first)
+        for i in range(4):   # more than the cache holds: the first conversation is paged out to disk
+            ask(eng, toks(150, seed=10 + i))
+        assert eng.kv.tier_stats()["disk_writes"] >= 1 and files(tmp_path)
+        second = first + answer + toks(10, seed=2)
+        want, evaluated = ask(eng, second)
+        assert evaluated <= 12 and eng.kv.tier_stats()["disk_hits"] >= 1
+    with Engine(model, cfg) as eng:
+        got, evaluated = ask(eng, second)
+        st = eng.kv.tier_stats()
+        assert evaluated <= 12 and st["disk_hits"] >= 1 and st["disk_restored_tokens"] >= 120
+        assert got == want

@@ -159,12 +159,14 @@ class ContextKV(PrefixPolicy):
     """:class:`KVCache` over a :class:`~pyllama_kv.context.Context`: ``parallel`` ids for live
     sequences, the rest of the context's ids for a
     :class:`~pyllama_kv.engine.tier.PagingPrefixCache` of idle prefixes, paged out to a host tier of
-    ``cache_ram`` MiB (0: evicted prefixes are dropped)."""
+    ``cache_ram`` MiB (0: evicted prefixes are dropped) and, with ``cache_dir``, to files there (at
+    most ``cache_dir_mib`` MiB)."""
 
-    def __init__(self, ctx: Context, parallel: int, prefix_cache: int, cache_ram: int = 0):
+    def __init__(self, ctx: Context, parallel: int, prefix_cache: int, cache_ram: int = 0,
+                 cache_dir: str | None = None, cache_dir_mib: int = 1024):
         self.ctx = ctx
         self.parallel = parallel
-        self.cache = PagingPrefixCache(ctx, prefix_cache, cache_ram)
+        self.cache = PagingPrefixCache(ctx, prefix_cache, cache_ram, cache_dir=cache_dir, cache_dir_mib=cache_dir_mib)
         self._live = 0
 
     @property
@@ -273,14 +275,23 @@ class ContextKV(PrefixPolicy):
         return self.cache.tier_info
 
 
+def context_kv(ctx: Context, config, hold: bool = False) -> ContextKV:
+    """The engine's KV layer over ``ctx`` as an :class:`~pyllama_kv.config.EngineConfig` says
+    (parallel, prefix_cache and the tiers: cache_ram, cache_dir, cache_dir_mib); a :class:`HoldingKV`
+    with ``hold``."""
+    cls = HoldingKV if hold else ContextKV
+    return cls(ctx, config.parallel, config.prefix_cache, cache_ram=config.cache_ram, cache_dir=config.cache_dir,
+               cache_dir_mib=config.cache_dir_mib)
+
+
 class HoldingKV(ContextKV):
     """:class:`ContextKV` whose finished sequences keep their cells until :meth:`release`: for a
     caller that reads the cache (stats, a map) after its requests are done and before they free.
     When room is needed, held sequences are finished first, oldest first (they count as live until
     then)."""
 
-    def __init__(self, ctx: Context, parallel: int, prefix_cache: int):
-        super().__init__(ctx, parallel, prefix_cache)
+    def __init__(self, ctx: Context, parallel: int, prefix_cache: int, **tiers):
+        super().__init__(ctx, parallel, prefix_cache, **tiers)
         self.held: list[tuple[Hashable, bool]] = []
 
     def finish(self, seq, keep: bool) -> None:

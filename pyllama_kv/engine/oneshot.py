@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..config import EngineConfig, SamplingParams
-from .kv import ContextKV, HoldingKV
+from .kv import ContextKV, HoldingKV, context_kv
 from .request import Event, RequestHandle
 from .scheduler import Engine
 
@@ -39,8 +39,7 @@ class EngineSession:
         self.config = config
         self.ctx = model.context(**config.context().context_kwargs())
         try:
-            self.kv: ContextKV = (HoldingKV(self.ctx, config.parallel, config.prefix_cache) if hold
-                                  else ContextKV(self.ctx, config.parallel, config.prefix_cache, config.cache_ram))
+            self.kv: ContextKV = context_kv(self.ctx, config, hold=hold)
             self.engine = Engine(model, config, kv=self.kv)
         except BaseException:
             self.ctx.close()

@@ -57,9 +57,10 @@ import numpy as np
 
 from ..config import EngineConfig, SamplingParams, int_param
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
+from ..limits import MAX_STOP_STRINGS, prompt_too_long
 from ..prefix import shared_prefix
 from .detok import TextStream
-from .kv import ContextKV, KVCache
+from .kv import KVCache, context_kv
 from .request import FINISH_REASONS, Event, Request, RequestHandle
 from .tier import TierStats
 
@@ -149,7 +150,7 @@ class Engine:
         if kv is None:
             ctx = model.context(**config.context().context_kwargs())
             self._own_ctx = ctx
-            kv = ContextKV(ctx, config.parallel, config.prefix_cache, config.cache_ram)
+            kv = context_kv(ctx, config)
         self.kv = kv
         self.n_ctx = kv.n_cells
         # the batch within the context: a small context shrinks the batch to fit
@@ -217,18 +218,18 @@ class Engine:
         keep_n = min(len(toks) if keep_n < 0 else keep_n, self.n_ctx // 2)
         bounds = _boundaries(boundaries, len(toks))
         truncated = 0
-        if len(toks) >= self.n_ctx:
+        too_long = prompt_too_long(len(toks), self.n_ctx)
+        if too_long:
             if not trunc:
-                raise InvalidInputError(f"the prompt has {len(toks)} tokens; the context holds {self.n_ctx} "
-                                        "(and at least one more is needed to generate): shorten it, use a larger "
-                                        "context, or let the engine truncate it (truncate=True)")
+                raise InvalidInputError(f"{too_long}: shorten it, use a larger context, or let the engine "
+                                        "truncate it (truncate=True)")
             room = max(1, min(max_tokens, (self.n_ctx - keep_n) // 2))
             toks, bounds, truncated = truncate_prompt(toks, self.n_ctx - room, keep_n, bounds)
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.kv.parallel:
             raise InvalidInputError(f"n must be an integer in [1, {self.kv.parallel}] (the engine's parallel)")
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        if not all(isinstance(s, str) for s in stops) or len(stops) > 16:
-            raise InvalidInputError("stop must be a string or a list of at most 16 strings")
+        if not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
+            raise InvalidInputError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
         stops = tuple(s for s in stops if s)
         keep = self.config.keep_finished if keep is None else bool(keep)
         if grammar is not None:

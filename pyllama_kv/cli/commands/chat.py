@@ -69,7 +69,7 @@ def register(subparsers) -> None:
     options.add(s, "n_ctx", "temperature", "top_k", "top_p", "min_p", "seed", defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells: the whole conversation must fit " + options.CTX_DEFAULT_HELP})
     add_lib_flag(s)
-    options.add(s, "n_threads", "rpc", "validate", "cache_ram")
+    options.add(s, "n_threads", "rpc", "validate", "cache_ram", "cache_dir", "cache_dir_mib")
     options.add(s, "context_shift", "n_keep", defaults={"n_keep": None},
                 helps={"n_keep": "tokens at the start that truncation and context shifts never drop "
                                  "(default: the system prompt's)"})
@@ -252,6 +252,7 @@ def run(args) -> int:
         template = chat_template(model, source, args.template)
         cfg = options.build(options.EngineConfig, n_ctx=n_ctx, parallel=1, prefix_cache=2, n_threads=args.n_threads,
                             max_queue=1, max_tokens=args.n_predict, keep_finished=True, cache_ram=args.cache_ram,
+                            cache_dir=args.cache_dir, cache_dir_mib=args.cache_dir_mib,
                             context_shift=args.context_shift, truncate=args.context_shift,
                             **({} if args.n_keep is None else {"n_keep": args.n_keep}))
         set_phase("creating the context")
