@@ -10,6 +10,7 @@ messages are the chat so far (the answers as the server gave them) plus a new qu
 temperature 0, ``--max-tokens`` per answer.
 
 Every server gets the same KV cells (``--ctx``), slots (``--clients``) and threads:
+  (flash attention as ``--flash-attn`` says, the same for all)
   * ``ours``         ``pyllama-kv serve --lib patched --cache-ram MiB`` (prefixes evicted from the KV
                      cache are paged out to host memory and restored, not evaluated);
   * ``ours-no-tier`` the same with ``--cache-ram 0`` (evicted prefixes are dropped);
@@ -81,16 +82,16 @@ def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
     common = ["-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx),
               "-np", str(args.clients), "-t", str(args.threads), "-tb", str(args.threads),
               "-b", "512", "-ub", "512", "-ngl", "0", "--metrics", "--no-webui"]
-    if name == "pin":
-        return [str(llama_server_path()), *common, "-cb"]
+    if name == "pin":   # -fa is a switch at the pin
+        return [str(llama_server_path()), *common, "-cb", *(["-fa"] if args.flash_attn == "on" else [])]
     if name == "current":
         exe = find_peer_server()
         assert exe is not None
-        return [str(exe), *common, "-kvu", "--cache-ram", str(args.cache_ram)]
+        return [str(exe), *common, "-kvu", "--cache-ram", str(args.cache_ram), "-fa", args.flash_attn]
     ram = args.cache_ram if name == "ours" else 0
     return [*pyllama_kv_cmd(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--ctx", str(args.ctx), "--parallel", str(args.clients), "--threads", str(args.threads),
-            "--batch", "512", "--lib", "patched", "--cache-ram", str(ram)]
+            "--batch", "512", "--lib", "patched", "--cache-ram", str(ram), "--flash-attn", args.flash_attn]
 
 
 def peak_rss_mib(pid: int) -> float | None:
@@ -170,6 +171,9 @@ def main(argv=None) -> int:
                     help="MiB of host memory for evicted prefixes, ours and current (default 1024)")
     ap.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each answer (default 24)")
     ap.add_argument("-t", "--threads", type=int, default=default_threads(), help="CPU threads of every server")
+    ap.add_argument("--flash-attn", choices=("on", "off"), default="off",
+                    help="flash attention for every server (default off: the pin's default; the current "
+                         "llama-server's own default is auto)")
     ap.add_argument("--only", default=",".join(SERVERS), help=f"servers, of {','.join(SERVERS)} (default all)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--quick", action="store_true", help="a small load (a smoke run, not a measurement)")
@@ -196,7 +200,7 @@ def main(argv=None) -> int:
     out: dict = {
         "benchmark": "chat-load", "machine": machine(), "date": time.strftime("%Y-%m-%d"), "model": str(model_path),
         "settings": {k: getattr(args, k) for k in ("conversations", "turns", "doc_words", "clients", "ctx",
-                                                   "cache_ram", "max_tokens", "threads", "seed")},
+                                                   "cache_ram", "max_tokens", "threads", "flash_attn", "seed")},
         "peer": (lambda p: str(p) if p else None)(find_peer_server()),
         "rows": [],
     }

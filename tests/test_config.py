@@ -114,3 +114,22 @@ def test_limits_and_config_import_no_numpy():
     code = "import sys, pyllama_kv.limits, pyllama_kv.config; print('numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_flash_attn_flag_maps_onto_the_configs():
+    import argparse
+
+    from pyllama_kv.cli import options
+    from pyllama_kv.cli.common import UsageError
+
+    p = argparse.ArgumentParser()
+    options.add(p, "flash_attn", "type_v")
+    assert options.from_args(EngineConfig, p.parse_args([])).flash_attn is False
+    assert options.from_args(EngineConfig, p.parse_args(["--flash-attn", "on"])).flash_attn is True
+    assert options.from_args(ContextConfig, p.parse_args(["--flash-attn", "off"])).flash_attn is False
+    # a quantized V cache needs it: a usage error that names the flag's value
+    assert options.from_args(EngineConfig, p.parse_args(["--flash-attn", "on", "--type-v", "q8_0"])).type_v == "q8_0"
+    with pytest.raises(UsageError, match="flash_attn"):
+        options.from_args(EngineConfig, p.parse_args(["--type-v", "q8_0"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--flash-attn", "maybe"])

@@ -91,8 +91,11 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     Flag(ContextConfig, "n_threads", ("-t", "--threads"), "", metavar="N"),
     Flag(ContextConfig, "type_k", ("--type-k",), f"K cache type: {_KV_TYPES} (default {{default}})", str,
          metavar="TYPE"),
-    Flag(ContextConfig, "type_v", ("--type-v",), f"V cache type: {_KV_TYPES}; a quantized one needs flash "
-         "attention, which only the library's API turns on (default {default})", str, metavar="TYPE"),
+    Flag(ContextConfig, "type_v", ("--type-v",), f"V cache type: {_KV_TYPES}; a quantized one needs "
+         "--flash-attn on (default {default})", str, metavar="TYPE"),
+    Flag(ContextConfig, "flash_attn", ("--flash-attn",), "flash attention: on or off (default off, as llama.cpp "
+         "at the pin; on is faster on a long or full cache, and the V cache is then not transposed)", on_off,
+         metavar="on|off"),
     Flag(ContextConfig, "n_batch", ("--batch",), "tokens per decode (default {default})", metavar="N"),
     # EngineConfig: the generation engine
     Flag(EngineConfig, "parallel", ("--parallel",), "continuations generated at once (default {default})",

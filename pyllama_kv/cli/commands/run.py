@@ -55,7 +55,7 @@ def register(subparsers) -> None:
                 defaults={"parallel": 1, "n_ctx": None},
                 helps={"n_ctx": "KV cache cells " + options.CTX_DEFAULT_HELP})
     add_lib_flag(s)
-    options.add(s, "n_threads", "type_k", "type_v", "rpc", "validate", "context_shift", "n_keep")
+    options.add(s, "n_threads", "type_k", "type_v", "flash_attn", "rpc", "validate", "context_shift", "n_keep")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid against this JSON schema")
@@ -76,6 +76,7 @@ class RunSpec:
     n_threads: int | None = None
     type_k: str = _CACHE.type_k
     type_v: str = _CACHE.type_v
+    flash_attn: bool = _CACHE.flash_attn
     lib: str | None = None
     json: bool = False
     chat: bool = False             # render the prompt (UTF-8) as one user message with the chat template
@@ -139,7 +140,8 @@ def run(args) -> int:
     prompt = read_prompt(args.prompt, args.file)
     return generate(RunSpec(model=args.model, prompt=prompt, params=params, n_predict=args.n_predict,
                             parallel=args.parallel, n_ctx=args.n_ctx, n_threads=args.n_threads,
-                            type_k=args.type_k, type_v=args.type_v, lib=args.lib, json=args.json,
+                            type_k=args.type_k, type_v=args.type_v, flash_attn=args.flash_attn, lib=args.lib,
+                            json=args.json,
                             chat=args.chat, system=args.system, template=template, template_file=args.template,
                             rpc=args.rpc, validate=args.validate, context_shift=args.context_shift,
                             n_keep=args.n_keep, grammar=grammar))
@@ -152,7 +154,8 @@ def engine_config(spec: RunSpec, n_ctx: int):
 
     n_batch = max(options.field_default(EngineConfig, "n_batch"), spec.parallel)
     return options.build(EngineConfig, n_ctx=n_ctx, parallel=spec.parallel, prefix_cache=0, n_batch=n_batch,
-                         n_threads=spec.n_threads, type_k=spec.type_k, type_v=spec.type_v, max_queue=1,
+                         n_threads=spec.n_threads, type_k=spec.type_k, type_v=spec.type_v,
+                         flash_attn=spec.flash_attn, max_queue=1,
                          max_tokens=max(1, spec.n_predict), keep_finished=False, context_shift=spec.context_shift,
                          **({} if spec.n_keep is None else {"n_keep": spec.n_keep}))
 

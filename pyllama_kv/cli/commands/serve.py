@@ -50,7 +50,7 @@ def register(subparsers) -> None:
     s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "cache_ram", "cache_dir", "cache_dir_mib",
-                "n_batch", "type_k", "type_v", "n_threads", "max_body", "body_timeout", "shutdown_grace",
+                "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
                 "rpc", "validate",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
