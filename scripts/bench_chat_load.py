@@ -21,8 +21,10 @@ Every server gets the same KV cells (``--ctx``), slots (``--clients``) and threa
 
 Reported per server: wall time, completion tokens/s, TTFT p50/p95 over all turns and over the later
 turns, prompt tokens sent / evaluated / served from cache (usage.prompt_tokens_details.cached_tokens,
-or llama-server's timings.prompt_n), the server process's peak RSS (VmHWM), errors; then the ratios
-of ours to each llama-server. Ratios are of runs made one after another here, so only they compare.
+or llama-server's timings.prompt_n), the server process's peak RSS (VmHWM) and its growth over the
+load (from VmRSS after a warm-up request: what the caches took), our host tier's bytes at the end,
+errors; then the ratios of ours to each llama-server. Ratios are of runs made one after another
+here, so only they compare.
 
     .venv/bin/python scripts/bench_chat_load.py [--quick] [--only ours,ours-no-tier,pin,current] ...
 """
@@ -94,10 +96,11 @@ def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
             "--batch", "512", "--lib", "patched", "--cache-ram", str(ram), "--flash-attn", args.flash_attn]
 
 
-def peak_rss_mib(pid: int) -> float | None:
+def rss_mib(pid: int, key: str = "VmHWM") -> float | None:
+    """The process's peak (VmHWM) or current (VmRSS) resident memory, MiB."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return round(int(line.split()[1]) / 1024, 1)
     except OSError:
         pass
@@ -116,6 +119,7 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         model_id = srv.model_id()
         with httpx.Client() as c:   # one tiny request first: no server's first-request setup counts
             one_request(c, srv.url, model_id, [{"role": "user", "content": "Hello"}], 1)
+        rss_start = rss_mib(srv.proc.pid, "VmRSS") if srv.proc else None
         histories = [list(m) for m in chats]
         for turn in range(args.turns):
             if turn:
@@ -127,7 +131,8 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
             for h, r in zip(histories, results):
                 h.append({"role": "assistant", "content": r["text"]})
             per_turn.append(results)
-        rss = peak_rss_mib(srv.proc.pid) if srv.proc else None
+        rss = rss_mib(srv.proc.pid) if srv.proc else None
+        tier = {k: v for k, v in srv.metrics().items() if k.startswith("pyllama_kv_prefix_host_bytes")}
         log_tail = srv.log_tail(3)
     allr = [r for turn in per_turn for r in turn]
     ok = [r for r in allr if r["error"] is None]
@@ -155,7 +160,10 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         "later_ttft_p95_s": p([r["ttft"] for r in later], 0.95),
         "prompt_tokens": prompt, "prompt_cached": cached,
         "prompt_evaluated": None if cached is None else prompt - cached,
-        "peak_rss_mib": rss, "log_tail": log_tail if len(allr) != len(ok) else None,
+        "peak_rss_mib": rss, "rss_after_warmup_mib": rss_start,
+        "rss_growth_mib": None if rss is None or rss_start is None else round(rss - rss_start, 1),
+        "tier_host_mib_end": round(next(iter(tier.values())) / 2**20, 1) if tier else None,
+        "log_tail": log_tail if len(allr) != len(ok) else None,
     }
 
 
@@ -183,7 +191,7 @@ def main(argv=None) -> int:
     if not only or any(s not in SERVERS for s in only):
         ap.error(f"--only takes a comma-separated list of {', '.join(SERVERS)}")
     if args.quick:
-        args.conversations, args.turns, args.doc_words, args.max_tokens, args.ctx = 6, 2, 60, 8, 1024
+        args.conversations, args.turns, args.doc_words, args.max_tokens, args.ctx = 5, 2, 40, 4, 512
     if min(args.conversations, args.turns, args.doc_words, args.clients, args.ctx, args.max_tokens) < 1:
         ap.error("--conversations, --turns, --doc-words, --clients, --ctx and --max-tokens must be >= 1")
     if "current" in only and find_peer_server() is None:
