@@ -432,7 +432,7 @@ def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, 
     if source is None:
         check_messages(messages)
         raise InvalidInputError(f"{model.path.name} has no chat template (no tokenizer.chat_template in the GGUF)")
-    model._check_open()
+    model.check_open()
     if not isinstance(add_generation_prompt, bool):
         raise InvalidInputError("add_generation_prompt must be a bool")
     msgs = check_messages(messages)

@@ -33,14 +33,15 @@ Package interface. sequence.py, prefix.py, sampling.py and engine/ use a context
 public methods and these single-underscore ones (not public API, but the documented way in; nothing
 else in the package reads a Context's attributes):
 
-* ``_critical()``: ``with ctx._critical():`` the lock, Ctrl-C held back, re-entry from a callback refused.
-* ``_check_open()``, ``_own(seq)``: InvalidInputError for a closed context / a sequence not open in it;
-  ``_own`` returns the sequence's entry (``.tokens``, ``.logits``: read, never written).
+* public: ``critical()`` (``with ctx.critical():`` the lock, Ctrl-C held back, re-entry from a
+  callback refused: several calls as one step), ``check_open()``, ``check_sequence(seq)``
+  (InvalidInputError for a closed context / a sequence not open in it), ``shared_in(sid, lo, hi)``;
+* ``_own(seq)``: the sequence's entry (``.tokens``, ``.logits``: read, never written), for sampling.
 * ``_tokens_of(seq)``, ``_is_closed(seq)``: what a handle holds (its live token list: read, never
   written) and whether it is closed; no lock taken.
 * ``_next_logits(seq, recompute, copy)``, ``_fork``, ``_truncate``, ``_remove``, ``_shift_out``,
   ``_export``, ``_close_sequence``: the operations behind Sequence's methods (and Sampler.sample).
-* ``_shared_in(seq_id, lo, hi)``: whether another sequence shares a cell of ``seq_id`` in [lo, hi).
+* ``shared_in(seq_id, lo, hi)``: whether another sequence shares a cell of ``seq_id`` in [lo, hi).
 
 Tests and scripts that go behind the API's back use ``_ptr``, ``_L``, ``_seq_remove`` and
 ``_read_seq_state``.
@@ -190,7 +191,7 @@ class Context(_kv.CResource):
                  defrag_thold: float | None = _CC.defrag_thold):
         if not _is_model(model):
             raise InvalidInputError("model must be a pyllama_kv.Model")
-        model._check_open()
+        model.check_open()
         # what needs no model is ContextConfig's to check (the batch within the context included)
         cfg = ContextConfig(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_ubatch=n_ubatch,
                             flash_attn=flash_attn, type_k=type_k, type_v=type_v, n_threads=n_threads,
@@ -225,7 +226,7 @@ class Context(_kv.CResource):
         self._abort_exc: BaseException | None = None
         self._shift_pending = False   # a K-shift (seq_add) not yet applied by an update
         with model._lock:   # the model cannot be closed while a context of it is being made
-            model._check_open()
+            model.check_open()
             native_model = model._native
             assert native_model is not None
             # one id more than asked for: a spare sequence under which a tail is re-evaluated and
@@ -284,7 +285,7 @@ class Context(_kv.CResource):
         from the context's own abort callback, while its decode runs."""
         if getattr(self, "_native", None) is None:
             return
-        with self._critical():
+        with self.critical():
             native = self._native
             if native is None:
                 return
@@ -301,8 +302,8 @@ class Context(_kv.CResource):
             native.free()
             self.model._contexts.discard(self)
 
-    def _critical(self) -> _Critical:
-        """``with ctx._critical():`` the lock, Ctrl-C held back, no re-entry from a callback."""
+    def critical(self) -> _Critical:
+        """``with ctx.critical():`` the lock, Ctrl-C held back, no re-entry from a callback."""
         return _Critical(self)
 
     def __repr__(self) -> str:
@@ -311,9 +312,14 @@ class Context(_kv.CResource):
         return (f"<pyllama_kv.Context n_ctx={self.n_ctx} sequences={len(self._table)}/{self.n_seq_max} "
                 f"{'patched' if self.patched else 'vanilla'}>")
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """InvalidInputError when the context is closed."""
         if self._native is None:
             raise InvalidInputError("the context is closed")
+
+    def check_sequence(self, seq) -> None:
+        """InvalidInputError unless ``seq`` is a sequence open in this context."""
+        self._own(seq)
 
     @property
     def lock(self) -> threading.RLock:
@@ -324,8 +330,8 @@ class Context(_kv.CResource):
 
     def new_sequence(self):
         """A new, empty sequence with a free id. LlamaError when all n_seq_max ids are in use."""
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             if not self._free_ids:
                 raise LlamaError(
                     f"all {self.n_seq_max} sequences are in use: close one first (n_seq_max={self.n_seq_max})")
@@ -362,7 +368,7 @@ class Context(_kv.CResource):
 
     def _entry(self, seq) -> _SeqEntry:
         """The entry of ``seq`` for an operation on it: the context open, ``seq`` open in it."""
-        self._check_open()
+        self.check_open()
         return self._own(seq)
 
     def _tokens_of(self, seq) -> list[int] | tuple:
@@ -389,11 +395,11 @@ class Context(_kv.CResource):
 
     def free_cells(self) -> int:
         """Cells no sequence holds now (cheap: llama.cpp's counter, no view is read)."""
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             return self._free_cells()
 
-    # -- raw cell operations (the caller holds _critical and validated) ------------------------
+    # -- raw cell operations (the caller holds critical and validated) ------------------------
 
     def _seq_remove(self, sid: int, p0: int, p1: int) -> None:
         """Drop the cells of ``sid`` with position in [p0, p1) (-1: open end); no shift."""
@@ -450,8 +456,8 @@ class Context(_kv.CResource):
         contiguous run of free cells (llama.cpp's restore has no defrag retry). All or nothing: on any
         error no sequence id is taken and no cell is changed. An empty state gives an empty sequence.
         """
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             if not isinstance(state, _SequenceState):
                 raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
             s = self.new_sequence()  # LlamaError when no id is free; given back on any failure below
@@ -489,7 +495,7 @@ class Context(_kv.CResource):
 
     def _next_logits(self, seq, recompute: bool = False, copy: bool = True) -> np.ndarray:
         """Sequence.logits (``copy=False``: the stored array itself, for a sampler that only reads it)."""
-        with self._critical():
+        with self.critical():
             e = self._entry(seq)
             if not e.tokens:
                 raise InvalidInputError(f"sequence {e.id} is empty: it has no next-token logits")
@@ -500,7 +506,7 @@ class Context(_kv.CResource):
 
     def _fork(self, seq, n: int | None) -> _Sequence:
         """Sequence.fork: a new sequence sharing the first ``n`` cells of ``seq``."""
-        with self._critical():
+        with self.critical():
             e = self._entry(seq)
             n = len(e.tokens) if n is None else int_param("n", n, 0, len(e.tokens))
             child = self.new_sequence()
@@ -514,7 +520,7 @@ class Context(_kv.CResource):
 
     def _truncate(self, seq, n: int) -> None:
         """Sequence.truncate."""
-        with self._critical():
+        with self.critical():
             e = self._entry(seq)
             self._cut(e, int_param("n", n, 0, len(e.tokens)))
 
@@ -529,7 +535,7 @@ class Context(_kv.CResource):
     def _remove(self, seq, start: int, end: int, recompute: bool = False) -> None:
         """Sequence.remove: a K-shift when the tail is private and the build and model can shift,
         else the tail re-evaluated (copy-on-write when it is shared)."""
-        with self._critical():
+        with self.critical():
             e = self._entry(seq)
             n = len(e.tokens)
             start = int_param("start", start, 0, n)
@@ -544,7 +550,7 @@ class Context(_kv.CResource):
             self._cut(e, start)
             return
         tail = np.asarray(e.tokens[end:], dtype=np.int32)
-        shift_ok = not recompute and self.can_shift and self.patched and not self._shared_in(e.id, end, n)
+        shift_ok = not recompute and self.can_shift and self.patched and not self.shared_in(e.id, end, n)
         if not shift_ok:
             self._rebuild_tail(e, start, tail)
             return
@@ -555,7 +561,7 @@ class Context(_kv.CResource):
 
     def _shift_out(self, seq, n_keep: int, n_discard: int) -> None:
         """Sequence.shift_out."""
-        with self._critical():
+        with self.critical():
             e = self._entry(seq)
             if not self.can_shift:
                 raise LlamaError(
@@ -630,7 +636,7 @@ class Context(_kv.CResource):
 
     def _export(self, seq) -> _SequenceState:
         """Sequence.export_state."""
-        with self._critical():
+        with self.critical():
             e = self._entry(seq)
             # a state copies K as stored: a K-shift still pending would be lost
             self._c_update()
@@ -640,7 +646,7 @@ class Context(_kv.CResource):
         """Sequence.snapshot: a compact copy of the cells of ``seq`` over positions [start, end)."""
         from .span import Span
 
-        with self._critical():
+        with self.critical():
             e = self._entry(seq)
             n = len(e.tokens)
             end = n if end is None else end
@@ -660,7 +666,7 @@ class Context(_kv.CResource):
         """Sequence.restore: add the cells of ``span`` to ``seq``, which holds exactly [0, span.start)."""
         from .span import Span
 
-        with self._critical():
+        with self.critical():
             e = self._entry(seq)
             if not isinstance(span, Span):
                 raise InvalidInputError(f"restore needs a Span from Sequence.snapshot(), got {type(span).__name__}")
@@ -701,7 +707,7 @@ class Context(_kv.CResource):
         """Sequence.close: free the id and cells of ``seq`` (nothing when it is closed already)."""
         if self._is_closed(seq):
             return
-        with self._critical():
+        with self.critical():
             if self._native is not None and not self._is_closed(seq):
                 self._release(seq.id)
 
@@ -716,8 +722,8 @@ class Context(_kv.CResource):
     def abort_callback(self, fn: Callable[[], bool] | None) -> None:
         if fn is not None and not callable(fn):
             raise InvalidInputError(f"abort_callback must be a callable or None, got {type(fn).__name__}")
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             self._abort_fn = fn
 
     def _on_abort_poll(self, _data) -> bool:
@@ -872,8 +878,8 @@ class Context(_kv.CResource):
         tokens). The logits are the next-token logits after each sequence's last new token, float32
         arrays of shape (n_vocab,). Atomic: on failure nothing changes (see the module docstring).
         """
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             if not isinstance(batch, Mapping):
                 raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
             # first run every piece of caller code (the mapping's iteration, token iterables), then
@@ -891,7 +897,7 @@ class Context(_kv.CResource):
                 items.append((seq, arr))
             if not items:
                 raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
-            self._check_open()
+            self.check_open()
             plan: list[tuple[int, list[int] | np.ndarray, int]] = []
             entries = []
             seen: set[int] = set()
@@ -934,8 +940,8 @@ class Context(_kv.CResource):
         On a vanilla build this refuses (LlamaError) when the library would abort the process
         (cells in use past n_ctx - n_ubatch and holes to fill: see patches/0003).
         """
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             if not self.patched:
                 pos, seqs = self._read_view()
                 used = seqs[:, 0] >= 0
@@ -954,8 +960,8 @@ class Context(_kv.CResource):
 
     def clear(self) -> None:
         """Empty the cache; every open sequence becomes empty (its id stays reserved)."""
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             assert self._native is not None
             self._native.clear()
             for e in self._table.values():
@@ -972,8 +978,8 @@ class Context(_kv.CResource):
         """(pos, seqs): per cell its position (-1 when free) and the ids of the sequences holding it,
         shape (n_cells, n_seq_max), padded with -1. A pending K-shift is applied first, so positions
         are exact."""
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             self._apply_shifts()
             pos, seqs = self._read_view()
         # the view has a column more, for the spare id, which holds no cell between calls
@@ -982,8 +988,8 @@ class Context(_kv.CResource):
     def kv_cells(self) -> np.ndarray:
         """Per-cell occupancy, int32 (n_cells,): -1 free, -2 shared by several sequences, else the id
         of the one sequence holding the cell."""
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             _, seqs = self._read_view()
         occ = seqs[:, 0].copy()
         shared = (seqs >= 0).sum(axis=1) > 1
@@ -992,8 +998,8 @@ class Context(_kv.CResource):
 
     def kv_stats(self) -> KVStats:
         """Cells, holes, the largest free block, and (patched build) the defrag/retry counters."""
-        with self._critical():
-            self._check_open()
+        with self.critical():
+            self.check_open()
             _, seqs = self._read_view()
             counters = None
             if self.patched:
@@ -1022,8 +1028,9 @@ class Context(_kv.CResource):
         return KVStats(n_cells=n, used_cells=n - n_free, free_cells=n_free, holes=holes,
                        largest_free_block=largest, fragmentation=round(frag, 6), **extra)
 
-    def _shared_in(self, sid: int, lo: int, hi: int) -> bool:
-        """Whether any cell of sequence ``sid`` with position in [lo, hi) is held by another sequence too."""
+    def shared_in(self, sid: int, lo: int, hi: int) -> bool:
+        """Whether any cell of sequence ``sid`` with position in [lo, hi) is held by another sequence too
+        (a tail that cannot be K-shifted in place). Call it inside ``critical()``."""
         self._apply_shifts()
         pos, seqs = self._read_view()
         mine = (seqs == sid).any(axis=1) & (pos >= lo) & (pos < hi)

@@ -3,7 +3,7 @@
 Package interface (used by context.py and sampling.py, not public): ``Model._native`` (the
 :class:`~pyllama_kv._native.kv.NativeModel`, None once closed), ``Model._lib`` (the loaded library),
 ``Model._lock`` (taken after a context's lock, never before), ``Model._contexts`` (the open contexts,
-closed first by :meth:`Model.close`) and ``Model._check_open()``.
+closed first by :meth:`Model.close`); public: ``Model.check_open()``.
 """
 from __future__ import annotations
 
@@ -316,7 +316,8 @@ class Model(_kv.CResource):
         state = "closed" if self.closed else f"{self.desc}, n_vocab={self.n_vocab}, n_layer={self.n_layer}"
         return f"<pyllama_kv.Model {self.path.name}: {state}>"
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """InvalidInputError when the model is closed."""
         if self._native is None:
             raise InvalidInputError("the model is closed")
 
@@ -337,7 +338,7 @@ class Model(_kv.CResource):
             raise InvalidInputError(f"text of {len(data)} bytes is too long to tokenize")
         n_max = len(data) + 8
         with self._lock:
-            self._check_open()
+            self.check_open()
             native = self._native
             assert native is not None
             for _ in range(2):
@@ -381,7 +382,7 @@ class Model(_kv.CResource):
         """The bytes of one token (may be part of a UTF-8 character)."""
         t = self._token_id(token)
         with self._lock:
-            self._check_open()
+            self.check_open()
             native = self._native
             assert native is not None
             n, piece = native.token_to_piece(t, 64, bool(special))
@@ -401,7 +402,7 @@ class Model(_kv.CResource):
         arr = np.ascontiguousarray(arr)
         n_max = max(64, arr.size * 16)
         with self._lock:
-            self._check_open()
+            self.check_open()
             native = self._native
             assert native is not None
             for _ in range(2):
@@ -417,7 +418,7 @@ class Model(_kv.CResource):
         """Whether ``token`` ends generation (EOS, EOT, ...)."""
         t = self._token_id(token)
         with self._lock:
-            self._check_open()
+            self.check_open()
             assert self._native is not None
             return self._native.is_eog(t)
 
@@ -431,7 +432,7 @@ class Model(_kv.CResource):
             raise InvalidInputError("meta key must not contain NUL")
         size = 4096
         with self._lock:
-            self._check_open()
+            self.check_open()
             native = self._native
             assert native is not None
             for _ in range(2):

@@ -57,7 +57,7 @@ class PrefixCache:
                  cache_dir: str | os.PathLike | None = None, cache_dir_mib: int = 1024):
         if not isinstance(ctx, Context):
             raise InvalidInputError(f"PrefixCache needs a pyllama_kv.Context, got {type(ctx).__name__}")
-        ctx._check_open()
+        ctx.check_open()
         if max_sequences is None:
             max_sequences = min(4, ctx.n_seq_max)
         if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) \
@@ -169,7 +169,7 @@ class PrefixCache:
 
     def longest(self, tokens) -> int:
         """How many leading tokens of ``tokens`` an idle cached sequence already holds."""
-        with self.ctx._critical():
+        with self.ctx.critical():
             return self._best(self.ctx.model.check_tokens(tokens))[1]
 
     def fork_prefix(self, tokens):
@@ -179,7 +179,7 @@ class PrefixCache:
         when no sequence id is free; LlamaError when none can be had. The caller restores what it
         can (:meth:`restore_into`) and decodes the rest."""
         ctx = self.ctx
-        with ctx._critical():
+        with ctx.critical():
             toks = ctx.model.check_tokens(tokens)
             if toks.size == 0:
                 raise InvalidInputError("a prompt needs at least one token")
@@ -206,8 +206,8 @@ class PrefixCache:
         context has no room (``make_room()``, if given, is asked to free some first)."""
         if self.tiers is None:
             return 0
-        with self.ctx._critical():
-            self.ctx._own(seq)
+        with self.ctx.critical():
+            self.ctx.check_sequence(seq)
             got = self.tiers.restore_into(seq, tokens, limit, make_room)
             if got:
                 seq.reused_tokens = len(seq)
@@ -219,8 +219,8 @@ class PrefixCache:
     def remember(self, seq) -> bool:
         """Keep a fork of ``seq`` (its current tokens) as an idle cached sequence, if a sequence id
         is free; the caller keeps ``seq``. Returns whether it was kept."""
-        with self.ctx._critical():
-            self.ctx._own(seq)
+        with self.ctx.critical():
+            self.ctx.check_sequence(seq)
             if self.max_sequences == 0 or len(seq) == 0 or not self.ctx.free_sequence_ids:
                 return False
             self._remember(seq.fork())
@@ -229,7 +229,7 @@ class PrefixCache:
     def evict(self, keep_for=None) -> bool:
         """Evict the least recently used idle cached sequence (paged out, then closed; not the best
         match for the tokens ``keep_for``, if given); False when there is none."""
-        with self.ctx._critical():
+        with self.ctx.critical():
             keep = None
             if keep_for is not None and len(keep_for):
                 keep = self._best(self.ctx.model.check_tokens(keep_for))[0]
@@ -245,7 +245,7 @@ class PrefixCache:
     def acquire(self, tokens, remember: bool = True):
         """A new sequence holding ``tokens`` (see the class docstring); the caller owns it."""
         ctx = self.ctx
-        with ctx._critical():
+        with ctx.critical():
             seq, n = self.fork_prefix(tokens)
             toks = ctx.model.check_tokens(tokens)
             keep = self._best(toks)[0]
@@ -266,8 +266,8 @@ class PrefixCache:
 
     def release(self, seq: Sequence, keep: bool = True) -> None:
         """Give a finished sequence back: cached for later prefixes (``keep``) or closed."""
-        with self.ctx._critical():
-            self.ctx._own(seq)
+        with self.ctx.critical():
+            self.ctx.check_sequence(seq)
             if self._idle.get(seq.id) is seq:
                 raise InvalidInputError(f"sequence {seq.id} was already released to the prefix cache")
             if keep and len(seq) > 0:
@@ -278,7 +278,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Close every idle cached sequence and drop the spans in host memory (files in
         ``cache_dir`` stay: they outlive the process by design)."""
-        with self.ctx._critical():
+        with self.ctx.critical():
             for s in list(self._idle.values()):
                 s.close()
             self._idle.clear()

@@ -47,7 +47,7 @@ class Sampler(_kv.CResource):
                  seed: int = 0, min_p: float = _SP.min_p):
         if not isinstance(ctx, Context):
             raise InvalidInputError(f"Sampler needs a pyllama_kv.Context, got {type(ctx).__name__}")
-        ctx._check_open()
+        ctx.check_open()
         if temp is None or top_k is None or top_p is None or min_p is None:
             raise InvalidInputError("temp, top_k, top_p and min_p must be numbers")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
@@ -75,8 +75,8 @@ class Sampler(_kv.CResource):
     def sample(self, seq) -> int:
         """The next token for ``seq`` (see the class docstring)."""
         ctx = self._ctx
-        with ctx._critical():
-            ctx._check_open()
+        with ctx.critical():
+            ctx.check_open()
             if self._native is None:
                 raise InvalidInputError("the sampler is closed")
             logits = ctx._own(seq).logits   # read the context's record (it is the only writer)
@@ -97,7 +97,7 @@ class Sampler(_kv.CResource):
             raise InvalidInputError(f"logits must have shape ({self._n_vocab},), got {arr.shape}")
         if not np.isfinite(arr).any():
             raise InvalidInputError("logits has no finite value")
-        with self._ctx._critical():
+        with self._ctx.critical():
             if self._native is None:
                 raise InvalidInputError("the sampler is closed")
             return self._draw(arr)
@@ -118,7 +118,7 @@ class Sampler(_kv.CResource):
         ctx = getattr(self, "_ctx", None)
         if ctx is None or getattr(self, "_native", None) is None:
             return
-        with ctx._critical():
+        with ctx.critical():
             native = self._native
             if native is not None:
                 self._native = None

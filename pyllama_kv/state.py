@@ -201,6 +201,11 @@ def reorder(data: bytes, p: ParsedState, order: np.ndarray) -> bytes:
     """``data`` with its cells (positions, K rows, V rows or transposed-V columns) permuted by ``order``."""
     c = p.cell_count
     buf = np.frombuffer(data, dtype=np.uint8)
+    order = np.asarray(order, dtype=np.intp)
+    if order.size and order[0] >= 0 and np.array_equal(order, np.arange(order[0], order[0] + order.size)):
+        # consecutive cells (a span of a sequence whose cells are in position order, the common case):
+        # slices instead of a gather, several times faster on a transposed V of 2-byte elements
+        order = slice(int(order[0]), int(order[0]) + order.size)  # type: ignore[assignment]
     out = [data[:p.meta_off], buf[p.meta_off:p.meta_off + 8 * c].reshape(c, 8)[order].tobytes()]
     cur = p.meta_off + 8 * c
     for il, ly in enumerate(p.layout.layers):

@@ -286,8 +286,8 @@ def can_restore(ctx) -> bool:
 def context_layout(ctx) -> _state.Layout:
     """The layout of the context's sequence states (cache types, row sizes, V layout), read from its
     spare sequence, which holds no cells."""
-    with ctx._critical():
-        ctx._check_open()
+    with ctx.critical():
+        ctx.check_open()
         return _state.context_layout(ctx._read_seq_state(ctx._spare_id), ctx.type_k, ctx.type_v)
 
 

@@ -131,3 +131,20 @@ def test_bench_server():
     assert d["targets"]["patched_no_errors"] is True
     for k in ("patched/llama-server", "vanilla/llama-server"):
         assert all(v > 0 for v in d["ratios"][k].values())
+
+
+def test_bench_chat_load():
+    """The many-chats load over HTTP: ours with the tier and llama-server at the pin (the current one
+    needs `build --peer`, 18 minutes: the benchmark, not the suite, builds it)."""
+    r = run_py(["scripts/bench_chat_load.py", "--quick", "--json", "--only", "ours,pin"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout)
+    _machine(d)
+    s = d["settings"]
+    assert d["benchmark"] == "chat-load" and [row["server"] for row in d["rows"]] == ["ours", "pin"]
+    for row in d["rows"]:
+        assert row["errors"] == 0 and row["requests"] == s["conversations"] * s["turns"], row
+        assert row["completion_tokens"] > 0 and row["peak_rss_mib"] > 0, row
+        assert row["prompt_evaluated"] + row["prompt_cached"] == row["prompt_tokens"] > 0, row
+        assert 0 < row["later_ttft_p50_s"] <= row["later_ttft_p95_s"], row
+    assert set(d["ratios"]) == {"ours/pin"} and all(v > 0 for v in d["ratios"]["ours/pin"].values())

@@ -227,9 +227,9 @@ class ContextKV(PrefixPolicy):
         if not self.can_shift:
             return False
         ctx = self.ctx
-        with ctx._critical():
+        with ctx.critical():
             end = n_keep + n_discard
-            if end < len(seq) and ctx._shared_in(seq.id, end, len(seq)):
+            if end < len(seq) and ctx.shared_in(seq.id, end, len(seq)):
                 return False   # copy-on-write: the engine re-evaluates the tail into cells of its own
             seq.remove(n_keep, end)
         return True
