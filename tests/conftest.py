@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,13 @@ from pyllama_kv.tools.gguf import make_tiny_model  # noqa: E402
 
 # an abort in a subprocess should not run gdb for a backtrace
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+
+# a suite started in the background by a shell without job control (`make test &`) inherits SIGINT
+# ignored, and so would every command the tests start and then interrupt with Ctrl-C: a Python that
+# starts with SIGINT ignored never raises KeyboardInterrupt. Give the suite Python's handler back
+# (reset to the default in the commands it starts).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _builds() -> dict:
