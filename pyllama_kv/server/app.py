@@ -326,8 +326,11 @@ class Server:
 
     def _remember(self, req: GenRequest, comps) -> None:
         """Keep each chat answer whose cells the cache holds as it was generated (finished by eos or
-        length, the prompt neither truncated nor shifted) for the chat's next turn (Transcripts)."""
-        if req.rendered is None or req.prompt_ids is None:
+        length, the prompt neither truncated nor shifted) for the chat's next turn (Transcripts). Not
+        an answer a grammar shaped (response_format, tools): forced tokens are often not the ones
+        tokenizing its text gives, and the model reads such a history worse (SmolLM2 called a tool
+        again instead of answering its result), so those are tokenized as text next turn."""
+        if req.rendered is None or req.prompt_ids is None or req.grammar is not None:
             return
         for c in comps:
             if (c.finish_reason in ("eos", "length") and c.tokens
