@@ -226,9 +226,10 @@ class Transcripts:
         """Keep ``text`` + ``answer`` with ``tokens`` + ``answer_tokens`` (the rendering a request was
         tokenized from and its tokens; an answer whose tokens the cache holds, i.e. one that finished
         by ``eos`` or ``length``, its text exactly their pieces). Returns whether it was kept."""
-        m = self.model
+        from .chat import _special_text
+
         answer_tokens = [int(t) for t in answer_tokens]
-        if not answer_tokens or any(m.token_to_piece(t) != m.token_to_piece(t, special=True) for t in answer_tokens):
+        if not answer_tokens or any(_special_text(self.model, t) is not None for t in answer_tokens):
             return False   # a control token in the answer (or nothing to keep)
         key = str.__str__(text) + answer
         if len(key) > self.max_chars:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from .. import _paths
 from .._download import Log, stderr_log as _stderr
 from ..errors import HarnessError
 from . import vendor as _vendor
+from .build import _run_logged
 
 TARGET = "llama-server"
 CMAKE_FLAGS = [
@@ -101,11 +101,11 @@ def build_peer(jobs: int | None = None, force: bool = False, root: Path | None =
     log(f"building the peer's {TARGET} (llama.cpp {pin.revision}, {pin.package}=={pin.version}) "
         f"with {jobs} job(s); log: {log_path}")
     with open(log_path, "w") as lf:
-        for cmd in (["cmake", "-S", str(src), "-B", str(bdir), *CMAKE_FLAGS],
-                    ["cmake", "--build", str(bdir), "--config", "Release", "-j", str(jobs), "--target", TARGET]):
-            lf.write(f"$ {' '.join(cmd)}\n")
-            lf.flush()
-            rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode
+        for cmd, progress in ((["cmake", "-S", str(src), "-B", str(bdir), *CMAKE_FLAGS], False),
+                              (["cmake", "--build", str(bdir), "--config", "Release", "-j", str(jobs),
+                                "--target", TARGET], True)):
+            # build's runner: the log file, and progress for the long part (about 18 minutes on 2 cores)
+            rc = _run_logged(cmd, lf, "peer", log, progress=progress)
             if rc != 0:
                 tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
                 raise PeerError(f"the peer build failed (exit {rc}); last lines of {log_path}:\n{tail}")
