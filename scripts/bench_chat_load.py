@@ -54,6 +54,7 @@ from bench_server import (  # noqa: E402
     llama_server_path,
     one_request,
     percentile,
+    prompt_reused,
     pyllama_kv_cmd,
     run_load,
 )
@@ -143,12 +144,7 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         return None if v is None else round(v, 3)
 
     prompt = sum(r["prompt_tokens"] or 0 for r in ok)
-    if ok and all(r["cached_tokens"] is not None for r in ok):
-        cached = sum(r["cached_tokens"] for r in ok)
-    elif ok and all(r["prompt_n"] is not None for r in ok):
-        cached = prompt - sum(r["prompt_n"] for r in ok)
-    else:
-        cached = None
+    cached, _ = prompt_reused(ok)
     completion = sum(r["completion_tokens"] if r["completion_tokens"] is not None else r["chunks"] for r in ok)
     return {
         "server": name, "requests": len(allr), "errors": len(allr) - len(ok),

@@ -266,6 +266,17 @@ def run_load(url: str, model_name: str, requests: list[list[dict]], clients: int
     return [r for r in results if r is not None], wall
 
 
+def prompt_reused(ok: list[dict]) -> tuple[int | None, str | None]:
+    """Prompt tokens the server served from its cache over the successful requests ``ok``, and where
+    that was read: our usage.prompt_tokens_details.cached_tokens, or llama-server's timings.prompt_n
+    (tokens evaluated); (None, None) when neither is there for every request."""
+    if ok and all(r["cached_tokens"] is not None for r in ok):
+        return sum(r["cached_tokens"] for r in ok), "usage.prompt_tokens_details.cached_tokens"
+    if ok and all(r["prompt_n"] is not None for r in ok):
+        return sum(r["prompt_tokens"] or 0 for r in ok) - sum(r["prompt_n"] for r in ok), "timings.prompt_n"
+    return None, None
+
+
 def summarize(name: str, results: list[dict], wall: float, before: dict, after: dict) -> dict:
     ok = [r for r in results if r["error"] is None]
     completion = sum((r["completion_tokens"] if r["completion_tokens"] is not None else r["chunks"]) for r in ok)
@@ -275,12 +286,7 @@ def summarize(name: str, results: list[dict], wall: float, before: dict, after: 
         v = percentile(xs, q)
         return None if v is None else round(v, 3)
 
-    if ok and all(r["cached_tokens"] is not None for r in ok):
-        reused, source = sum(r["cached_tokens"] for r in ok), "usage.prompt_tokens_details.cached_tokens"
-    elif ok and all(r["prompt_n"] is not None for r in ok):
-        reused, source = prompt - sum(r["prompt_n"] for r in ok), "timings.prompt_n"
-    else:
-        reused, source = None, None
+    reused, source = prompt_reused(ok)
     delta = {k: round(after[k] - before.get(k, 0.0), 3) for k in sorted(after)
              if any(w in k for w in ("prompt_tokens", "tokens_predicted", "slot_failures", "slot_retries", "defrag"))
              and "seconds" not in k and not k.endswith("_created")}
