@@ -24,7 +24,8 @@ turns, prompt tokens sent / evaluated / served from cache (usage.prompt_tokens_d
 or llama-server's timings.prompt_n), the server process's peak RSS (VmHWM) and its growth over the
 load (from VmRSS after a warm-up request: what the caches took), our host tier's bytes at the end,
 errors; then the ratios of ours to each llama-server. Ratios are of runs made one after another
-here, so only they compare.
+here, so only they compare; a run with request errors compares with nothing: its comparisons have
+no ratio (listed under "ratios_refused", with the errors, on stderr too) and the exit status is 1.
 
     .venv/bin/python scripts/bench_chat_load.py [--quick] [--only ours,ours-no-tier,pin,current] ...
 """
@@ -163,6 +164,42 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
     }
 
 
+REFERENCES = ("pin", "current", "ours-no-tier")
+
+
+def _failures(row: dict) -> str | None:
+    """Why a run's figures compare with nothing (request errors, or it did not start); None if none."""
+    if row.get("started") is False or row.get("errors"):
+        return f"{row['server']} had {row.get('errors')} request errors: {row.get('error_samples')}"
+    return None
+
+
+def ratios(rows: list[dict]) -> tuple[dict, dict[str, list[str]]]:
+    """The ratios of ours to each reference run, and the comparisons refused (name: why). A run with
+    request errors compares with nothing: its figures are of fewer (or failed) requests than the
+    other's, so a ratio would say something about the errors, not the servers."""
+    by = {r["server"]: r for r in rows}
+    out: dict = {}
+    refused: dict[str, list[str]] = {}
+    a = by.get("ours")
+    for ref in REFERENCES:
+        b = by.get(ref)
+        if not a or not b:
+            continue
+        why = [w for w in (_failures(a), _failures(b)) if w]
+        if why:
+            refused[f"ours/{ref}"] = why
+            continue
+        if a.get("wall_s") and b.get("wall_s") and a.get("completion_tps") and b.get("completion_tps"):
+            out[f"ours/{ref}"] = {
+                "completion_tps": round(a["completion_tps"] / b["completion_tps"], 3),
+                "later_ttft_p95": (round(a["later_ttft_p95_s"] / b["later_ttft_p95_s"], 3)
+                                   if a.get("later_ttft_p95_s") and b.get("later_ttft_p95_s") else None),
+                "wall": round(a["wall_s"] / b["wall_s"], 3),
+            }
+    return out, refused
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"catalogue name or GGUF path (default {DEFAULT_MODEL})")
@@ -218,20 +255,13 @@ def main(argv=None) -> int:
             out["rows"].append(row)
             print(f"{name}: {json.dumps({k: row.get(k) for k in ('wall_s', 'completion_tps', 'later_ttft_p95_s', 'prompt_evaluated', 'prompt_cached', 'peak_rss_mib', 'errors')})}",  # noqa: E501
                   file=sys.stderr)
-    by = {r["server"]: r for r in out["rows"]}
-    ratios = {}
-    for ref in ("pin", "current", "ours-no-tier"):
-        a, b = by.get("ours"), by.get(ref)
-        if a and b and a.get("wall_s") and b.get("wall_s"):
-            ratios[f"ours/{ref}"] = {
-                "completion_tps": round(a["completion_tps"] / b["completion_tps"], 3),
-                "later_ttft_p95": (round(a["later_ttft_p95_s"] / b["later_ttft_p95_s"], 3)
-                                   if a.get("later_ttft_p95_s") and b.get("later_ttft_p95_s") else None),
-                "wall": round(a["wall_s"] / b["wall_s"], 3),
-            }
-    out["ratios"] = ratios
+    out["ratios"], refused = ratios(out["rows"])
+    if refused:
+        out["ratios_refused"] = refused
     print(json.dumps(out, indent=None if args.json else 2))
-    return 0
+    for name, why in refused.items():
+        print(f"{name}: no ratio, {'; '.join(why)}", file=sys.stderr)
+    return 1 if refused else 0
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 shape and for correctness figures (failures, holes), never for speed."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 from test_defrag_paths import gather_nodes
 
-from conftest import run_py
+from conftest import ROOT, run_py
 
 
 def _run(script: str) -> dict:
@@ -148,3 +149,29 @@ def test_bench_chat_load():
         assert row["prompt_evaluated"] + row["prompt_cached"] == row["prompt_tokens"] > 0, row
         assert 0 < row["later_ttft_p50_s"] <= row["later_ttft_p95_s"], row
     assert set(d["ratios"]) == {"ours/pin"} and all(v > 0 for v in d["ratios"]["ours/pin"].values())
+
+
+def test_bench_chat_load_gives_no_ratio_for_a_run_with_errors():
+    """A run with request errors compares with nothing: no ratio (its figures are of fewer or failed
+    requests), the comparison listed as refused with the errors; the others still compare."""
+    spec = importlib.util.spec_from_file_location("bench_chat_load", ROOT / "scripts" / "bench_chat_load.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(server, errors=0, **kw):
+        return {"server": server, "errors": errors, "error_samples": ["HTTP 500"] if errors else [],
+                "wall_s": 10.0, "completion_tps": 5.0, "later_ttft_p95_s": 0.5, **kw}
+
+    ok = [row("ours", completion_tps=10.0), row("pin"), row("ours-no-tier", wall_s=20.0)]
+    r, refused = bench.ratios(ok)
+    assert refused == {} and set(r) == {"ours/pin", "ours/ours-no-tier"}
+    assert r["ours/pin"] == {"completion_tps": 2.0, "later_ttft_p95": 1.0, "wall": 1.0}
+    # errors on the reference's side: that comparison alone is refused
+    r, refused = bench.ratios([row("ours"), row("pin", errors=3), row("ours-no-tier")])
+    assert set(r) == {"ours/ours-no-tier"} and set(refused) == {"ours/pin"}
+    assert "pin had 3 request errors" in refused["ours/pin"][0] and "HTTP 500" in refused["ours/pin"][0]
+    # errors on ours: every comparison is refused; a server that did not start is refused too
+    r, refused = bench.ratios([row("ours", errors=1), row("pin"),
+                               {"server": "current", "errors": 10, "started": False, "error_samples": ["x"]}])
+    assert r == {} and set(refused) == {"ours/pin", "ours/current"}
