@@ -192,6 +192,7 @@ class _Pool:
         self.live = 0
         self.pid = os.getpid()
         self.started = 0      # workers started (for tests and measurements)
+        self.killed = 0       # workers killed after a rendering (time limit, or died) (likewise)
 
     def _forked(self) -> None:
         # in a forked child the parent's workers are not ours: forget them (their pipes are shared)
@@ -227,6 +228,8 @@ class _Pool:
         if not reuse:
             w.kill()
         with self.cond:
+            if not reuse:
+                self.killed += 1
             if reuse and w.alive() and os.getpid() == self.pid:
                 self.idle.append(w)
             else:

@@ -119,12 +119,17 @@ class _Cache:
         self.lock = threading.Lock()
         self.data: collections.OrderedDict[bytes, tuple[str, str]] = collections.OrderedDict()
         self.size = 0
+        self.hits = 0     # renderings answered from the cache (for tests and measurements)
+        self.misses = 0   # renderings that went to the renderer (a worker, or inline)
 
     def get(self, key: bytes) -> tuple[str, str] | None:
         with self.lock:
             v = self.data.get(key)
             if v is not None:
                 self.data.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
             return v
 
     def put(self, key: bytes, value: tuple[str, str]) -> None:
