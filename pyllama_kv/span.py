@@ -28,6 +28,13 @@ from . import state as _state
 from .errors import InvalidInputError
 
 
+def shared_prefix(a, b) -> int:
+    """How many leading tokens ``a`` and ``b`` (sequences or arrays of token ids) have in common."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
+    return int(diff[0]) if diff.size else m
+
+
 @dataclass(frozen=True, eq=False)
 class Span:
     """The cells of one sequence over positions ``[start, start + len(tokens))``: see the module

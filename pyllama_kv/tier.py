@@ -17,7 +17,9 @@ nodes are a few percent more in Python objects).
 
 With a ``cache_dir`` (:mod:`pyllama_kv.spanfile`), a span leaving host memory (evicted for the
 budget, or too large to store) is written to a file first, and a prompt that the trie cannot
-continue asks the directory: a span found there is checked, restored, and put back in the trie.
+continue asks the directory, whose index is a token trie of the files' tokens walked the same way:
+a file that shares any prefix with the prompt beyond what the sequence holds serves it, cut where
+the prompt leaves it; the span is checked, restored, and put back in the trie.
 
 The tiers need the patched library (restoring a span adds cells to a sequence that keeps its own);
 on the vanilla one they are off and evicted prefixes are dropped (``TierStats.off_reason`` says why).
@@ -28,19 +30,10 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from . import state as _state
 from .errors import InvalidInputError, KVCacheFullError, LlamaError
-from .span import Span
+from .span import Span, shared_prefix
 from .spanfile import SpanDir
-
-
-def shared_prefix(a, b) -> int:
-    """How many leading tokens ``a`` and ``b`` (sequences of token ids) have in common."""
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
-    return int(diff[0]) if diff.size else m
 
 
 @dataclass
@@ -394,9 +387,14 @@ class Tiers:
         self.trie.insert(tokens, cut)
         st.paged_out_tokens, st.paged_out_bytes, st.page_outs = before
 
-    def matched(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` host memory holds."""
-        return self.trie.matched(tokens)
+    def matched(self, tokens: Sequence[int], held: int = 0) -> int:
+        """How many leading ``tokens`` a sequence holding ``tokens[:held]`` (an idle cached prefix's
+        cells) could have from the tiers: host memory's, then the files' that continue it (by the
+        directory's index as it is: no file is read or touched)."""
+        pos = max(held, self.trie.matched(tokens))
+        if self.disk is not None:
+            pos = self.disk.covered(tokens, pos, touch=False, sync=False)
+        return pos
 
     def clear(self) -> None:
         """Drop the spans in host memory (files stay)."""

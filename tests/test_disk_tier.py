@@ -43,14 +43,20 @@ def files(d: Path) -> list[Path]:
 def page_to_disk(model, cache_dir, tokens) -> bytes:
     """Evaluate ``tokens`` in a context of its own and page them out to ``cache_dir`` (no host
     memory); returns the K/V bytes of their cells as evaluated."""
+    return page_span_to_disk(model, cache_dir, tokens).data
+
+
+def page_span_to_disk(model, cache_dir, tokens, writes: int = 1) -> pk.Span:
+    """:func:`page_to_disk`, returning the Span of the cells as evaluated; ``writes``: the files
+    the page-out should write (0: files hold it already)."""
     with new_ctx(model) as ctx:
         pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=cache_dir)
         s = pc.acquire(tokens)
-        want = s.snapshot().data
+        want = s.snapshot()
         pc.release(s)
         assert pc.evict() and len(pc) == 0
         st = pc.tier_stats()
-        assert st["disk_writes"] == 1 and st["host_bytes"] == 0 and st["disk_tokens"] >= len(tokens)
+        assert st["disk_writes"] == writes and st["host_bytes"] == 0 and st["disk_tokens"] >= len(tokens)
         return want
 
 
@@ -239,3 +245,473 @@ def test_the_engine_pages_out_to_disk_and_a_new_engine_restores_from_it(model, t
         st = eng.kv.tier_stats()
         assert evaluated <= 12 and st["disk_hits"] >= 1 and st["disk_restored_tokens"] >= 120
         assert got == want
+
+
+# -- any prefix of a stored span (issue 30, item 5) ------------------------------------------------
+
+
+def other_token(t: int) -> int:
+    """A token id of the tiny model's vocabulary other than ``t``."""
+    return 3 + (t - 3 + 1) % 597
+
+
+def test_a_prompt_sharing_only_a_prefix_of_a_disk_span_restores_that_prefix(model, tmp_path):
+    """A file holds [0, 200); prompts that share only its first k tokens (the same document with
+    another question) restore exactly those k from it, byte-exact, with the fresh logits (F32)."""
+    a = toks(200, seed=11)
+    span = page_span_to_disk(model, tmp_path, a)
+    with new_ctx(model) as ctx:
+        pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=tmp_path)
+        st = pc.tier_info
+        hits = restored = 0
+        for k in (1, 57, 120, 199):
+            prompt = a[:k] + [other_token(a[k])] + toks(5, seed=k)
+            s = pc.acquire(prompt, remember=False)
+            hits, restored = hits + 1, restored + k
+            assert s.reused_tokens == k and pc.last_reused_tokens == k
+            assert st.disk_hits == hits and st.disk_restored_tokens == restored and st.restored_tokens == restored
+            assert st.evaluated_tokens == sum(len(a[:j]) + 6 for j in (1, 57, 120, 199) if j <= k) - restored
+            assert s.snapshot(0, k).data == span.split(k)[0].data       # the cut is byte-exact
+            np.testing.assert_allclose(s.logits(), fresh_logits(model, prompt), atol=ATOL)
+            s.close()
+        # a prompt that ends inside the span: all but its last token restored (one is evaluated)
+        s = pc.acquire(a[:80], remember=False)
+        assert s.reused_tokens == 79 and st.disk_hits == hits + 1
+        np.testing.assert_allclose(s.logits(), fresh_logits(model, a[:80]), atol=ATOL)
+        s.close()
+        # a prompt that shares nothing: a miss
+        misses = st.disk_misses
+        s = pc.acquire([other_token(a[0])] + a[1:50], remember=False)
+        assert s.reused_tokens == 0 and st.disk_misses == misses + 1 and st.disk_corrupt == 0
+        s.close()
+    assert len(files(tmp_path)) == 1, "nothing was refused or deleted"
+
+
+def test_a_span_file_after_its_start_serves_a_prefix_of_its_own(model, tmp_path):
+    """Files [0, 150) and [150, 190) (a later turn): a prompt that shares 170 tokens restores
+    [0, 150) whole and [150, 170) cut from the second file, and goes on from there."""
+    a = toks(150, seed=12)
+    page_span_to_disk(model, tmp_path, a)
+    b = a + toks(40, seed=13)
+    span = page_span_to_disk(model, tmp_path, b)
+    assert sorted(tuple(int(x) for x in f.name.split("-")[1:3]) for f in files(tmp_path)) == [(0, 150), (150, 190)]
+    with new_ctx(model) as ctx:
+        pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=tmp_path)
+        prompt = b[:170] + [other_token(b[170])] + [5, 6]
+        s = pc.acquire(prompt, remember=False)
+        st = pc.tier_info
+        assert s.reused_tokens == 170 and st.disk_hits == 2 and st.disk_restored_tokens == 170
+        assert s.snapshot(0, 170).data == span.split(170)[0].data
+        np.testing.assert_allclose(s.logits(), fresh_logits(model, prompt), atol=ATOL)
+        # a sequence that holds [0, 160) already: the second file serves [160, 185) only
+        seq = ctx.new_sequence()
+        seq.extend(b[:160])
+        assert pc.restore_into(seq, b, 185) == 25 and seq.tokens == b[:185]
+        assert seq.snapshot(160, 185).data == span.split(160)[1].split(185)[0].data
+
+
+def test_a_prefix_of_a_stored_span_is_not_written_again(model, tmp_path):
+    """Store-once holds for prefixes of files: a prompt that files hold a prefix of writes only the
+    part they lack, and one they hold whole writes nothing."""
+    a = toks(200, seed=14)
+    page_span_to_disk(model, tmp_path, a)
+    page_span_to_disk(model, tmp_path, a[:120], writes=0)   # a prefix of the file: nothing written
+    b = a[:120] + toks(30, seed=15)
+    page_span_to_disk(model, tmp_path, b)   # only [120, 150) is written: the file holds [0, 120)
+    assert sorted(tuple(int(x) for x in f.name.split("-")[1:3]) for f in files(tmp_path)) == [(0, 200), (120, 150)]
+    with new_ctx(model) as ctx:
+        pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=tmp_path)
+        s = pc.acquire(b + [9], remember=False)
+        assert s.reused_tokens == 150 and pc.tier_info.disk_hits == 2
+        np.testing.assert_allclose(s.logits(), fresh_logits(model, b + [9]), atol=ATOL)
+
+
+def test_the_token_index_finds_what_a_brute_force_finds():
+    """spanfile.TokenIndex against every file compared with the prompt, through random adds and
+    removes of files that share prefixes (a small vocabulary: many branch points)."""
+    from pyllama_kv.span import shared_prefix
+    from pyllama_kv.spanfile import TokenIndex, _File
+
+    rng = np.random.default_rng(0)
+    idx, held = TokenIndex(), {}
+    pool = [rng.integers(0, 3, 40).astype(np.int32) for _ in range(6)]
+    for step in range(600):
+        if held and rng.random() < 0.35:
+            name = sorted(held)[rng.integers(len(held))]
+            idx.remove(name)
+            del held[name]
+        else:
+            base = pool[rng.integers(len(pool))]
+            end = int(rng.integers(1, 41))
+            toks_ = base[:end].copy()
+            if rng.random() < 0.3:
+                toks_[rng.integers(end)] = rng.integers(0, 3)
+            start = int(rng.integers(0, end))
+            f = _File(f"f{step}", start, end, b"", int(rng.integers(1, 100)))
+            idx.add(f, toks_)
+            held[f.name] = (f, toks_)
+        assert len(idx) == len(held)
+        prompt = pool[rng.integers(len(pool))][:int(rng.integers(1, 41))].tolist()
+        pos, limit = int(rng.integers(0, len(prompt))), int(rng.integers(1, len(prompt) + 1))
+        want = max((min(shared_prefix(t, prompt), limit) for f, t in held.values()
+                    if f.start <= pos < min(shared_prefix(t, prompt), limit)), default=0)
+        got = idx.candidates(prompt, pos, limit)
+        assert (got[0][0] if got else 0) == want
+        for k, f in got:
+            t = held[f.name][1]
+            assert k == want and f.start <= pos and min(shared_prefix(t, prompt), limit) == k
+    for name in list(held):
+        idx.remove(name)
+    assert not idx.root.children and idx.root.min_start > 1 << 40
+
+
+def test_an_engine_restores_the_system_prompt_of_a_paged_out_conversation(model, tmp_path):
+    """An engine pages a conversation (a system prompt, a question, its answer) out to disk; a later
+    engine on the same cache_dir gets another question under the same system prompt: the file
+    serves the system prompt (and nothing more), counted as a disk hit and reused tokens, and the
+    answer is what an engine without the cache gives (F32)."""
+    from pyllama_kv.engine import GREEDY, Engine
+    from pyllama_kv.span import shared_prefix
+
+    def ask(eng, prompt):
+        h = eng.submit(prompt, GREEDY, max_tokens=8)
+        eng.run_until_idle()
+        return h.result()[0].tokens, h.usage.reused_tokens
+
+    system = toks(100, seed=21)
+    first = system + toks(30, seed=22)
+    cfg = EngineConfig(n_ctx=512, parallel=1, prefix_cache=2, cache_ram=0, cache_dir=tmp_path, **F32)
+    with Engine(model, cfg) as eng:
+        answer, _ = ask(eng, first)
+        for i in range(4):   # more than the cache holds: the conversation is paged out to disk
+            ask(eng, toks(150, seed=30 + i))
+        assert eng.kv.tier_stats()["disk_writes"] >= 1
+    second = system + toks(20, seed=23)
+    n = shared_prefix(first + answer, second)
+    assert 100 <= n < 110
+    with Engine(model, EngineConfig(n_ctx=512, parallel=1, prefix_cache=2, cache_ram=0, **F32)) as eng:
+        want, reused = ask(eng, second)
+        assert reused == 0
+    with Engine(model, cfg) as eng:
+        got, reused = ask(eng, second)
+        st = eng.kv.tier_stats()
+        assert reused == n and st["disk_hits"] == 1 and st["disk_restored_tokens"] == n
+        assert eng.stats.as_dict()["prefix_tier"]["disk_hits"] == 1 and eng.stats.reused_tokens == n
+        assert got == want
+
+
+class _Server:
+    """`pyllama-kv serve MODEL ARGS --port 0` on 127.0.0.1 in a subprocess (the OS picks a free port,
+    the startup line says which): waited for with bounded loops, stopped by :meth:`stop`."""
+
+    def __init__(self, model, *args: str, timeout: float = 120.0):
+        import re
+        import subprocess
+        import sys
+        import threading
+        import time
+
+        import httpx
+
+        from conftest import ENTRY_POINT, ROOT
+
+        cmd = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "pyllama_kv.cli.main"]
+        env = dict(os.environ, GGML_NO_BACKTRACE="1")
+        env.pop("PYLLAMA_KV_API_KEY", None)
+        self.proc = subprocess.Popen([*cmd, "serve", str(model), "--host", "127.0.0.1", "--port", "0", "-t", "2",
+                                      *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=env, cwd=ROOT)
+        self.lines: list[str] = []
+        self.root = ""
+        found = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+                if m and not found.is_set():
+                    self.root = m.group(1)
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            assert found.wait(timeout), "the server printed no URL:\n" + "".join(self.lines)
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    if httpx.get(self.root + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline and self.proc.poll() is None, \
+                    "the server did not become healthy:\n" + "".join(self.lines)
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+
+        r = httpx.get(self.root + "/metrics", timeout=10)
+        assert r.status_code == 200, r.text
+        return {name: float(v) for name, v in (line.rsplit(" ", 1) for line in r.text.splitlines()
+                                                if line and not line.startswith("#"))}
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def test_metrics_show_the_disk_counters_after_a_disk_hit(tiny_model, model, tmp_path):
+    """Through the HTTP server: a completion whose prompt shares the first 90 tokens of a span file
+    restores them (cached_tokens), and /metrics says so in pyllama_kv_prefix_disk_*."""
+    import httpx
+
+    a = toks(160, seed=41)
+    page_to_disk(model, tmp_path, a)
+    size = files(tmp_path)[0].stat().st_size
+    server = _Server(tiny_model, "--type-k", "f32", "--type-v", "f32", "--ctx", "512", "--cache-ram", "0",
+                     "--cache-dir", str(tmp_path), "--cache-dir-mib", "8")
+    try:
+        m = server.metrics()
+        assert m["pyllama_kv_prefix_disk_files"] == 1 and m["pyllama_kv_prefix_disk_bytes"] == size
+        assert m["pyllama_kv_prefix_disk_tokens"] == 160 and m["pyllama_kv_prefix_disk_budget_bytes"] == 8 << 20
+        assert m["pyllama_kv_prefix_disk_hits_total"] == 0
+        prompt = a[:90] + [other_token(a[90])] + toks(4, seed=42)
+        r = httpx.post(server.root + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                              "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == 95 and usage["prompt_tokens_details"]["cached_tokens"] == 90
+        m = server.metrics()
+        assert m["pyllama_kv_prefix_disk_hits_total"] == 1
+        assert m["pyllama_kv_prefix_disk_restored_tokens_total"] == 90
+        assert m["pyllama_kv_prefix_restored_tokens_total"] == 90
+        assert m["pyllama_kv_prefix_disk_misses_total"] == 0 and m["pyllama_kv_prefix_disk_corrupt_total"] == 0
+        for name in ("writes", "written_bytes", "write_errors", "evictions", "not_stored"):
+            assert f"pyllama_kv_prefix_disk_{name}_total" in m
+    finally:
+        server.stop()
+
+
+def test_chat_stats_show_the_tiers(real_model, tmp_path):
+    """`pyllama-kv chat --json`'s /stats has the tiers' counters, the disk's included."""
+    import json
+
+    from conftest import run_cli
+
+    r = run_cli(["chat", str(real_model), "--json", "-n", "4", "--temp", "0", "--cache-dir", str(tmp_path / "d"),
+                 "--cache-dir-mib", "3"], input="Hi\n/stats\n")
+    assert r.returncode == 0, r.stderr
+    stats = [json.loads(ln) for ln in r.stdout.splitlines()][-1]["stats"]["prefix_tier"]
+    assert stats["enabled"] and stats["disk_budget_bytes"] == 3 << 20
+    for key in ("disk_writes", "disk_hits", "disk_misses", "disk_corrupt", "disk_evicted_files", "disk_bytes",
+                "disk_files", "restored_tokens"):
+        assert key in stats
+
+
+# -- processes killed, and processes that share a directory ----------------------------------------
+
+_CHILD = r"""
+import json, os, signal, sys
+import numpy as np
+import pyllama_kv as pk
+from pyllama_kv import spanfile
+
+model_path, cache_dir, convs_path, kill_at, rounds, mib = sys.argv[1:7]
+kill_at, rounds, mib = int(kill_at), int(rounds), int(mib)
+convs = json.load(open(convs_path))
+writes = 0
+_open = open
+
+
+class Torn:
+    # a span file whose write stops half-way: the process is killed there (SIGKILL: nothing runs after)
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def write(self, b):
+        self.f.write(b[:len(b) // 2])
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killing_open(path, mode="r", *args, **kw):
+    global writes
+    f = _open(path, mode, *args, **kw)
+    if "x" in mode:
+        writes += 1
+        if writes == kill_at:
+            return Torn(f)
+    return f
+
+
+spanfile.open = killing_open
+results = []
+with pk.Model(model_path) as m, m.context(n_ctx=512, n_seq_max=4, type_k="f32", type_v="f32") as ctx:
+    pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=cache_dir, cache_dir_mib=mib)
+    for r in range(rounds):
+        for i, conv in enumerate(convs):
+            prompt = conv + [7]
+            s = pc.acquire(prompt)   # restored from files (ours or the other process's) as far as they go
+            n, ok = s.reused_tokens, True
+            if n:
+                with m.context(n_ctx=512, n_seq_max=1, type_k="f32", type_v="f32") as c:
+                    ok = bool(np.allclose(s.logits(), c.new_sequence().extend(prompt), atol=1e-4))
+            s.close()
+            pc.evict()   # the prompt is paged out: the files get what they lack of it
+            results.append([i, n, ok])
+            print("step", r, i, flush=True)
+    print(json.dumps({"results": results, "stats": pc.tier_stats()}), flush=True)
+"""
+
+
+def _child(model_path, cache_dir, convs, tmp_path, kill_at=0, rounds=1, mib=1024, tag="c"):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    convs_path = tmp_path / f"convs-{tag}.json"
+    convs_path.write_text(json.dumps(convs))
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(model_path), str(cache_dir), str(convs_path),
+                             str(kill_at), str(rounds), str(mib)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+
+
+def _check_restores(model, cache_dir, convs) -> list[int]:
+    """A new PrefixCache on ``cache_dir`` asks for every conversation: each is a miss or an exact
+    restore (the fresh logits, F32), and no file under a span's name is refused. The restored counts."""
+    got = []
+    with new_ctx(model) as ctx:
+        pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=cache_dir)
+        for conv in convs:
+            prompt = conv + [7]
+            s = pc.acquire(prompt, remember=False)
+            if s.reused_tokens:
+                np.testing.assert_allclose(s.logits(), fresh_logits(model, prompt), atol=ATOL)
+            got.append(s.reused_tokens)
+            s.close()
+        assert pc.tier_info.disk_corrupt == 0, "a torn or foreign file under a span's name"
+    return got
+
+
+SYSTEM_N = 100
+
+
+def _convs(n: int, seed: int, tail: int = 40) -> list[list[int]]:
+    system = toks(SYSTEM_N, seed=51)
+    return [system + toks(tail + 10 * i, seed=seed + i) for i in range(n)]
+
+
+@pytest.mark.parametrize("kill_at", [1, 4, "outside"])
+def test_a_process_killed_while_writing_leaves_only_misses_or_exact_restores(tiny_model, model, tmp_path, kill_at):
+    """A process paging conversations out is SIGKILLed: half-way through writing its first or fourth
+    span file, or from outside at some moment of a loop that writes, reads and evaluates. A new cache
+    on the directory gets, for every conversation, a miss or an exact restore; no torn file."""
+    import signal
+    import time
+
+    convs = _convs(6, seed=60)
+    cache_dir = tmp_path / "cache"
+    if kill_at == "outside":
+        p = _child(tiny_model, cache_dir, convs, tmp_path, rounds=1000)
+        try:
+            assert p.stdout is not None
+            for _ in range(3 + int(np.random.default_rng().integers(0, 12))):   # 3..14 steps in, at random
+                assert p.stdout.readline().startswith("step"), p.stderr.read() if p.stderr else ""
+            time.sleep(float(np.random.default_rng().random()) * 0.02)
+            p.send_signal(signal.SIGKILL)
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=60)
+    else:
+        p = _child(tiny_model, cache_dir, convs, tmp_path, kill_at=kill_at)
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == -signal.SIGKILL, err
+        # it died half-way through a write: its temporary file is there, under no span's name
+        assert [f for f in os.listdir(cache_dir) if ".tmp-" in f], os.listdir(cache_dir)
+        assert len(files(cache_dir)) == kill_at - 1
+    got = _check_restores(model, cache_dir, convs)
+    for conv, n in zip(convs, got):
+        assert n in (0, SYSTEM_N, len(conv)), got
+    if kill_at == 4:   # three files were written whole: three conversations come back, the rest share the system prompt
+        assert got == [len(c) for c in convs[:3]] + [SYSTEM_N] * 3
+    if kill_at == 1:
+        assert got == [0] * 6
+
+
+def test_two_processes_on_one_directory_only_miss_or_restore_exactly_within_the_bound(tiny_model, model, tmp_path):
+    """Two processes page out and restore conversations in one 1 MiB directory at the same time (a
+    system prompt shared by all, some conversations shared by both): every restore either makes is
+    exact (F32 logits equal a fresh evaluation), no file is refused, and the directory ends within
+    its bound, which both enforced (each deletes the least recently used files, the other's too)."""
+    import json
+
+    shared = _convs(3, seed=70, tail=120)
+    a = shared + _convs(8, seed=80, tail=140)
+    b = _convs(8, seed=90, tail=140) + shared[::-1]
+    cache_dir = tmp_path / "cache"
+    procs = [_child(tiny_model, cache_dir, c, tmp_path, rounds=2, mib=1, tag=t) for c, t in ((a, "a"), (b, "b"))]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.splitlines()[-1]))
+    total = sum(f.stat().st_size for f in files(cache_dir))
+    assert 0 < total <= 1 << 20
+    restored = 0
+    for o in outs:
+        st = o["stats"]
+        assert st["disk_corrupt"] == 0 and st["disk_write_errors"] == 0
+        assert all(ok for _, _, ok in o["results"]), o["results"]
+        restored += sum(n for _, n, _ in o["results"])
+    assert restored > 0
+    assert sum(o["stats"]["disk_evicted_files"] for o in outs) > 0, "the bound was never reached"
+    _check_restores(model, cache_dir, a + b)
+
+
+def test_two_contexts_on_one_directory_share_files_and_hold_the_bound(model, tmp_path):
+    """Two caches on two contexts take turns on one 1 MiB directory: each restores what the other
+    wrote (exactly), and after every step the directory is within its bound, which both enforce."""
+    convs = _convs(12, seed=110, tail=130)
+    reused = []
+    with new_ctx(model) as c1, new_ctx(model) as c2:
+        pcs = [pk.PrefixCache(c, max_sequences=1, cache_ram=0, cache_dir=tmp_path, cache_dir_mib=1) for c in (c1, c2)]
+        for i, conv in enumerate(convs + convs[::-1]):
+            pc = pcs[i % 2]
+            prompt = conv + [7]
+            s = pc.acquire(prompt)
+            if s.reused_tokens:
+                np.testing.assert_allclose(s.logits(), fresh_logits(model, prompt), atol=ATOL)
+            reused.append(s.reused_tokens)
+            s.close()
+            pc.evict()
+            assert sum(f.stat().st_size for f in files(tmp_path)) <= 1 << 20
+        st = [pc.tier_info for pc in pcs]
+        assert all(x.disk_corrupt == 0 and x.disk_write_errors == 0 for x in st)
+        assert sum(x.disk_evicted_files for x in st) > 0, "the bound was never reached"
+        assert all(x.disk_bytes <= 1 << 20 for x in st)
+    # the second cache's first prompt: the system prompt from the first's file; the last conversation
+    # (the second cache's) comes back whole to the first cache, right after it
+    assert reused[0] == 0 and reused[1] == SYSTEM_N
+    assert reused[12] == len(convs[11])
+    assert all(n >= SYSTEM_N for n in reused[1:]), reused

@@ -51,7 +51,8 @@ class KVCache(Protocol):
 
     def match(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the cache can give a start() without evaluating them: held by an
-        idle cached prefix (shared cells) or paged out to the host tier (restored by a copy)."""
+        idle cached prefix (shared cells) or paged out to the host or disk tier (restored by a copy; the
+        disk's by its index of files, unread)."""
 
     def reserve(self, tokens: Sequence[int], n_cells: int, n_ids: int) -> bool:
         """Make room for a start(``tokens``) (the tokens beyond the idle prefix it would share), plus
@@ -68,7 +69,7 @@ class KVCache(Protocol):
     def start(self, tokens: Sequence[int]) -> tuple[Hashable, int]:
         """A new live sequence for ``tokens``: a fork of the idle cached sequence with the longest common
         prefix (at most ``len(tokens) - 1`` of them, so at least one token is left to decode), extended
-        by what the host tier holds beyond it (restored, not evaluated), or an empty sequence.
+        by what the host and disk tiers hold beyond it (restored, not evaluated), or an empty sequence.
         Returns it and the number of tokens it already holds. Call after reserve() said yes;
         LlamaError when no id can be had."""
 
@@ -194,15 +195,15 @@ class ContextKV(PrefixPolicy):
         return self.cache.evict(keep_for=keep_for)
 
     def match(self, tokens) -> int:
-        tier = self.cache.tier
-        paged = tier.matched(tokens) if tier is not None else 0
-        return max(self.cache.longest(tokens), paged)
+        held = self.cache.longest(tokens)
+        tiers = self.cache.tiers
+        return tiers.matched(tokens, held) if tiers is not None else held
 
     def start(self, tokens):
         seq, n = self.cache.fork_prefix(tokens)
         self._live += 1
-        # a longer prefix paged out to host memory is restored (a memcpy), not evaluated; reserve()
-        # counted the cells it takes among the prompt's
+        # a longer prefix paged out to host memory or disk is restored (a memcpy), not evaluated;
+        # reserve() counted the cells it takes among the prompt's
         n += self.cache.restore_into(seq, tokens, len(tokens) - 1)
         return seq, n
 
@@ -266,12 +267,12 @@ class ContextKV(PrefixPolicy):
         return kv
 
     def tier_stats(self) -> dict:
-        """The host tier's counters (pyllama_kv.engine.tier.TierStats, ``enabled``, ``off_reason``)."""
+        """The tiers' counters, host and disk (pyllama_kv.engine.tier.TierStats, ``enabled``, ``off_reason``)."""
         return self.cache.tier_stats()
 
     @property
     def tier_info(self) -> TierStats:
-        """The host tier's live counters (the engine's ``stats.prefix_tier``)."""
+        """The tiers' live counters, host and disk (the engine's ``stats.prefix_tier``)."""
         return self.cache.tier_info
 
 

@@ -107,7 +107,7 @@ class _EngineCollector:
             yield counter("completion_tokens", "tokens generated", st["generated_tokens"])
             yield counter("decode_calls", "llama_decode calls", st["decode_calls"])
             tier = st.get("prefix_tier") or {}
-            if tier.get("enabled"):   # idle prefixes paged out to host memory (EngineConfig.cache_ram)
+            if tier.get("enabled"):   # idle prefixes paged out (EngineConfig.cache_ram, cache_dir)
                 yield gauge("prefix_host_bytes", "K/V bytes of prefixes paged out to host memory",
                             tier["host_bytes"])
                 yield gauge("prefix_host_budget_bytes", "the bound on those bytes (--cache-ram)", tier["budget_bytes"])
@@ -115,13 +115,38 @@ class _EngineCollector:
                 yield counter("prefix_paged_out_tokens", "tokens paged out of the KV cache", tier["paged_out_tokens"])
                 yield counter("prefix_paged_out_bytes", "bytes paged out of the KV cache", tier["paged_out_bytes"])
                 yield counter("prefix_restores", "prompts that restored paged-out prefixes", tier["restores"])
-                yield counter("prefix_restored_tokens", "prompt tokens restored from host memory (not evaluated)",
-                              tier["restored_tokens"])
+                yield counter("prefix_restored_tokens", "prompt tokens restored from host memory or disk "
+                              "(not evaluated)", tier["restored_tokens"])
                 yield counter("prefix_host_evicted_bytes", "paged-out bytes dropped for the host budget",
                               tier["evicted_bytes"])
+                if tier.get("disk_budget_bytes"):   # and to files in --cache-dir
+                    yield from _disk_metrics(tier, gauge, counter)
         yield gauge("requests_running", "requests generating or evaluating their prompt", s.running_requests)
         yield gauge("sequences_running", "continuations holding a sequence", s.running_sequences)
         yield gauge("requests_queued", "requests waiting for admission", s.waiting)
+
+
+def _disk_metrics(tier: dict, gauge, counter):
+    """The disk tier's gauges and counters (TierStats' ``disk_*``)."""
+    yield gauge("prefix_disk_bytes", "bytes of the span files in --cache-dir (any model's)", tier["disk_bytes"])
+    yield gauge("prefix_disk_budget_bytes", "the bound on those bytes (--cache-dir-mib)", tier["disk_budget_bytes"])
+    yield gauge("prefix_disk_files", "span files in --cache-dir (any model's)", tier["disk_files"])
+    yield gauge("prefix_disk_tokens", "tokens whose K/V this model's span files hold", tier["disk_tokens"])
+    yield counter("prefix_disk_writes", "span files written", tier["disk_writes"])
+    yield counter("prefix_disk_written_bytes", "bytes of span files written", tier["disk_written_bytes"])
+    yield counter("prefix_disk_write_errors", "span files that could not be written", tier["disk_write_errors"])
+    yield counter("prefix_disk_not_stored", "spans larger than the directory's bound (not written)",
+                  tier["disk_not_stored"])
+    yield counter("prefix_disk_evictions", "span files deleted for the directory's bound, least recently used "
+                  "first", tier["disk_evicted_files"])
+    yield counter("prefix_disk_hits", "spans restored from a file (a file that shares only a prefix with the "
+                  "prompt serves that prefix)", tier["disk_hits"])
+    yield counter("prefix_disk_misses", "prompts that the disk was asked to continue and could not",
+                  tier["disk_misses"])
+    yield counter("prefix_disk_corrupt", "span files refused (corrupt, truncated, another model or version): "
+                  "deleted, counted as misses too", tier["disk_corrupt"])
+    yield counter("prefix_disk_restored_tokens", "prompt tokens restored from disk (not evaluated)",
+                  tier["disk_restored_tokens"])
 
 
 class Metrics:

@@ -190,7 +190,8 @@ class Session:
         st = self.ctx.kv_stats()
         out: dict = {"turns": self.turns, "last_turn": None, "total": dict(self.total),
                      "kv": {"used_cells": st.used_cells, "free_cells": st.n_cells - st.used_cells,
-                            "n_cells": st.n_cells}}
+                            "n_cells": st.n_cells},
+                     "prefix_tier": self.engine.kv.tier_stats()}   # host and disk tiers (TierStats)
         if self.last is not None:
             u, ps, gs = self.last["usage"], self.last["prompt_seconds"], self.last["generation_seconds"]
             out["last_turn"] = dict(u, prompt_tokens_per_s=round(u["evaluated_tokens"] / ps, 1) if ps > 0 else None,
