@@ -15,6 +15,11 @@ and outlive a parent that dies by at most one rendering: an idle worker reads EO
 one has a CPU-time limit per rendering (``RLIMIT_CPU``, ``time_limit`` + 2 s: SIGXCPU kills it).
 (Not PR_SET_PDEATHSIG: it fires when the *thread* that started the worker ends, and a server starts
 them from pool threads that come and go.)
+
+The same workers run a grammar's first compilation (:func:`grammar_job`, pyllama_kv._grammar_check), in
+a pool of their own with their own memory limit: llguidance can overflow its native stack on a
+hostile grammar, and llama.cpp's GBNF is translated by pure Python that holds the GIL. A grammar job
+can also be cancelled (its client left): the worker is killed within 50 ms.
 """
 from __future__ import annotations
 
@@ -55,7 +60,11 @@ def _write(fd: int, obj: Any) -> None:
         view = view[os.write(fd, view):]
 
 
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+class Cancelled(Exception):
+    """The caller gave up on a job (its client left): the worker was killed."""
+
+
+def _read_exact(fd: int, n: int, deadline: float | None, cancel: threading.Event | None = None) -> bytes:
     chunks, got = [], 0
     poller = None
     if deadline is not None:
@@ -64,9 +73,12 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     while got < n:
         if poller is not None and deadline is not None:
             left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(max(1, int(left * 1000 + 0.999))):
+            wait = left if cancel is None else min(left, 0.05)   # a cancel is seen within 50 ms
+            if left <= 0 or not poller.poll(max(1, int(wait * 1000 + 0.999))):
                 if time.monotonic() >= deadline:
                     raise TimeoutError
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled
                 continue
         b = os.read(fd, min(n - got, 1 << 20))
         if not b:
@@ -76,11 +88,11 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def _read(fd: int, deadline: float | None) -> Any:
-    (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+def _read(fd: int, deadline: float | None, cancel: threading.Event | None = None) -> Any:
+    (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline, cancel))
     if n > MAX_MESSAGE:
         raise _Died
-    return json.loads(_read_exact(fd, n, deadline))
+    return json.loads(_read_exact(fd, n, deadline, cancel))
 
 
 # -- the worker process ------------------------------------------------------------------------------------
@@ -106,24 +118,43 @@ def main(argv: list[str]) -> None:
             req = _read(fin, None)
         except _Died:
             return
-        try:
-            limits = TemplateLimits(**req["limits"])
-            _cpu_limit(resource, limits.time_limit + 2)
-            text = sandbox.render_inline(req["source"], req["messages"], req["add_generation_prompt"],
-                                         req["bos_token"], req["eos_token"], limits, seconds=req["seconds"],
-                                         tools=req.get("tools"))
-            resp: dict = {"text": text}
-        except TemplateFailure as e:
-            resp = {"kind": e.kind, "detail": e.detail}
-        except MemoryError:
-            resp = {"kind": "refused", "detail": f"it runs out of memory (more than {memory_limit} bytes)"}
-        except Exception as e:   # a bad request: not expected from pyllama_kv.chat
-            resp = {"kind": "failed", "detail": f"{type(e).__name__}: {e}"}
+        if req.get("job") == "grammar":    # a grammar's first compilation (pyllama_kv._grammar_check)
+            resp = _grammar_job(req, resource, memory_limit)
+        else:
+            resp = _render_job(req, sandbox, resource, memory_limit)
         del req
         try:
             _write(fout, resp)
         except MemoryError:
             os._exit(3)
+
+
+def _render_job(req: dict, sandbox, resource, memory_limit: int) -> dict:
+    try:
+        limits = TemplateLimits(**req["limits"])
+        _cpu_limit(resource, limits.time_limit + 2)
+        text = sandbox.render_inline(req["source"], req["messages"], req["add_generation_prompt"],
+                                     req["bos_token"], req["eos_token"], limits, seconds=req["seconds"],
+                                     tools=req.get("tools"))
+        return {"text": text}
+    except TemplateFailure as e:
+        return {"kind": e.kind, "detail": e.detail}
+    except MemoryError:
+        return {"kind": "refused", "detail": f"it runs out of memory (more than {memory_limit} bytes)"}
+    except Exception as e:   # a bad request: not expected from pyllama_kv.chat
+        return {"kind": "failed", "detail": f"{type(e).__name__}: {e}"}
+
+
+def _grammar_job(req: dict, resource, memory_limit: int) -> dict:
+    from . import _grammar_check
+
+    _cpu_limit(resource, float(req.get("seconds", 10.0)) + 2)
+    try:
+        return _grammar_check.job(req)
+    except MemoryError:
+        return {"error": f"compiling it runs out of memory (more than {memory_limit} bytes)"}
+    except Exception as e:   # llguidance's own failures: worded without its internals
+        return {"error": _grammar_check.plain(f"{type(e).__name__}: {e}")}
 
 
 def _cpu_limit(resource, seconds: float) -> None:
@@ -200,22 +231,22 @@ class _Pool:
             self.cond = threading.Condition()
             self.idle, self.live, self.pid = [], 0, os.getpid()
 
-    def acquire(self, limits: TemplateLimits) -> _Worker:
+    def acquire(self, memory_limit: int, workers: int) -> _Worker:
         self._forked()
         with self.cond:
             while True:
                 while self.idle:
                     w = self.idle.pop()
-                    if w.alive() and w.memory_limit == limits.memory_limit:
+                    if w.alive() and w.memory_limit == memory_limit:
                         return w
                     w.kill()
                     self.live -= 1
-                if self.live < limits.workers:
+                if self.live < workers:
                     self.live += 1
                     break
                 self.cond.wait()
         try:
-            w = _Worker(limits.memory_limit)
+            w = _Worker(memory_limit)
         except BaseException:
             with self.cond:
                 self.live -= 1
@@ -246,8 +277,50 @@ class _Pool:
             w.kill()
 
 
-_POOL = _Pool()
+_POOL = _Pool()                 # chat templates
+GRAMMAR_POOL = _Pool()          # grammars (a pool of its own: its memory limit differs)
 atexit.register(_POOL.close)
+atexit.register(GRAMMAR_POOL.close)
+
+
+def call(pool: _Pool, req: dict, time_limit: float, memory_limit: int, workers: int,
+         cancel: threading.Event | None = None) -> Any:
+    """Send ``req`` to a worker of ``pool`` and return its answer within ``time_limit`` seconds:
+    TimeoutError past it, Cancelled when ``cancel`` is set first (the worker is killed in both
+    cases), _Died when the worker dies; WorkerError if none could be started."""
+    w = pool.acquire(memory_limit, workers)
+    reuse = False
+    try:
+        deadline = time.monotonic() + time_limit
+        _write(w.wfd, req)
+        resp = _read(w.rfd, deadline, cancel)
+        reuse = True
+        return resp
+    except TimeoutError:   # (an OSError)
+        raise
+    except (OSError, ValueError):
+        raise _Died from None
+    finally:
+        pool.release(w, reuse)
+
+
+def grammar_job(req: dict, time_limit: float, memory_limit: int, workers: int = 2,
+                cancel: threading.Event | None = None) -> dict:
+    """A grammar job (pyllama_kv._grammar_check.job) in a worker: its answer, or ``{"error": ...}``
+    when the worker ran past ``time_limit``, ran out of memory or crashed; Cancelled when
+    ``cancel`` was set first."""
+    req = {**req, "job": "grammar", "seconds": time_limit}
+    try:
+        resp = call(GRAMMAR_POOL, req, time_limit, memory_limit, workers, cancel)
+    except TimeoutError:
+        return {"error": f"compiling it takes more than {time_limit:g} s"}
+    except _Died:
+        return {"error": "compiling it crashed the grammar engine (in a worker process, which was replaced)"}
+    except WorkerError as e:
+        return {"error": str(e)}
+    if not isinstance(resp, dict):
+        return {"error": "its grammar worker answered nonsense"}
+    return resp
 
 
 def render(source: str, messages: list[dict], add_generation_prompt: bool, bos_token: str, eos_token: str,
@@ -257,23 +330,14 @@ def render(source: str, messages: list[dict], add_generation_prompt: bool, bos_t
     req = {"source": source, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
            "bos_token": bos_token, "eos_token": eos_token, "limits": dataclasses.asdict(limits),
            "seconds": limits.time_limit * 0.9}   # the worker's own check, before the kill
-    w = _POOL.acquire(limits)
-    reuse = False
     try:
-        deadline = time.monotonic() + limits.time_limit
-        try:
-            _write(w.wfd, req)
-            del req
-            resp = _read(w.rfd, deadline)
-        except TimeoutError:
-            raise TemplateFailure("timeout", f"it runs for more than {limits.time_limit:g} s "
-                                             "(its worker process was killed)") from None
-        except (_Died, OSError, ValueError):
-            raise TemplateFailure("died", "its worker process died (out of memory, "
-                                             f"more than {limits.memory_limit} bytes, or crashed)") from None
-        reuse = True
-    finally:
-        _POOL.release(w, reuse)
+        resp = call(_POOL, req, limits.time_limit, limits.memory_limit, limits.workers)
+    except TimeoutError:
+        raise TemplateFailure("timeout", f"it runs for more than {limits.time_limit:g} s "
+                                         "(its worker process was killed)") from None
+    except _Died:
+        raise TemplateFailure("died", "its worker process died (out of memory, "
+                                      f"more than {limits.memory_limit} bytes, or crashed)") from None
     if isinstance(resp, dict) and isinstance(resp.get("text"), str):
         return resp["text"]
     if isinstance(resp, dict) and isinstance(resp.get("kind"), str) and isinstance(resp.get("detail"), str):

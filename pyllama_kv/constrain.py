@@ -4,8 +4,15 @@ A :class:`Grammar` says what the output must be: a JSON schema (OpenAI's ``respo
 ``json_schema``), any JSON object (``json_object``), or a raw grammar as an extension: Lark (and
 llama.cpp's GBNF, which llguidance converts) or a regular expression. It is compiled against a
 model's vocabulary into a :class:`CompiledGrammar` (a schema or grammar llguidance cannot compile
-is an :class:`GrammarError` naming the problem), which hands every continuation its own
-:class:`Constraint`: the matcher state of that one token stream.
+is an :class:`GrammarError` naming the problem in one sentence), which hands every continuation its
+own :class:`Constraint`: the matcher state of that one token stream.
+
+A grammar is untrusted input (pyllama_kv._grammar_check): a Grammar past the bounds of
+pyllama_kv.limits (GRAMMAR_MAX_CHARS, GRAMMAR_MAX_RULES, GRAMMAR_MAX_DEPTH) is refused when it is
+built, before llguidance sees it; :func:`compile_grammar` compiles it first in a worker process (killed
+past GRAMMAR_TIME_LIMIT, under GRAMMAR_MEMORY_LIMIT, cancellable), where a crash or a runaway of
+llguidance cannot take the caller, and checks that a matcher can start (a grammar nothing can
+follow, such as ``{"$ref": "#"}``, is refused there); only then is it compiled in this process.
 
 The tokenizer llguidance needs (the bytes of every token, the end-of-generation and special ids) is
 built from the :class:`~pyllama_kv.Model`'s own vocabulary, once per model (:func:`tokenizer_for`),
@@ -15,11 +22,14 @@ The engine uses a Constraint thus (``pyllama_kv.engine``): :meth:`Constraint.mas
 the sampler (tokens the grammar does not allow become ``-inf``; a copy, since forks share logits),
 draw, :meth:`Constraint.accept` the token. The continuation ends ``stop`` when the grammar is
 complete (nothing more can follow), ``eos`` when the model ends it where the grammar allows, and
-``length`` at ``max_tokens`` when the grammar never completes. A preempted continuation replays its
+``length`` at ``max_tokens`` when the grammar never completes, or earlier where llguidance's parser
+reaches its per-token limits (:attr:`Constraint.at_limit`: a grammar that forces an endless run, such
+as GBNF ``root ::= "a" root``). A preempted continuation replays its
 tokens into a fresh state when it resumes (:meth:`Constraint.replay`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -29,14 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from . import _grammar_check, _template_worker
+from ._grammar_check import GrammarRefused
 from .errors import InvalidInputError
+from .limits import GRAMMAR_MEMORY_LIMIT, GRAMMAR_TIME_LIMIT
 
 #: grammar kinds: "json_schema" (a schema), "json_object" (any JSON object), "lark", "gbnf", "regex"
 KINDS = ("json_schema", "json_object", "lark", "gbnf", "regex")
-
-# JSON as compact as OpenAI's structured outputs write it, so that a model cannot spend its tokens on
-# whitespace (llguidance's default lets whitespace repeat without bound)
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(InvalidInputError):
@@ -64,6 +73,10 @@ class Grammar:
             raise GrammarError(f"grammar kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if not isinstance(self.source, str):
             raise GrammarError("a grammar's source must be a string")
+        try:
+            _grammar_check.check_bounds(self.kind, self.source)
+        except GrammarRefused as e:
+            raise GrammarError(f"invalid {self.kind.replace('_', ' ')}: {e}") from None
 
     @classmethod
     def json_schema(cls, schema: dict | str | bool) -> Grammar:
@@ -71,11 +84,23 @@ class Grammar:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
+            except RecursionError:
+                raise GrammarError("invalid json schema: the schema nests too deeply") from None
             except ValueError as exc:
                 raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object")
-        return cls("json_schema", json.dumps(schema))
+        if schema is False:
+            raise GrammarError("invalid json schema: the schema false allows no value at all")
+        if schema is True:   # any JSON value: the empty schema says the same
+            schema = {}
+        try:
+            text = json.dumps(schema)
+        except RecursionError:
+            raise GrammarError("invalid json schema: the schema nests too deeply") from None
+        except (TypeError, ValueError) as exc:
+            raise GrammarError(f"invalid json schema: {exc}") from None
+        return cls("json_schema", text)
 
     @classmethod
     def json_object(cls) -> Grammar:
@@ -117,19 +142,19 @@ class Grammar:
             return cls.json_schema(text)
         return cls(kind, text)
 
+    @property
+    def what(self) -> str:
+        """The grammar's kind in words ("json schema", "gbnf", ...)."""
+        return self.kind.replace("_", " ")
+
     def llguidance(self) -> str:
-        """The llguidance grammar definition (GrammarError when it cannot even be translated)."""
-        llg = _llg()
+        """The llguidance grammar definition, translated in this process (GrammarError when it cannot
+        be translated); :func:`compile_grammar` translates in a worker instead."""
+        _llg()
         try:
-            if self.kind in ("json_schema", "json_object"):
-                return llg.LLMatcher.grammar_from_json_schema(self.source, defaults=_JSON_OPTIONS)
-            if self.kind == "regex":
-                return llg.LLMatcher.grammar_from_regex(self.source)
-            if self.kind == "gbnf":
-                return llg.grammar_from("gbnf", self.source)
-            return llg.LLMatcher.grammar_from_lark(self.source)
-        except (ValueError, TypeError) as exc:
-            raise GrammarError(f"invalid {self.kind.replace('_', ' ')}: {exc}") from None
+            return _grammar_check.translate(self.kind, self.source)
+        except GrammarRefused as exc:
+            raise GrammarError(f"invalid {self.what}: {exc}") from None
 
 
 # -- the tokenizer, once per model -----------------------------------------------------------------
@@ -187,6 +212,7 @@ class _Wrapped:
 
 
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_vocabs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (key, the worker's payload)
 _tok_lock = threading.Lock()
 #: seconds the last tokenizer build took (read by scripts/bench_constrained.py)
 last_build_seconds = 0.0
@@ -210,7 +236,18 @@ def tokenizer_for(model) -> Any:
             tok = build_tokenizer(info, lambda text: model.tokenize(text, add_bos=False, special=False))
             last_build_seconds = time.perf_counter() - t0
             _tokenizers[model] = tok
+            payload = {"tokens": [t.decode("latin-1") for t in info.tokens], "eos": info.eos_ids,
+                       "special": info.special_ids, "bos": info.bos}
+            key = hashlib.sha256(json.dumps(payload).encode("ascii")).hexdigest()
+            _vocabs[model] = (key, payload)
         return tok
+
+
+def _worker_vocab(model) -> tuple[str, dict]:
+    """The vocabulary as a grammar worker takes it (built with the tokenizer), and its key."""
+    tokenizer_for(model)
+    with _tok_lock:
+        return _vocabs[model]
 
 
 # -- compiled grammars and per-continuation state ----------------------------------------------------
@@ -220,28 +257,59 @@ class CompiledGrammar:
     """A grammar compiled against one tokenizer; :meth:`constraint` gives each continuation its own
     matcher (a copy of a fresh one: the grammar is compiled once)."""
 
-    def __init__(self, grammar: Grammar, tokenizer, n_vocab: int):
+    def __init__(self, grammar: Grammar, tokenizer, n_vocab: int, text: str | None = None):
+        """``text``: the llguidance grammar a worker translated and checked (:func:`compile_grammar`);
+        without it the grammar is translated and checked here."""
         llg = _llg()
         self.grammar = grammar
         self.n_vocab = n_vocab
-        text = grammar.llguidance()
-        err = llg.LLMatcher.validate_grammar(text, tokenizer)
-        if err:
-            raise GrammarError(f"invalid {grammar.kind.replace('_', ' ')}: {err}")
-        m = llg.LLMatcher(tokenizer, text, log_level=0)
+        limits = _grammar_check.parser_limits()
+        if text is None:
+            text = grammar.llguidance()
+            err = llg.LLMatcher.validate_grammar(text, tokenizer, limits=limits)
+            if err:
+                raise GrammarError(f"invalid {grammar.what}: {_grammar_check.plain(err)}")
+        m = llg.LLMatcher(tokenizer, text, log_level=0, limits=limits)
         if m.is_error():
-            raise GrammarError(f"invalid {grammar.kind.replace('_', ' ')}: {m.get_error()}")
+            raise GrammarError(f"invalid {grammar.what}: {_grammar_check.plain(m.get_error())}")
         self._proto = m
 
     def constraint(self) -> Constraint:
         return Constraint(self._proto.deep_copy(), self.n_vocab)
 
 
-def compile_grammar(model, grammar: Grammar) -> CompiledGrammar:
-    """``grammar`` compiled for ``model`` (GrammarError naming the problem)."""
+def check_in_worker(model, grammar: Grammar, cancel: threading.Event | None = None) -> str:
+    """Translate ``grammar`` and check that a matcher for ``model``'s vocabulary can start, in a grammar
+    worker process (pyllama_kv._template_worker): the llguidance grammar text, or GrammarError in one
+    sentence (past GRAMMAR_TIME_LIMIT seconds, out of GRAMMAR_MEMORY_LIMIT bytes, or crashed included).
+    ``cancel``: set it to give up (the worker is killed; raises ``_template_worker.Cancelled``)."""
+    key, payload = _worker_vocab(model)
+    req: dict = {"kind": grammar.kind, "source": grammar.source, "vocab_key": key}
+    resp = _template_worker.grammar_job(req, GRAMMAR_TIME_LIMIT, GRAMMAR_MEMORY_LIMIT, cancel=cancel)
+    if resp.get("need_vocab"):   # a worker new to this vocabulary: once per worker
+        req["vocab"] = payload
+        resp = _template_worker.grammar_job(req, GRAMMAR_TIME_LIMIT, GRAMMAR_MEMORY_LIMIT, cancel=cancel)
+    if isinstance(resp.get("text"), str):
+        return resp["text"]
+    raise GrammarError(f"invalid {grammar.what}: {resp.get('error') or 'it cannot be compiled'}")
+
+
+def compile_grammar(model, grammar: Grammar, *, isolate: bool = True,
+                    cancel: threading.Event | None = None) -> CompiledGrammar:
+    """``grammar`` compiled for ``model`` (GrammarError naming the problem in one sentence). Token ids
+    the grammar names are checked against the vocabulary (:meth:`Model.check_tokens`). With
+    ``isolate`` (the default) it is first compiled in a worker process (:func:`check_in_worker`), so
+    that a grammar that crashes or stalls llguidance costs a worker, not this process."""
     if not isinstance(grammar, Grammar):
         raise GrammarError(f"grammar must be a pyllama_kv.constrain.Grammar, got {type(grammar).__name__}")
-    return CompiledGrammar(grammar, tokenizer_for(model), model.n_vocab)
+    refs = _grammar_check.token_references(grammar.kind, grammar.source)
+    if refs:
+        try:
+            model.check_tokens(refs, "grammar token")
+        except InvalidInputError as e:
+            raise GrammarError(f"invalid {grammar.what}: {e}") from None
+    text = check_in_worker(model, grammar, cancel) if isolate else None
+    return CompiledGrammar(grammar, tokenizer_for(model), model.n_vocab, text)
 
 
 class Constraint:
@@ -276,9 +344,17 @@ class Constraint:
         return np.where(ok, np.asarray(logits, dtype=np.float32), np.float32(-np.inf))
 
     def accept(self, token: int) -> bool:
-        """Advance by ``token``; False when the grammar does not allow it (the matcher is broken)."""
+        """Advance by ``token``; False when the grammar does not allow it or the parser reached its
+        limits (:attr:`at_limit`): the matcher is broken either way."""
         self.tokens.append(int(token))
         return bool(self._m.consume_token(int(token)))
+
+    @property
+    def at_limit(self) -> bool:
+        """The matcher broke on llguidance's per-token parser limits, not on a disallowed token: the
+        grammar cannot go on within them (an endless forced run such as ``root ::= "a" root``), so the
+        output so far is cut there as at ``max_tokens``."""
+        return bool(self._m.is_error()) and _grammar_check.limit_error(self._m.get_error())
 
     @property
     def done(self) -> bool:
@@ -291,7 +367,8 @@ class Constraint:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() or None if self._m.is_error() else None
+        """Why the matcher broke, in one sentence (none of llguidance's internals), or None."""
+        return _grammar_check.plain(self._m.get_error()) if self._m.is_error() else None
 
     def replay(self) -> None:
         """Rebuild the state from a fresh matcher and the tokens accepted so far (after preemption)."""

@@ -69,6 +69,19 @@ LOGIT_BIAS_MAX = 100.0
 REPEAT_PENALTY_MAX = 10.0
 #: stop strings of one request (the engine's bound, and the HTTP API's 400)
 MAX_STOP_STRINGS = 16
+#: a grammar or schema a request carries (pyllama_kv._grammar_check measures it before llguidance sees it):
+#: characters of its text; rules (or schema objects); levels of chained references and nesting. llguidance
+#: 1.9 overflows its native stack at ~2,500 chained ``$defs`` and ~2,800 chained Lark rules, and its GBNF
+#: converter is superlinear in chain length (0.33 s at 500, 6.5 s at 2,000): the depth bound is 5x below
+#: the first crash and keeps a conversion well under a second
+GRAMMAR_MAX_CHARS = 256 * 1024
+GRAMMAR_MAX_RULES = 4000
+GRAMMAR_MAX_DEPTH = 500
+#: a grammar's first compilation runs in a worker process (pyllama_kv._template_worker): killed past
+#: GRAMMAR_TIME_LIMIT seconds, under GRAMMAR_MEMORY_LIMIT bytes of address space (a vocabulary of 150k
+#: tokens and llguidance's lexer take a few hundred MiB)
+GRAMMAR_TIME_LIMIT = 10.0
+GRAMMAR_MEMORY_LIMIT = 2 << 30
 
 
 def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:

@@ -360,7 +360,8 @@ class Model(_kv.CResource):
         return t
 
     def check_tokens(self, tokens: Iterable[int], what: str = "token") -> np.ndarray:
-        """``tokens`` as an int32 array, or InvalidInputError if any id is out of range."""
+        """``tokens`` as an int32 array, or InvalidInputError if any id is out of range: the one range
+        check of token ids (prompts, logit_bias keys, a grammar's token references), whatever their size."""
         if isinstance(tokens, (str, bytes)):
             raise InvalidInputError(f"{what} ids must be integers, got {type(tokens).__name__} (tokenize text first)")
         try:
@@ -369,6 +370,12 @@ class Model(_kv.CResource):
             raise InvalidInputError(f"{what} ids must be integers: {exc}") from None
         if arr.ndim != 1:
             raise InvalidInputError(f"{what} ids must be a flat sequence of integers")
+        if arr.size and arr.dtype == object:   # Python ints past int64 (or a mix of types)
+            for i, t in enumerate(arr.tolist()):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise InvalidInputError(f"{what} ids must be integers, got {type(t).__name__} at index {i}")
+                if not 0 <= t < self.n_vocab:
+                    raise InvalidInputError(f"{what} id {t} at index {i} is out of range [0, {self.n_vocab})")
         if arr.size and arr.dtype.kind not in "iu":
             raise InvalidInputError(f"{what} ids must be integers, got {arr.dtype} values")
         if arr.size:

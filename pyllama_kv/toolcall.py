@@ -93,16 +93,21 @@ class ToolSpec:
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions()}
 
+    def parameter_grammars(self) -> list[tuple[str, Grammar]]:
+        """Each tool's parameters as a grammar, with the field it came from
+        (``tools[i].function.parameters``): what the server compiles before it renders the tools."""
+        return [(f"tools[{i}].function.parameters", Grammar.json_schema(t["function"]["parameters"]))
+                for i, t in enumerate(self.tools)]
+
 
 def _schema_ok(schema: Any, where: str) -> None:
+    """``schema`` within the grammar bounds (pyllama_kv._grammar_check, in linear time, no llguidance):
+    llguidance itself checks it in a grammar worker when the server prepares the request
+    (:meth:`ToolSpec.parameter_grammars`), never in the caller's process."""
     try:
-        import llguidance
-
-        err = llguidance.LLMatcher.validate_grammar(Grammar.json_schema(schema).llguidance())
-    except (GrammarError, ImportError, ValueError, TypeError) as e:
-        err = str(e)
-    if err:
-        raise ToolError(where, f"{where} is not a JSON schema this server can use: {err}")
+        Grammar.json_schema(schema)
+    except GrammarError as e:
+        raise ToolError(where, f"{where} is not a JSON schema this server can use: {e}") from None
 
 
 def check_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolSpec | None:

@@ -11,6 +11,9 @@ from ..config import SamplingParams
 
 #: why a continuation ended
 FINISH_REASONS = ("stop", "length", "eos", "cancelled", "cache_full", "error")
+#: how the error of a continuation that ended "error" because its grammar broke starts (the server
+#: answers those as the client's fault, naming the field the grammar came from)
+GRAMMAR_ERROR = "grammar: "
 
 
 #: (token id, its log-probability, the top alternatives as (token id, log-probability) pairs)

@@ -61,7 +61,7 @@ from ..limits import MAX_STOP_STRINGS, prompt_too_long
 from ..prefix import shared_prefix
 from .detok import TextStream
 from .kv import KVCache, context_kv
-from .request import FINISH_REASONS, Event, Request, RequestHandle
+from .request import FINISH_REASONS, GRAMMAR_ERROR, Event, Request, RequestHandle
 from .tier import TierStats
 
 if TYPE_CHECKING:
@@ -659,8 +659,11 @@ class Engine:
             # the grammar's mask before the sampler (a copy: forks share their first logits)
             logits = con.mask(raw)
             if logits is None:   # no token allowed: the grammar is complete, or its matcher broke
+                if con.at_limit:   # llguidance's parser limits: the output is cut here
+                    self._finish(cont, "length")
+                    return
                 err = con.error
-                self._finish(cont, "error" if err else "stop", error=f"grammar: {err}" if err else None)
+                self._finish(cont, "error" if err else "stop", error=GRAMMAR_ERROR + err if err else None)
                 return
         tok = cont.sampler(logits)
         if req.handle.ttft is None:
@@ -668,9 +671,13 @@ class Engine:
         if not req.params.ignore_eos and self._is_eog(tok):
             self._finish(cont, "eos")
             return
+        cut = False   # the grammar took the token (its mask allowed it) but can go no further
         if con is not None and not con.accept(tok):
-            self._finish(cont, "error", error=f"grammar: the sampled token {tok} was not allowed: {con.error}")
-            return
+            if not con.at_limit:
+                why = f"the sampled token {tok} was not allowed: {con.error}"
+                self._finish(cont, "error", error=GRAMMAR_ERROR + why)
+                return
+            cut = True
         cont.generated += 1
         self.stats.generated_tokens += 1
         req.handle.usage.completion_tokens += 1
@@ -678,6 +685,9 @@ class Engine:
         cont.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
         lps = (token_logprobs(raw, tok, req.logprobs),) if req.logprobs is not None else None
         self._emit(req, cont.index, text, (tok,), None, logprobs=lps)
+        if cut:   # (a broken matcher is also done: this is not a completed grammar)
+            self._finish(cont, "length")
+            return
         if stopped or (con is not None and con.done):   # a stop string, or a complete grammar: nothing may follow
             self._finish(cont, "stop")
             return

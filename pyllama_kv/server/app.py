@@ -42,9 +42,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import toolcall
+from .._template_worker import Cancelled
 from ..chat import chat_template
-from ..constrain import GrammarError, compile_grammar
+from ..constrain import Grammar, GrammarError, compile_grammar
 from ..conversation import Transcripts
+from ..engine.request import GRAMMAR_ERROR
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from ..limits import prompt_too_long
 from . import protocol
@@ -95,7 +97,8 @@ class Server:
         self._key_digest = hashlib.sha256((config.api_key or "").encode("latin-1")).digest()
         self._grace: threading.Timer | None = None
         self._piece = functools.lru_cache(maxsize=1 << 16)(model.token_to_piece)
-        # compiled grammars by (kind, source): agents send the same schema and tools again and again
+        # compiled grammars, and refused ones (a GrammarError), by (kind, source): agents send the same
+        # schema and tools again and again, and a hostile grammar costs a worker's time once
         self._grammars: collections.OrderedDict = collections.OrderedDict()
         self._grammar_lock = threading.Lock()
         # chats come back whole: their earlier answers are tokenized as the cache holds them
@@ -239,41 +242,76 @@ class Server:
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
-    def _compile(self, req: GenRequest):
-        """The request's grammar compiled for the model (on a worker thread; cached), or None; a 400
-        naming the field when llguidance cannot compile it."""
-        g = req.grammar
-        if g is None:
-            return None
+    def _compiled(self, g: Grammar, field: str, cancel: threading.Event | None):
+        """``g`` compiled for the model (cached, refusals too), or a 400 naming ``field``. The first
+        compilation runs in a grammar worker process (constrain.compile_grammar): a grammar that
+        crashes or stalls llguidance costs a worker, never this server."""
         key = (g.kind, g.source)
         with self._grammar_lock:
             hit = self._grammars.get(key)
             if hit is not None:
                 self._grammars.move_to_end(key)
-                return hit
-        try:
-            compiled = compile_grammar(self.model, g)
-        except GrammarError as e:
-            param = req.grammar_param or "grammar"
-            if param == "tools":
-                raise protocol.bad("tools", f"the tools' parameter schemas cannot be compiled: {e}") from None
-            if param == "response_format" and g.kind == "json_schema":
-                param = "response_format.json_schema.schema"
-            raise protocol.bad(param, str(e)) from None
-        with self._grammar_lock:
-            self._grammars[key] = compiled
-            while len(self._grammars) > 64:
-                self._grammars.popitem(last=False)
-        return compiled
+        if hit is None:
+            try:
+                hit = compile_grammar(self.model, g, cancel=cancel)
+            except GrammarError as e:
+                hit = e
+            with self._grammar_lock:
+                self._grammars[key] = hit
+                while len(self._grammars) > 64:
+                    self._grammars.popitem(last=False)
+        if isinstance(hit, GrammarError):
+            raise protocol.bad(field, f"{field}: {hit}", code="invalid_grammar")
+        return hit
 
-    def _prepare(self, req: GenRequest) -> tuple[list[int], object]:
+    def _compile(self, req: GenRequest, cancel: threading.Event | None = None):
+        """The request's grammar compiled for the model (on a worker thread; cached), or None; a 400
+        naming the field it came from when it cannot be compiled. With tools, each tool's parameters
+        first (a 400 names ``tools[i].function.parameters``), then the grammar that shapes a call."""
+        if req.tools is not None and req.tools.active:
+            for field, pg in req.tools.parameter_grammars():
+                self._compiled(pg, field, cancel)
+        g = req.grammar
+        if g is None:
+            return None
+        param = req.grammar_param or "grammar"
+        if param == "response_format" and g.kind == "json_schema":
+            param = "response_format.json_schema.schema"
+        return self._compiled(g, param, cancel)
+
+    def _prepare(self, req: GenRequest, cancel: threading.Event | None = None) -> tuple[list[int], object]:
         """The prompt's token ids and the compiled grammar (on a worker thread: rendering, tokenizing
         and compiling take a while). With tools, the grammar that forces or shapes a call."""
         toks = self._tokens(req)
         g = toolcall.grammar(req.tool_format, req.tools) if req.kind == "chat" else None
         if g is not None:
             req.grammar, req.grammar_param = g, "tools"
-        return toks, self._compile(req)
+        return toks, self._compile(req, cancel)
+
+    async def _prepared(self, request: HTTPRequest, req: GenRequest) -> tuple[list[int], object]:
+        """:meth:`_prepare` on a worker thread, given up when the client leaves meanwhile (a grammar
+        being compiled in a worker process is killed then): _Gone("preparing")."""
+        cancel = threading.Event()
+        work = asyncio.ensure_future(run_in_threadpool(self._prepare, req, cancel))
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            cancel.set()
+            with contextlib.suppress(Exception):
+                await work
+            raise _Gone("preparing")
+        try:
+            return work.result()
+        except Cancelled:   # pragma: no cover - only set above
+            raise _Gone("preparing") from None
 
     def _tokens(self, req: GenRequest) -> list[int]:
         """The prompt's token ids."""
@@ -298,12 +336,10 @@ class Server:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
         body = await self._body(request)
         cfg = self.engine.config
-        req = protocol.parse(body, kind, parallel=cfg.parallel, max_tokens_cap=cfg.max_tokens)
+        req = protocol.parse(body, kind, parallel=cfg.parallel, max_tokens_cap=cfg.max_tokens,
+                             check_tokens=self.model.check_tokens)
         self._check_model(req.model)
-        for t, _ in req.params.logit_bias:
-            if t >= self.model.n_vocab:
-                raise protocol.bad("logit_bias", f"logit_bias: token {t} is out of range [0, {self.model.n_vocab})")
-        toks, grammar = await run_in_threadpool(self._prepare, req)
+        toks, grammar = await self._prepared(request, req)
         n_ctx = self.engine.n_ctx
         truncate = req.truncate if req.truncate is not None else cfg.truncate
         why = None if truncate else prompt_too_long(len(toks), n_ctx)   # with "truncate": true the engine cuts it
@@ -343,8 +379,15 @@ class Server:
         self.metrics.latency.observe(time.perf_counter() - t0)
 
     @staticmethod
-    def _failure(completions) -> APIError | None:
+    def _failure(completions, req: GenRequest | None = None) -> APIError | None:
         for c in completions:
+            if c.finish_reason == "error" and (c.error or "").startswith(GRAMMAR_ERROR) and req is not None:
+                # the grammar broke while generating: the client's grammar, not the server, is at fault
+                field = req.grammar_param or "grammar"
+                if field == "response_format" and req.grammar is not None and req.grammar.kind == "json_schema":
+                    field = "response_format.json_schema.schema"
+                msg = f"{field}: the output cannot go on under this grammar: {c.error[len(GRAMMAR_ERROR):]}"
+                return APIError(400, msg, "invalid_request_error", param=field, code="invalid_grammar")
             if c.finish_reason in _ERROR_FINISH:
                 status, typ, code = _ERROR_FINISH[c.finish_reason]
                 return APIError(status, c.error or f"the request failed ({c.finish_reason})", typ, code=code)
@@ -374,7 +417,7 @@ class Server:
             if open_:   # cancelled (the grace time of a shutdown ran out)
                 handle.cancel()
         comps = handle.completions   # complete: each is filled in before its last event is sent
-        err = self._failure(comps)
+        err = self._failure(comps, req)
         if err is not None:
             return _error(err)
         self._observe(handle, t0)
@@ -397,7 +440,7 @@ class Server:
                 ev = await events.get()
                 if ev.finish_reason in _ERROR_FINISH:
                     handle.cancel()
-                    err = self._failure([handle.completions[ev.index]])
+                    err = self._failure([handle.completions[ev.index]], req)
                     assert err is not None
                     yield _sse(err.body())
                     break

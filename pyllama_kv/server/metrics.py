@@ -162,9 +162,10 @@ class Metrics:
                                  "last token", buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.client_disconnects = Counter(_P + "client_disconnects", "requests whose client went away before "
                                           "its answer, by stage (body: while sending its request body; "
+                                          "preparing: while its grammar was compiled; "
                                           "generating: while it was being answered)", ["stage"],
                                           registry=self.registry)
-        for stage in ("body", "generating"):
+        for stage in ("body", "preparing", "generating"):
             self.client_disconnects.labels(stage)
         self.internal_errors = Counter(_P + "internal_errors", "requests answered 500 because of an unexpected "
                                        "error (its traceback is in the server's log)", registry=self.registry)

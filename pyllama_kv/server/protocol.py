@@ -47,6 +47,7 @@ from typing import Any, Callable
 from .. import toolcall
 from ..config import SamplingParams
 from ..constrain import Grammar, GrammarError
+from ..errors import InvalidInputError
 from ..limits import (
     INT32_MAX,
     LOGIT_BIAS_MAX,
@@ -208,8 +209,9 @@ def _fields(body: dict, kind: str) -> None:
 MAX_LOGIT_BIAS = 1024
 
 
-def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias``: {"token id": bias in [-100, 100]} (ids as strings in JSON)."""
+def _logit_bias(body: dict, check_tokens=None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: {"token id": bias in [-100, 100]} (ids as strings in JSON), the ids in
+    the model's range (``check_tokens``; without it, llama.cpp's int32)."""
     v = body.get("logit_bias")
     if v is None:
         return ()
@@ -226,6 +228,14 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
             raise bad("logit_bias", f"logit_bias[{k}] must be a number in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
                                     f"got {b!r}")
         out.append((int(k), float(b)))
+    ids = [t for t, _ in out]
+    try:
+        if check_tokens is not None:
+            check_tokens(ids, "logit_bias token")
+        elif any(t > INT32_MAX for t in ids):
+            raise InvalidInputError(f"logit_bias token id {max(ids)} is out of range [0, {INT32_MAX}]")
+    except InvalidInputError as e:
+        raise bad("logit_bias", str(e)) from None
     return tuple(out)
 
 
@@ -257,7 +267,8 @@ def _response_format(body: dict) -> Grammar | None:
         try:
             return Grammar.json_schema(schema)
         except GrammarError as e:
-            raise bad("response_format.json_schema.schema", str(e)) from None
+            raise bad("response_format.json_schema.schema", f"response_format.json_schema.schema: {e}",
+                      code="invalid_grammar") from None
     raise bad("response_format.type", f"response_format.type {kind!r} is not one of text, json_object, json_schema")
 
 
@@ -272,7 +283,10 @@ def _grammar(body: dict) -> tuple[Grammar | None, str | None]:
         raise bad("grammar", "grammar must be a non-empty string (GBNF or Lark)")
     if g is not None:
         raise bad("grammar", "give either response_format or grammar, not both")
-    return Grammar("gbnf" if "::=" in raw else "lark", raw), "grammar"
+    try:
+        return Grammar("gbnf" if "::=" in raw else "lark", raw), "grammar"
+    except GrammarError as e:
+        raise bad("grammar", f"grammar: {e}", code="invalid_grammar") from None
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -392,8 +406,11 @@ def _prompt(v) -> str | list[int]:
     raise bad("prompt", "prompt must be a non-empty string or a list of token ids (one prompt per request)")
 
 
-def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
-    """Check a request body of ``/v1/chat/completions`` (kind "chat") or ``/v1/completions``."""
+def parse(body, kind: str, *, parallel: int, max_tokens_cap: int,
+          check_tokens: Callable[[list[int], str], Any] | None = None) -> GenRequest:
+    """Check a request body of ``/v1/chat/completions`` (kind "chat") or ``/v1/completions``.
+    ``check_tokens``: the model's range check of token ids (:meth:`pyllama_kv.Model.check_tokens`),
+    applied to the ``logit_bias`` keys."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object", code="invalid_json")
     model = body.get("model")
@@ -425,7 +442,7 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
     last_n = _integer(body, "penalty_last_n", -1, 1 << 20)
     if last_n is not None:
         sp["penalty_last_n"] = last_n
-    bias = _logit_bias(body)
+    bias = _logit_bias(body, check_tokens)
     if bias:
         sp["logit_bias"] = bias
     top_k = _integer(body, "top_k", 0, 1 << 30)
@@ -454,7 +471,11 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int) -> GenRequest:
             raise bad(e.param, str(e)) from None
         if tools is not None and tools.active and grammar is not None:
             raise bad(grammar_param, f"{grammar_param} cannot be combined with tools (unless tool_choice is none)")
-    return GenRequest(kind=kind, model=model, prompt=prompt, params=SamplingParams(**sp), max_tokens=max_tokens,
+    try:
+        params = SamplingParams(**sp)
+    except InvalidInputError as e:   # (each field was checked above: a bound of the library's own)
+        raise bad(None, str(e)) from None
+    return GenRequest(kind=kind, model=model, prompt=prompt, params=params, max_tokens=max_tokens,
                       stop=_stop(body), n=n or 1, stream=stream, include_usage=include_usage,
                       context_shift=_bool(body, "context_shift") if body.get("context_shift") is not None else None,
                       n_keep=_integer(body, "n_keep", -1, INT32_MAX),

@@ -1,0 +1,216 @@
+"""Grammars as hostile input (issue 30, items 1-4): chains that crashed llguidance in the server's
+process, grammars nothing can follow, endless grammars, and token ids of any size. Through the HTTP
+server (one bounded subprocess for the module: if a grammar killed it, every later test would fail)
+and at the library level (bounds, the worker's time limit and cancellation)."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from pyllama_kv import _grammar_check, _template_worker
+from pyllama_kv.constrain import Grammar, GrammarError
+from pyllama_kv.limits import GRAMMAR_MAX_DEPTH, GRAMMAR_MAX_RULES
+from test_server import MODEL, ServerProc
+
+#: what a client must never see: llguidance's error names, its parser state, its verbose markers
+INTERNALS = ("NoExtensionBias", "LexerTooComplex", "non-verbose", "Too many items", "Earley", "lexer error",
+             "parser error", "Traceback")
+
+
+def lark_chain(n: int) -> str:
+    return "start: r0\n" + "".join(f'r{i}: "x" r{i + 1}\n' for i in range(n)) + f'r{n}: "y"\n'
+
+
+def gbnf_chain(n: int) -> str:
+    return "root ::= r0\n" + "".join(f'r{i} ::= "x" r{i + 1}\n' for i in range(n)) + f'r{n} ::= "y"\n'
+
+
+def defs_chain(n: int) -> dict:
+    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string", "maxLength": 4}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def tool(params) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": params}}]
+
+
+@pytest.fixture(scope="module")
+def server(real_model):
+    s = ServerProc(MODEL, "--ctx", "1024", "--parallel", "2", "--max-tokens-cap", "64")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def post(server, body: dict, path: str = "/chat/completions", timeout: float = 60) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": 8, **body}
+    if "messages" not in body and path == "/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    return httpx.post(server.url + path, json=body, headers=server.headers(), timeout=timeout)
+
+
+def refused(r: httpx.Response, field: str) -> str:
+    """The 400's message, after checking it names ``field`` and carries none of llguidance's internals."""
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field, err
+    msg = err["message"]
+    assert field in msg and "\n" not in msg, msg
+    assert not any(w in msg for w in INTERNALS), msg
+    return msg
+
+
+def alive(server) -> None:
+    assert server.proc.poll() is None, server.log()
+    assert httpx.get(server.root + "/health", timeout=10).status_code == 200
+    r = post(server, {"max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+# -- 1. chains past the old crash points -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2_400, 3_000, 10_000])
+def test_chained_grammars_are_400s_and_the_server_lives(server, n):
+    msg = refused(post(server, {"grammar": lark_chain(n)}), "grammar")
+    assert str(GRAMMAR_MAX_DEPTH) in msg or str(GRAMMAR_MAX_RULES) in msg
+    refused(post(server, {"grammar": gbnf_chain(n)}), "grammar")
+    refused(post(server, {"response_format": schema_format(defs_chain(n))}), "response_format.json_schema.schema")
+    r = post(server, {"tools": tool({"type": "object", "properties": {"a": defs_chain(n)}}), "tool_choice": "required"})
+    refused(r, "tools[0].function.parameters")
+    alive(server)
+
+
+def test_grammars_at_the_depth_bound_compile_and_run(server):
+    """The bound is below the crash point: a chain just inside it compiles and generates (in the
+    server's process too, after the worker's check), and the server lives."""
+    n = GRAMMAR_MAX_DEPTH - 10
+    for body in ({"grammar": lark_chain(n)}, {"grammar": gbnf_chain(n)},
+                 {"response_format": schema_format(defs_chain(n - 10))}):
+        r = post(server, {**body, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    alive(server)
+
+
+# -- 3. grammars nothing can follow: 400s in one sentence, before any stream starts ------------------------
+
+
+UNFOLLOWABLE = [
+    ("response_format", {"$ref": "#"}),
+    ("response_format", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+    ("response_format", {"type": "string", "pattern": "^(x{1000}){1000}$"}),
+    ("grammar", "root ::= root"),
+    ("grammar", 'start: %json {"$ref": "#"}'),
+    ("response_format", {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}),
+    ("tools", {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}),
+]
+
+
+@pytest.mark.parametrize("where,what", UNFOLLOWABLE, ids=[f"{w}-{i}" for i, (w, _) in enumerate(UNFOLLOWABLE)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammars_nothing_can_follow_are_400s_naming_the_field(server, where, what, stream):
+    if where == "response_format":
+        body, field = {"response_format": schema_format(what)}, "response_format.json_schema.schema"
+    elif where == "grammar":
+        body, field = {"grammar": what}, "grammar"
+    else:
+        body, field = {"tools": tool(what), "tool_choice": "required"}, "tools[0].function.parameters"
+    msg = refused(post(server, {**body, "stream": stream}), field)
+    if where == "response_format" and "pattern" in json.dumps(what):
+        assert "too complex" in msg
+    assert json.dumps(what)[:20] not in msg   # the grammar text is not echoed back
+    before = server.metrics().get("pyllama_kv_internal_errors_total", 0)
+    assert post(server, {**body, "stream": stream}).status_code == 400   # cached refusal: the same answer
+    assert server.metrics().get("pyllama_kv_internal_errors_total", 0) == before
+
+
+def test_an_endless_grammar_stops_with_length(server):
+    """``root ::= "a" root`` can never end: the answer is cut with ``length`` (README's promise), not
+    a 500 — at max_tokens, or where llguidance's parser limit stops an endless forced run."""
+    for stream in (False, True):
+        r = post(server, {"grammar": 'root ::= "a" root', "max_tokens": 6, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            assert not any("error" in e for e in events), events
+            finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+            text = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+        else:
+            choice = r.json()["choices"][0]
+            finish, text = [choice["finish_reason"]], choice["message"]["content"]
+        assert finish == ["length"], r.text
+        assert text and set(text) == {"a"}, text
+    r = post(server, {"grammar": 'root ::= "a" root | "a"', "max_tokens": 6})   # one that can end: fine
+    assert r.status_code == 200 and set(r.json()["choices"][0]["message"]["content"]) == {"a"}
+
+
+def test_schema_true_is_a_schema(server):
+    r = post(server, {"response_format": schema_format(True), "max_tokens": 6})
+    assert r.status_code == 200, r.text
+
+
+# -- 4. token ids of any size ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tid", [49152, 2**31 - 1, 2**31, 2**63, 2**64, 10**30])
+def test_token_ids_of_any_size_are_400s(server, tid):
+    msg = refused(post(server, {"logit_bias": {str(tid): 5}}), "logit_bias")
+    assert "out of range" in msg
+    r = post(server, {"prompt": [1, tid]}, path="/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    refused(post(server, {"grammar": f"start: <[{tid}]>"}), "grammar")
+    alive(server)
+
+
+# -- the library: bounds, the worker's limits ----------------------------------------------------------
+
+
+def test_bounds_refuse_before_llguidance():
+    with pytest.raises(GrammarError, match="levels deep"):
+        Grammar.lark(lark_chain(GRAMMAR_MAX_DEPTH + 5))
+    with pytest.raises(GrammarError, match="rules"):
+        Grammar.gbnf(gbnf_chain(GRAMMAR_MAX_RULES + 5))
+    with pytest.raises(GrammarError, match="levels deep"):
+        Grammar.json_schema(defs_chain(GRAMMAR_MAX_DEPTH + 5))
+    with pytest.raises(GrammarError, match="nests too deeply"):
+        Grammar.json_schema("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(GrammarError, match="characters"):
+        Grammar.regex("x" * (1 << 20))
+    # rules referred to from many places are not a chain; a cycle is counted once
+    Grammar.lark("start: a b a b\n" + "".join(f'{c}: "{c}" | start\n' for c in "ab"))
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}
+    Grammar.json_schema({"$defs": {"t": tree}, "$ref": "#/$defs/t"})
+    assert _grammar_check.token_references("lark", "start: <[12]> <[5-9,100]>") == [12, 5, 9, 100]
+
+
+def test_a_worker_past_its_time_limit_is_killed_and_a_cancelled_one_too():
+    slow = {"kind": "gbnf", "source": gbnf_chain(GRAMMAR_MAX_DEPTH - 20)}   # ~0.3 s of pure-Python conversion
+    pool = _template_worker.GRAMMAR_POOL
+    killed = pool.killed
+    got = _template_worker.grammar_job(slow, time_limit=0.05, memory_limit=2 << 30)
+    assert "takes more than" in got["error"]
+    assert pool.killed == killed + 1
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(_template_worker.Cancelled):
+        _template_worker.grammar_job(slow, time_limit=30, memory_limit=2 << 30, cancel=cancel)
+    assert pool.killed == killed + 2
+    got = _template_worker.grammar_job(slow, time_limit=60, memory_limit=2 << 30)   # a new worker does it
+    assert isinstance(got.get("text"), str), got
+
+
+def test_llguidance_errors_in_one_sentence():
+    assert "nothing can follow" in _grammar_check.plain("NoExtensionBias <non-verbose/>")
+    assert "too complex" in _grammar_check.plain("parser error: Too many items (limit 50000; ff_tokens)")
+    msg = _grammar_check.plain("at 1(8): Token range end too large: 300\n   1 | start: <[300]>\n      ^")
+    assert msg == "at 1(8): Token range end too large: 300"
