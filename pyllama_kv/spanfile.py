@@ -55,7 +55,7 @@ import re
 import stat
 import struct
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,20 +81,6 @@ _NAME = re.compile(r"^([0-9a-f]{16})-(\d{1,10})-(\d{1,10})-([0-9a-f]{64})" + re.
 _TMP = re.compile(r"^\..*" + re.escape(SUFFIX) + r"\.tmp-\d+-[0-9a-f]+$")
 _STALE_TMP_S = 3600
 _RACY_NS = 1_000_000_000
-
-
-def prefix_hashes(tokens: Sequence[int] | np.ndarray, ends: Iterable[int]) -> dict[int, bytes]:
-    """The token hash (see the format) of ``tokens[:e]`` for every ``e`` in ``ends`` (each
-    ``<= len(tokens)``), in one pass over the tokens."""
-    arr = np.asarray(tokens, dtype="<i4")
-    h = hashlib.sha256(_TOKENS_TAG)
-    out: dict[int, bytes] = {}
-    prev = 0
-    for e in sorted(set(ends)):
-        h.update(arr[prev:e].tobytes())
-        prev = e
-        out[e] = h.copy().digest()
-    return out
 
 
 def token_hash(tokens: Sequence[int] | np.ndarray) -> bytes:

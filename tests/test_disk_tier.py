@@ -100,8 +100,20 @@ def _version(raw: bytes) -> bytes:
     return raw[:8] + (spanfile.VERSION + 1).to_bytes(4, "little") + raw[12:]
 
 
+def _v1(raw: bytes) -> bytes:
+    """The same file as version 1 says it (whose body held only the tokens of [start, end))."""
+    return raw[:8] + (1).to_bytes(4, "little") + raw[12:]
+
+
+def _token(raw: bytes) -> bytes:
+    """One token of the prefix changed (the name's and header's token hash then disagree with it)."""
+    off = 16 + int.from_bytes(raw[12:16], "little") + 88
+    return raw[:off] + bytes([raw[off] ^ 0x01]) + raw[off + 1:]
+
+
 BAD = {"flipped byte": _flip, "truncated": lambda raw: raw[:-100], "garbage": lambda raw: os.urandom(len(raw)),
-       "wrong version": _version, "empty": lambda raw: b"", "padded": lambda raw: raw + b"\0"}
+       "wrong version": _version, "version 1": _v1, "another token": _token, "empty": lambda raw: b"",
+       "padded": lambda raw: raw + b"\0"}
 
 
 @pytest.mark.parametrize("kind", [*BAD, "another model"])
