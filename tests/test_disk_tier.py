@@ -405,6 +405,7 @@ def test_an_engine_restores_the_system_prompt_of_a_paged_out_conversation(model,
         want, reused = ask(eng, second)
         assert reused == 0
     with Engine(model, cfg) as eng:
+        assert eng.kv.match(second) == n, "the KV layer's match counts what the files hold (by the index)"
         got, reused = ask(eng, second)
         st = eng.kv.tier_stats()
         assert reused == n and st["disk_hits"] == 1 and st["disk_restored_tokens"] == n
