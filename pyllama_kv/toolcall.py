@@ -93,10 +93,10 @@ class ToolSpec:
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions()}
 
-    def parameter_grammars(self) -> list[tuple[str, Grammar]]:
+    def parameter_grammars(self) -> list[tuple[Grammar, str]]:
         """Each tool's parameters as a grammar, with the field it came from
         (``tools[i].function.parameters``): what the server compiles before it renders the tools."""
-        return [(f"tools[{i}].function.parameters", Grammar.json_schema(t["function"]["parameters"]))
+        return [(Grammar.json_schema(t["function"]["parameters"]), f"tools[{i}].function.parameters")
                 for i, t in enumerate(self.tools)]
 
 

@@ -175,3 +175,14 @@ def test_bench_chat_load_gives_no_ratio_for_a_run_with_errors():
     r, refused = bench.ratios([row("ours", errors=1), row("pin"),
                                {"server": "current", "errors": 10, "started": False, "error_samples": ["x"]}])
     assert r == {} and set(refused) == {"ours/pin", "ours/current"}
+
+
+def test_bench_grammar_flood():
+    """Hostile grammars flood the server while another client probes it: the server lives, the chains
+    are refused, the grammars within the bounds are served, and the probe never fails (its latency is
+    the benchmark's to print, not this test's to judge)."""
+    d = _run("bench_grammar_flood.py")
+    assert d["alive_after"] and not d["server_exited"], d
+    assert d["quiet"]["errors"] == 0 and d["flood_run"]["errors"] == 0, d
+    assert set(d["flood_answers"]) == {"200", "400"} and sum(d["flood_answers"].values()) == d["flood"], d
+    assert d["flood_run"]["completion"]["n"] >= 1 and all(v is not None for v in d["ratios"].values()), d

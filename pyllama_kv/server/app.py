@@ -33,6 +33,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import anyio
+import anyio.to_thread
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -55,6 +57,10 @@ from .metrics import CONTENT_TYPE, Metrics, Snapshot
 from .protocol import APIError, GenRequest
 
 log = logging.getLogger("pyllama_kv.server")
+
+#: threads that compile grammars not in the cache (each waits for a grammar worker, then builds the
+#: matcher here): apart from the threads every request renders and tokenizes on
+GRAMMAR_THREADS = 4
 
 _ERROR_FINISH = {"cache_full": (503, "server_error", "kv_cache_full"), "error": (500, "server_error", "engine_error")}
 
@@ -101,6 +107,7 @@ class Server:
         # schema and tools again and again, and a hostile grammar costs a worker's time once
         self._grammars: collections.OrderedDict = collections.OrderedDict()
         self._grammar_lock = threading.Lock()
+        self._grammar_threads = anyio.CapacityLimiter(GRAMMAR_THREADS)
         # chats come back whole: their earlier answers are tokenized as the cache holds them
         self.transcripts = Transcripts(model)
         routes = [
@@ -242,57 +249,73 @@ class Server:
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
-    def _compiled(self, g: Grammar, field: str, cancel: threading.Event | None):
-        """``g`` compiled for the model (cached, refusals too), or a 400 naming ``field``. The first
-        compilation runs in a grammar worker process (constrain.compile_grammar): a grammar that
-        crashes or stalls llguidance costs a worker, never this server."""
-        key = (g.kind, g.source)
+    def _grammars_of(self, req: GenRequest) -> list[tuple[Grammar, str]]:
+        """The grammars a request needs compiled, with the field each came from: each tool's parameters
+        (``tools[i].function.parameters``; the tools are rendered only with schemas llguidance takes),
+        then the output's grammar (response_format, grammar, or the one that shapes a tool call)."""
+        out = list(req.tools.parameter_grammars()) if req.tools is not None and req.tools.active else []
+        g = req.grammar
+        if g is not None:
+            field = req.grammar_param or "grammar"
+            if field == "response_format" and g.kind == "json_schema":
+                field = "response_format.json_schema.schema"
+            out.append((g, field))
+        return out
+
+    def _cached(self, g: Grammar, field: str):
+        """``g`` compiled, from the cache (None when it is not there); a 400 naming ``field`` for a
+        cached refusal."""
         with self._grammar_lock:
-            hit = self._grammars.get(key)
+            hit = self._grammars.get((g.kind, g.source))
             if hit is not None:
-                self._grammars.move_to_end(key)
-        if hit is None:
-            try:
-                hit = compile_grammar(self.model, g, cancel=cancel)
-            except GrammarError as e:
-                hit = e
-            with self._grammar_lock:
-                self._grammars[key] = hit
-                while len(self._grammars) > 64:
-                    self._grammars.popitem(last=False)
+                self._grammars.move_to_end((g.kind, g.source))
         if isinstance(hit, GrammarError):
             raise protocol.bad(field, f"{field}: {hit}", code="invalid_grammar")
         return hit
 
-    def _compile(self, req: GenRequest, cancel: threading.Event | None = None):
-        """The request's grammar compiled for the model (on a worker thread; cached), or None; a 400
-        naming the field it came from when it cannot be compiled. With tools, each tool's parameters
-        first (a 400 names ``tools[i].function.parameters``), then the grammar that shapes a call."""
-        if req.tools is not None and req.tools.active:
-            for field, pg in req.tools.parameter_grammars():
-                self._compiled(pg, field, cancel)
-        g = req.grammar
-        if g is None:
-            return None
-        param = req.grammar_param or "grammar"
-        if param == "response_format" and g.kind == "json_schema":
-            param = "response_format.json_schema.schema"
-        return self._compiled(g, param, cancel)
+    def _compile(self, needed: list[tuple[Grammar, str]], cancel: threading.Event | None = None):
+        """Compile ``needed`` (on a thread of the grammar limiter), caching each result, refusals too;
+        the last one compiled (the output's grammar), or a 400 naming the field of the first that cannot
+        be compiled. The first compilation of a grammar runs in a grammar worker process
+        (constrain.compile_grammar): one that crashes or stalls llguidance costs a worker, never this
+        server."""
+        compiled = None
+        for g, field in needed:
+            compiled = self._cached(g, field)
+            if compiled is None:
+                try:
+                    compiled = compile_grammar(self.model, g, cancel=cancel)
+                except GrammarError as e:
+                    compiled = e
+                with self._grammar_lock:
+                    self._grammars[(g.kind, g.source)] = compiled
+                    while len(self._grammars) > 64:
+                        self._grammars.popitem(last=False)
+                if isinstance(compiled, GrammarError):
+                    raise protocol.bad(field, f"{field}: {compiled}", code="invalid_grammar")
+        return compiled
 
-    def _prepare(self, req: GenRequest, cancel: threading.Event | None = None) -> tuple[list[int], object]:
-        """The prompt's token ids and the compiled grammar (on a worker thread: rendering, tokenizing
-        and compiling take a while). With tools, the grammar that forces or shapes a call."""
+    def _prepare(self, req: GenRequest) -> list[int]:
+        """The prompt's token ids (on a worker thread: rendering and tokenizing take a while), and with
+        tools, the grammar that forces or shapes a call (``req.grammar``)."""
         toks = self._tokens(req)
         g = toolcall.grammar(req.tool_format, req.tools) if req.kind == "chat" else None
         if g is not None:
             req.grammar, req.grammar_param = g, "tools"
-        return toks, self._compile(req, cancel)
+        return toks
 
     async def _prepared(self, request: HTTPRequest, req: GenRequest) -> tuple[list[int], object]:
-        """:meth:`_prepare` on a worker thread, given up when the client leaves meanwhile (a grammar
-        being compiled in a worker process is killed then): _Gone("preparing")."""
+        """The prompt's tokens and the compiled grammar. Grammars not in the cache are compiled on
+        threads of their own limiter (GRAMMAR_THREADS), so that a flood of grammars waiting for the
+        grammar workers never holds the threads other requests render and tokenize on; given up when
+        the client leaves meanwhile (a grammar worker compiling is killed then): _Gone("preparing")."""
+        toks = await run_in_threadpool(self._prepare, req)
+        needed = self._grammars_of(req)
+        if all(self._cached(g, f) is not None for g, f in needed):
+            return toks, (self._cached(*needed[-1]) if needed else None)
         cancel = threading.Event()
-        work = asyncio.ensure_future(run_in_threadpool(self._prepare, req, cancel))
+        work = asyncio.ensure_future(anyio.to_thread.run_sync(self._compile, needed, cancel,
+                                                              limiter=self._grammar_threads))
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -309,7 +332,7 @@ class Server:
                 await work
             raise _Gone("preparing")
         try:
-            return work.result()
+            return toks, work.result()
         except Cancelled:   # pragma: no cover - only set above
             raise _Gone("preparing") from None
 
