@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import unquote
 
 from .limits import GRAMMAR_MAX_CHARS, GRAMMAR_MAX_DEPTH, GRAMMAR_MAX_RULES
 
@@ -81,14 +82,10 @@ def _check_counts(what: str, n_rules: int, depth: int) -> None:
                              f"{GRAMMAR_MAX_DEPTH} are allowed")
 
 
-def _pointer(root: Any, ref: str) -> Any:
-    """The value a local JSON pointer (``#/a/b``) names in ``root``, or None."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
+def _pointer(root: Any, frag: str) -> Any:
+    """The value the JSON pointer ``frag`` (``/a/b``, already percent-decoded) names in ``root``, or None."""
     node = root
-    for part in ref[2:].split("/"):
+    for part in frag.split("/")[1:]:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
@@ -99,28 +96,80 @@ def _pointer(root: Any, ref: str) -> Any:
     return node
 
 
+def _resolver(schema: Any, nodes: list[Any]):
+    """A function from a ``$ref`` (and the resource it is written in: the nearest schema with an
+    ``$id``, else the root) to the schema it names in ``schema`` (None when it names none): local
+    pointers (``#/$defs/a``, percent-encoded or not), ``$id``s (absolute or relative, matched whole or
+    by their last segments) with a pointer or an ``$anchor`` after them."""
+    ids: dict[str, Any] = {}
+    for x in nodes:
+        if isinstance(x, dict):
+            if isinstance(x.get("$id"), str):
+                ids.setdefault(x["$id"].rstrip("#"), x)
+            if isinstance(x.get("$anchor"), str):
+                ids.setdefault("#" + x["$anchor"], x)
+
+    by_last: dict[str, list[str]] = {}   # an $id's last segment -> the $ids that end with it
+    for k in ids:
+        by_last.setdefault(k.rsplit("/", 1)[-1], []).append(k)
+
+    def base_of(ref: str) -> Any:
+        if ref == "":
+            return schema
+        if ref in ids:
+            return ids[ref]
+        for k in by_last.get(ref.rsplit("/", 1)[-1], ()):   # a relative $id or $ref against an absolute one
+            if k.endswith("/" + ref) or ref.endswith("/" + k):
+                return ids[k]
+        return None
+
+    def resolve(ref: str, within: Any = schema) -> Any:
+        """``ref`` as written in a schema of the resource ``within`` (a ``#...`` ref is relative to it)."""
+        ref = unquote(ref)
+        if ref in ids:
+            return ids[ref]
+        base, _, frag = ref.partition("#")
+        root = within if base == "" else base_of(base)
+        if root is None or frag == "":
+            return root
+        return _pointer(root, frag) if frag.startswith("/") else ids.get("#" + frag)
+
+    return resolve
+
+
 def schema_bounds(schema: Any) -> None:
     """Refuse a JSON schema (already parsed) with more than GRAMMAR_MAX_RULES objects, or whose
     nesting and ``$ref`` chains together run deeper than GRAMMAR_MAX_DEPTH JSON levels (objects and
     arrays on the longest path, a ``$ref`` a step to its target)."""
     ids: dict[int, int] = {}
     nodes: list[Any] = []
-    todo = [schema]
+    resource: list[Any] = []                       # each node's resource: the nearest schema with an $id
+    todo: list[tuple[Any, Any]] = [(schema, schema)]
     while todo:                                    # every object and array, once
-        x = todo.pop()
+        x, res = todo.pop()
         if isinstance(x, (dict, list)) and id(x) not in ids:
+            if isinstance(x, dict) and isinstance(x.get("$id"), str):
+                res = x
             ids[id(x)] = len(nodes)
             nodes.append(x)
+            resource.append(res)
             if len(nodes) > 4 * GRAMMAR_MAX_RULES:
                 raise GrammarRefused(f"the schema has more than {4 * GRAMMAR_MAX_RULES} objects and arrays")
-            todo.extend(x.values() if isinstance(x, dict) else x)
+            todo.extend((k, res) for k in (x.values() if isinstance(x, dict) else x))
+    resolve = _resolver(schema, nodes)
     succ: list[list[int]] = []
-    for x in nodes:
+    for i, x in enumerate(nodes):
         kids = x.values() if isinstance(x, dict) else x
         edges = [ids[id(k)] for k in kids if isinstance(k, (dict, list))]
         ref = x.get("$ref") if isinstance(x, dict) else None
         if isinstance(ref, str):
-            target = _pointer(schema, ref)
+            # a $ref it cannot follow is refused: it could not measure the chain behind it, and
+            # llguidance fetches nothing from outside the schema either
+            target = resolve(ref, resource[i])
+            if not isinstance(target, (dict, list, bool)):
+                shown = ref if len(ref) <= 60 else ref[:57] + "..."
+                raise GrammarRefused(f"its $ref {shown!r} names no schema within it (only refs to its own "
+                                     "definitions are supported)")
             if isinstance(target, (dict, list)):
                 edges.append(ids[id(target)])
         succ.append(edges)
@@ -286,20 +335,30 @@ def check_bounds(kind: str, source: str) -> None:
         _gbnf_bounds(source)
 
 
-_TOKEN_REF = re.compile(r"<\[([^\]]*)\]>")
-
-
 def token_references(kind: str, source: str) -> list[int]:
-    """The token ids a Lark grammar names (``<[5]>``, ``<[5-9,12]>``; both ends of a range)."""
+    """The token ids a Lark grammar names (``<[5]>``, ``<[5-9,12]>``, ``<[^5]>``; both ends of a
+    range), read as its scanner reads it: never inside a string, a regular expression or a comment."""
     if kind != "lark":
         return []
     out: list[int] = []
-    for m in _TOKEN_REF.finditer(source):
-        for part in m.group(1).split(","):
-            for end in part.split("-"):
-                end = end.strip()
-                if end.isdigit():
-                    out.append(int(end))
+    pos, n = 0, len(source)
+    while pos < n:
+        sp = _SPACE.match(source, pos)
+        if sp:
+            pos = sp.end()
+            continue
+        m = _LARK_TOKEN.match(source, pos)
+        assert m is not None
+        pos = m.end()
+        skip, directive = m.group(1, 2)
+        if directive:
+            end = _json_block(source, pos)
+            if directive == "%lark":
+                out += token_references("lark", source[pos:end].strip()[1:-1])
+            pos = end
+        elif skip and skip.startswith("<[") and skip.endswith("]>"):
+            for part in skip[2:-2].lstrip("^").split(","):
+                out += [int(e) for e in (x.strip() for x in part.split("-")) if e.isdigit()]
     return out
 
 
@@ -332,7 +391,7 @@ def translate(kind: str, source: str) -> str:
     except RecursionError:
         raise GrammarRefused("it nests too deeply") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-        raise GrammarRefused(plain(str(exc))) from None
+        raise GrammarRefused(plain(str(exc), kind)) from None
 
 
 #: llguidance's words for a grammar nothing can follow, and for one past its limits
@@ -346,14 +405,36 @@ def limit_error(err: str) -> bool:
     return any(w.lower() in err.lower() for w in _TOO_COMPLEX)
 
 
-def plain(err: str) -> str:
-    """llguidance's error as one sentence: what is wrong, not its parser state or the grammar text."""
+_POSITION = re.compile(r"^(?:at )?(\d+)\((\d+)\):\s*")
+_GBNF_FAILED = "Failed to convert the grammar from GBNF to Lark:"
+
+
+def plain(err: str, kind: str | None = None) -> str:
+    """llguidance's error as one sentence: what is wrong (and, in a Lark grammar, where), never its
+    parser state, its list of the model's special tokens or the grammar's text."""
     if any(w in err for w in _NEVER_ENDS):
         return "nothing can follow it: a rule or $ref refers to itself with no way to end"
     if limit_error(err):
         return "it is too complex for the grammar engine's limits (its lexer or parser ran out of room)"
-    line = err.strip().splitlines()[0] if err.strip() else "it cannot be compiled"
-    line = line.replace("<non-verbose/>", "").strip()
+    text = err.replace("<non-verbose/>", "").strip()
+    if not text:
+        return "it cannot be compiled"
+    if "regex parse error" in text:   # the regex crate's report: the pattern, a caret, then "error: why"
+        why = [ln.strip()[len("error:"):].strip() for ln in text.splitlines() if ln.strip().startswith("error:")]
+        return "a regular expression in it does not parse" + (f": {why[0]}" if why else "")
+    line = text.splitlines()[0]
+    if line.startswith(_GBNF_FAILED):   # llguidance's converter echoes the grammar after the position
+        line = "not valid GBNF: " + line[len(_GBNF_FAILED):].strip().split(", '")[0]
+    where = ""
+    m = _POSITION.match(line)
+    if m:
+        line = line[m.end():]
+        if kind in (None, "lark"):    # (a GBNF grammar's positions are in its translation: not given)
+            where = f"at line {m.group(1)}, column {m.group(2)}: "
+    line = line.split("; following special tokens are available")[0]
+    line = re.sub(r"\s*\(at [^()]*(?:\([^()]*\))?[^()]*\)", "", line)   # the lexeme it stopped at
+    line = line.replace("lexer error", "it does not parse").replace("parser error:", "").strip() or "it does not parse"
+    line = where + line
     return line if len(line) <= 200 else line[:197] + "..."
 
 
@@ -396,7 +477,7 @@ class _Vocab:
 _tokenizers: dict[str, Any] = {}
 
 
-def probe(text: str, vocab_key: str, vocab: dict | None) -> dict:
+def probe(text: str, vocab_key: str, vocab: dict | None, kind: str | None = None) -> dict:
     """Compile the llguidance grammar ``text`` against the vocabulary ``vocab_key`` and compute its
     first mask: ``{}`` when a matcher can start, ``{"error": sentence}`` when not, ``{"need_vocab":
     True}`` when this worker has not been sent that vocabulary yet."""
@@ -414,7 +495,7 @@ def probe(text: str, vocab_key: str, vocab: dict | None) -> dict:
     limits = parser_limits()
     err = llg.LLMatcher.validate_grammar(text, tok, limits=limits)
     if err:
-        return {"error": plain(err)}
+        return {"error": plain(err, kind)}
     m = llg.LLMatcher(tok, text, log_level=0, limits=limits)
     # the first mask, then the tokens the grammar forces and the mask after them (a schema's pattern
     # builds its lexer only after the forced '"'): a few steps, as far as nothing is left to choose
@@ -427,8 +508,8 @@ def probe(text: str, vocab_key: str, vocab: dict | None) -> dict:
         if not forced or m.is_error():
             break
         m.consume_tokens(forced)
-    if m.is_error() and not _endless(m.get_error()):
-        return {"error": plain(m.get_error())}
+    if m.is_error() and not endless(m.get_error()):
+        return {"error": plain(m.get_error(), kind)}
     return {}
 
 
@@ -436,7 +517,7 @@ def probe(text: str, vocab_key: str, vocab: dict | None) -> dict:
 PROBE_STEPS = 4
 
 
-def _endless(err: str) -> bool:
+def endless(err: str) -> bool:
     """llguidance ran out of Earley items following forced tokens: a grammar that forces an endless
     run (``root ::= "a" root``). Generating it is fine: the output is cut with ``length``."""
     return "Too many items" in err and "ff_tokens" in err
@@ -449,7 +530,7 @@ def job(req: dict) -> dict:
         check_bounds(req["kind"], req["source"])
         text = translate(req["kind"], req["source"])
         if req.get("vocab_key"):
-            got = probe(text, req["vocab_key"], req.get("vocab"))
+            got = probe(text, req["vocab_key"], req.get("vocab"), req["kind"])
             if got:
                 return got
         else:
@@ -457,7 +538,7 @@ def job(req: dict) -> dict:
 
             err = llg.LLMatcher.validate_grammar(text, limits=parser_limits())
             if err:
-                return {"error": plain(err)}
+                return {"error": plain(err, req["kind"])}
         return {"text": text}
     except GrammarRefused as e:
         return {"error": str(e)}

@@ -231,7 +231,9 @@ class _Pool:
             self.cond = threading.Condition()
             self.idle, self.live, self.pid = [], 0, os.getpid()
 
-    def acquire(self, memory_limit: int, workers: int) -> _Worker:
+    def acquire(self, memory_limit: int, workers: int, cancel: threading.Event | None = None) -> _Worker:
+        """An idle worker, or a new one while fewer than ``workers`` live; waits for one otherwise
+        (Cancelled when ``cancel`` is set meanwhile)."""
         self._forked()
         with self.cond:
             while True:
@@ -244,7 +246,9 @@ class _Pool:
                 if self.live < workers:
                     self.live += 1
                     break
-                self.cond.wait()
+                self.cond.wait(None if cancel is None else 0.05)
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled
         try:
             w = _Worker(memory_limit)
         except BaseException:
@@ -288,7 +292,7 @@ def call(pool: _Pool, req: dict, time_limit: float, memory_limit: int, workers: 
     """Send ``req`` to a worker of ``pool`` and return its answer within ``time_limit`` seconds:
     TimeoutError past it, Cancelled when ``cancel`` is set first (the worker is killed in both
     cases), _Died when the worker dies; WorkerError if none could be started."""
-    w = pool.acquire(memory_limit, workers)
+    w = pool.acquire(memory_limit, workers, cancel)
     reuse = False
     try:
         deadline = time.monotonic() + time_limit

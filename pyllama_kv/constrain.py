@@ -22,9 +22,11 @@ The engine uses a Constraint thus (``pyllama_kv.engine``): :meth:`Constraint.mas
 the sampler (tokens the grammar does not allow become ``-inf``; a copy, since forks share logits),
 draw, :meth:`Constraint.accept` the token. The continuation ends ``stop`` when the grammar is
 complete (nothing more can follow), ``eos`` when the model ends it where the grammar allows, and
-``length`` at ``max_tokens`` when the grammar never completes, or earlier where llguidance's parser
-reaches its per-token limits (:attr:`Constraint.at_limit`: a grammar that forces an endless run, such
-as GBNF ``root ::= "a" root``). A preempted continuation replays its
+``length`` at ``max_tokens`` when the grammar never completes, or earlier where it forces an endless
+run (:attr:`Constraint.at_limit`: GBNF ``root ::= "a" root``, where llguidance runs out of Earley items
+following the forced tokens). A grammar that breaks otherwise while generating (too complex for
+llguidance's per-token limits past a free choice) ends the continuation with an error (the server
+answers a 400, or an SSE error event once streaming, naming the grammar's field). A preempted continuation replays its
 tokens into a fresh state when it resumes (:meth:`Constraint.replay`).
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ import json
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,10 +271,10 @@ class CompiledGrammar:
             text = grammar.llguidance()
             err = llg.LLMatcher.validate_grammar(text, tokenizer, limits=limits)
             if err:
-                raise GrammarError(f"invalid {grammar.what}: {_grammar_check.plain(err)}")
+                raise GrammarError(f"invalid {grammar.what}: {_grammar_check.plain(err, grammar.kind)}")
         m = llg.LLMatcher(tokenizer, text, log_level=0, limits=limits)
         if m.is_error():
-            raise GrammarError(f"invalid {grammar.what}: {_grammar_check.plain(m.get_error())}")
+            raise GrammarError(f"invalid {grammar.what}: {_grammar_check.plain(m.get_error(), grammar.kind)}")
         self._proto = m
 
     def constraint(self) -> Constraint:
@@ -310,6 +313,88 @@ def compile_grammar(model, grammar: Grammar, *, isolate: bool = True,
             raise GrammarError(f"invalid {grammar.what}: {e}") from None
     text = check_in_worker(model, grammar, cancel) if isolate else None
     return CompiledGrammar(grammar, tokenizer_for(model), model.n_vocab, text)
+
+
+class GrammarCache:
+    """Grammars for one model, by kind and text, as a server sees them again and again (agents send
+    the same schema and tools with every request): compiled grammars (the last ``entries``), and the
+    verdicts of grammars only checked (``verdicts``: a tool's parameters), refusals included, so that a
+    hostile grammar costs a worker's time once. One compilation of a grammar at a time: a caller that
+    asks for a grammar being compiled waits for that one (``cancel`` still gives up). Thread-safe."""
+
+    def __init__(self, model, entries: int = 64, verdicts: int = 4096):
+        self.model = model
+        self.entries, self.max_verdicts = entries, verdicts
+        self._compiled: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._verdicts: OrderedDict[tuple[str, str], GrammarError | None] = OrderedDict()
+        self._busy: dict[tuple[str, str], threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def peek(self, grammar: Grammar, compiled: bool = True) -> CompiledGrammar | GrammarError | bool | None:
+        """What the cache knows without work: the compiled grammar (``compiled``) or True (a checked
+        one), the refusal (a GrammarError), or None."""
+        key = (grammar.kind, grammar.source)
+        with self._lock:
+            if key in self._verdicts and self._verdicts[key] is not None:
+                self._verdicts.move_to_end(key)
+                return self._verdicts[key]
+            if compiled:
+                hit = self._compiled.get(key)
+                if hit is not None:
+                    self._compiled.move_to_end(key)
+                return hit
+            if key in self._verdicts or key in self._compiled:
+                return True
+            return None
+
+    def _once(self, grammar: Grammar, compiled: bool, cancel: threading.Event | None):
+        key = (grammar.kind, grammar.source)
+        while True:
+            hit = self.peek(grammar, compiled)
+            if isinstance(hit, GrammarError):
+                raise hit
+            if hit is not None:
+                return hit
+            with self._lock:
+                busy = self._busy.get(key)
+                if busy is None:
+                    self._busy[key] = threading.Event()
+                    break
+            while not busy.wait(0.05):   # another thread compiles it: wait for its verdict
+                if cancel is not None and cancel.is_set():
+                    raise _template_worker.Cancelled
+        try:
+            result: CompiledGrammar | GrammarError | None
+            try:
+                if compiled:
+                    result = compile_grammar(self.model, grammar, cancel=cancel)
+                else:
+                    check_in_worker(self.model, grammar, cancel)
+                    result = None
+            except GrammarError as e:
+                result = e
+            with self._lock:
+                self._verdicts[key] = result if isinstance(result, GrammarError) else None
+                while len(self._verdicts) > self.max_verdicts:
+                    self._verdicts.popitem(last=False)
+                if isinstance(result, CompiledGrammar):
+                    self._compiled[key] = result
+                    while len(self._compiled) > self.entries:
+                        self._compiled.popitem(last=False)
+        finally:
+            with self._lock:
+                self._busy.pop(key).set()
+        if isinstance(result, GrammarError):
+            raise result
+        return result if compiled else True
+
+    def compile(self, grammar: Grammar, cancel: threading.Event | None = None) -> CompiledGrammar:
+        """``grammar`` compiled (:func:`compile_grammar`), from the cache when it is there; GrammarError."""
+        return self._once(grammar, True, cancel)
+
+    def check(self, grammar: Grammar, cancel: threading.Event | None = None) -> None:
+        """GrammarError unless ``grammar`` compiles (checked in a worker, :func:`check_in_worker`)."""
+        self._once(grammar, False, cancel)
 
 
 class Constraint:
@@ -351,10 +436,10 @@ class Constraint:
 
     @property
     def at_limit(self) -> bool:
-        """The matcher broke on llguidance's per-token parser limits, not on a disallowed token: the
-        grammar cannot go on within them (an endless forced run such as ``root ::= "a" root``), so the
-        output so far is cut there as at ``max_tokens``."""
-        return bool(self._m.is_error()) and _grammar_check.limit_error(self._m.get_error())
+        """The matcher broke following the tokens an endless grammar forces (``root ::= "a" root``:
+        llguidance runs out of Earley items), not on a disallowed token or a grammar too complex to go
+        on: the output so far is cut there as at ``max_tokens``. Any other break is an error."""
+        return bool(self._m.is_error()) and _grammar_check.endless(self._m.get_error())
 
     @property
     def done(self) -> bool:

@@ -282,8 +282,16 @@ def prepare(fmt: str, spec: ToolSpec | None, messages: list[dict]) -> tuple[list
 # -- the grammar ------------------------------------------------------------------------------------------
 
 
+def _own_resource(params: dict, name: str) -> dict:
+    """A tool's parameters as a schema resource of their own (an ``$id``, unless they have one): their
+    local refs (``#/$defs/x``, as pydantic writes them) then resolve against them, not against the
+    schema of the call they are embedded in."""
+    return params if "$id" in params else {"$id": f"urn:pyllama-kv:tool:{name}", **params}
+
+
 def _call_schema(fns: list[dict], args_key: str) -> dict:
-    alts = [{"type": "object", "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
+    alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                              args_key: _own_resource(f["parameters"], f["name"])},
              "required": ["name", args_key], "additionalProperties": False} for f in fns]
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
 

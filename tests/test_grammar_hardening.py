@@ -154,6 +154,74 @@ def test_an_endless_grammar_stops_with_length(server):
     assert r.status_code == 200 and set(r.json()["choices"][0]["message"]["content"]) == {"a"}
 
 
+def test_a_grammar_that_breaks_while_generating_is_a_400_or_an_error_event(server):
+    """Past a free first choice, a pattern too complex for llguidance's lexer: not a 200 cut with
+    ``length`` (that is only for an endless forced run) but a 400 naming the field, or, once
+    streaming, an SSE error event naming it."""
+    schema = {"type": "string", "pattern": "^(a|b|c|d|e|f|g|h)(x{1000}){1000}$"}
+    field = "response_format.json_schema.schema"
+    msg = refused(post(server, {"response_format": schema_format(schema), "max_tokens": 16}), field)
+    assert "too complex" in msg
+    r = post(server, {"response_format": schema_format(schema), "max_tokens": 16, "stream": True})
+    assert r.status_code == 200
+    errors = [json.loads(line[6:])["error"] for line in r.text.splitlines()
+              if line.startswith("data: {") and '"error"' in line]
+    assert len(errors) == 1 and errors[0]["param"] == field, r.text
+    assert not any(w in errors[0]["message"] for w in INTERNALS), errors
+    alive(server)
+
+
+LEAKY = [  # (body, field, what the answer must not carry)
+    ({"grammar": "start: < [99999999] >"}, "grammar", "lexer error"),
+    ({"grammar": "root ::= <[99999999]>"}, "grammar", "root ::="),
+    ({"grammar": "start: <|endoftext|> <|nonexistent|>"}, "grammar", "<|endoftext|>"),
+    ({"grammar": "start: /(?<=a)b/"}, "grammar", "(?<=a)b"),
+    ({"response_format": schema_format({"type": "string", "pattern": "(("})}, "response_format.json_schema.schema",
+     "(("),
+]
+
+
+@pytest.mark.parametrize("body,field,secret", LEAKY, ids=[str(i) for i in range(len(LEAKY))])
+def test_refusals_carry_no_internals_and_no_grammar_text(server, body, field, secret):
+    msg = refused(post(server, body), field)
+    assert secret not in msg and "\u27e6" not in msg and "\u27e6" not in msg, msg
+    assert len(msg) < 300
+
+
+@pytest.mark.parametrize("style", ["percent", "absolute-id", "relative-id"])
+def test_ref_chains_the_bounds_used_to_miss_are_refused_by_them(server, style):
+    """``$ref`` forms llguidance follows: a percent-encoded pointer, absolute and relative ``$id``s.
+    A 3,000-link chain of each crashed llguidance (in a worker): the bounds see it now."""
+    n = 3_000
+    if style == "percent":
+        defs: dict = {f"d{i}": {"$ref": f"#/%24defs/d{i + 1}"} for i in range(n)}
+        root = "#/%24defs/d0"
+    else:
+        name = (lambda i: f"http://x/d{i}") if style == "absolute-id" else (lambda i: f"d{i}")
+        defs = {f"d{i}": {"$id": name(i), "$ref": name(i + 1)} for i in range(n)}
+        root = name(0)
+    defs[f"d{n}"] = {"type": "string", **({"$id": f"http://x/d{n}" if style == "absolute-id" else f"d{n}"}
+                                             if style != "percent" else {})}
+    msg = refused(post(server, {"response_format": schema_format({"$defs": defs, "$ref": root})}),
+                  "response_format.json_schema.schema")
+    assert "levels deep" in msg and "crashed" not in msg, msg
+    msg = refused(post(server, {"response_format": schema_format({"$ref": "#/nowhere"})}),
+                  "response_format.json_schema.schema")
+    assert "names no schema" in msg
+
+
+def test_tool_parameters_with_local_refs_keep_their_meaning(server):
+    """Pydantic writes ``$defs`` and ``#/$defs/...`` refs: embedded in the call's schema, they still
+    resolve against the tool's own parameters."""
+    params = {"type": "object", "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                "required": ["x"], "additionalProperties": False}},
+              "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"], "additionalProperties": False}
+    r = post(server, {"tools": tool(params), "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 64})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert isinstance(json.loads(call["arguments"])["p"]["x"], int), call
+
+
 def test_schema_true_is_a_schema(server):
     r = post(server, {"response_format": schema_format(True), "max_tokens": 6})
     assert r.status_code == 200, r.text
@@ -169,7 +237,14 @@ def test_token_ids_of_any_size_are_400s(server, tid):
     r = post(server, {"prompt": [1, tid]}, path="/completions")
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     refused(post(server, {"grammar": f"start: <[{tid}]>"}), "grammar")
+    refused(post(server, {"grammar": f"start: <[^{tid}]>"}), "grammar")
     alive(server)
+
+
+def test_token_references_are_read_as_the_grammar_reads_them(server):
+    """``<[n]>`` inside a string or a comment is text, not a token reference."""
+    r = post(server, {"grammar": 'start: "<[99999]>" // <[99999]>\n', "max_tokens": 12})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "<[99999]>", r.text
 
 
 # -- the library: bounds, the worker's limits ----------------------------------------------------------
@@ -209,8 +284,44 @@ def test_a_worker_past_its_time_limit_is_killed_and_a_cancelled_one_too():
     assert isinstance(got.get("text"), str), got
 
 
+def test_the_grammar_cache_keeps_verdicts_and_compiles_a_grammar_once(real_model, monkeypatch):
+    """Verdicts of many tools' parameters are kept (70 schemas: a second pass costs no worker), and
+    threads asking for one grammar at once compile it once."""
+    import pyllama_kv as pk
+    from pyllama_kv import constrain
+
+    calls = []
+    real_check, real_compile = constrain.check_in_worker, constrain.compile_grammar
+    monkeypatch.setattr(constrain, "check_in_worker", lambda *a, **k: calls.append("check") or real_check(*a, **k))
+    monkeypatch.setattr(constrain, "compile_grammar", lambda *a, **k: calls.append("compile") or real_compile(*a, **k))
+    with pk.Model(real_model) as model:
+        cache = constrain.GrammarCache(model)
+        schemas = [Grammar.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}}})
+                   for i in range(70)]
+        for g in schemas * 2:
+            cache.check(g)
+        assert calls.count("check") == 70
+        bad = Grammar.json_schema({"$ref": "#"})
+        for _ in range(2):
+            with pytest.raises(GrammarError, match="nothing can follow"):
+                cache.compile(bad)
+        assert calls.count("compile") == 1
+        one = Grammar.gbnf(gbnf_chain(300))
+        out: list = []
+        threads = [threading.Thread(target=lambda: out.append(cache.compile(one))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(out) == 4 and all(o is out[0] for o in out)
+        assert calls.count("compile") == 2
+
+
 def test_llguidance_errors_in_one_sentence():
     assert "nothing can follow" in _grammar_check.plain("NoExtensionBias <non-verbose/>")
     assert "too complex" in _grammar_check.plain("parser error: Too many items (limit 50000; ff_tokens)")
     msg = _grammar_check.plain("at 1(8): Token range end too large: 300\n   1 | start: <[300]>\n      ^")
-    assert msg == "at 1(8): Token range end too large: 300"
+    assert msg == "at line 1, column 8: Token range end too large: 300"
+    gbnf = "Failed to convert the grammar from GBNF to Lark: Expected name at line 1, 'root ::= ' ^ '<[9]>'"
+    assert _grammar_check.plain(gbnf, "gbnf") == "not valid GBNF: Expected name at line 1"
+    assert _grammar_check.plain("2(4): Expected value (at \":\" (':'))\n   2 | x: : y", "gbnf") == "Expected value"

@@ -20,7 +20,6 @@ thread hands to the asyncio loop (``call_soon_threadsafe`` into a queue per requ
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import hashlib
@@ -46,7 +45,7 @@ from starlette.routing import Route
 from .. import toolcall
 from .._template_worker import Cancelled
 from ..chat import chat_template
-from ..constrain import Grammar, GrammarError, compile_grammar
+from ..constrain import Grammar, GrammarCache, GrammarError
 from ..conversation import Transcripts
 from ..engine.request import GRAMMAR_ERROR
 from ..errors import InvalidInputError, LlamaError, QueueFullError
@@ -57,6 +56,8 @@ from .metrics import CONTENT_TYPE, Metrics, Snapshot
 from .protocol import APIError, GenRequest
 
 log = logging.getLogger("pyllama_kv.server")
+
+_UNKNOWN = object()   # (a grammar the cache does not know yet)
 
 #: threads that compile grammars not in the cache (each waits for a grammar worker, then builds the
 #: matcher here): apart from the threads every request renders and tokenizes on
@@ -103,10 +104,9 @@ class Server:
         self._key_digest = hashlib.sha256((config.api_key or "").encode("latin-1")).digest()
         self._grace: threading.Timer | None = None
         self._piece = functools.lru_cache(maxsize=1 << 16)(model.token_to_piece)
-        # compiled grammars, and refused ones (a GrammarError), by (kind, source): agents send the same
-        # schema and tools again and again, and a hostile grammar costs a worker's time once
-        self._grammars: collections.OrderedDict = collections.OrderedDict()
-        self._grammar_lock = threading.Lock()
+        # compiled grammars and verdicts by text: agents send the same schema and tools again and again,
+        # and a hostile grammar costs a worker's time once
+        self.grammars = GrammarCache(model)
         self._grammar_threads = anyio.CapacityLimiter(GRAMMAR_THREADS)
         # chats come back whole: their earlier answers are tokenized as the cache holds them
         self.transcripts = Transcripts(model)
@@ -249,57 +249,68 @@ class Server:
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
-    def _grammars_of(self, req: GenRequest) -> list[tuple[Grammar, str]]:
-        """The grammars a request needs compiled, with the field each came from: each tool's parameters
-        (``tools[i].function.parameters``; the tools are rendered only with schemas llguidance takes),
-        then the output's grammar (response_format, grammar, or the one that shapes a tool call)."""
-        out = list(req.tools.parameter_grammars()) if req.tools is not None and req.tools.active else []
+    @staticmethod
+    def _grammars_of(req: GenRequest) -> list[tuple[Grammar, str, bool]]:
+        """The grammars a request needs, each with the field it came from and whether it is compiled
+        (the output's grammar: response_format, grammar, or the one that shapes a tool call) or only
+        checked (each tool's parameters, ``tools[i].function.parameters``: the tools are rendered
+        only with schemas llguidance takes)."""
+        out = [(g, f, False) for g, f in req.tools.parameter_grammars()] \
+            if req.tools is not None and req.tools.active else []
         g = req.grammar
         if g is not None:
             field = req.grammar_param or "grammar"
             if field == "response_format" and g.kind == "json_schema":
                 field = "response_format.json_schema.schema"
-            out.append((g, field))
+            out.append((g, field, True))
         return out
 
-    def _cached(self, g: Grammar, field: str):
-        """``g`` compiled, from the cache (None when it is not there); a 400 naming ``field`` for a
-        cached refusal."""
-        with self._grammar_lock:
-            hit = self._grammars.get((g.kind, g.source))
-            if hit is not None:
-                self._grammars.move_to_end((g.kind, g.source))
-        if isinstance(hit, GrammarError):
-            raise protocol.bad(field, f"{field}: {hit}", code="invalid_grammar")
-        return hit
+    def _known(self, needed: list[tuple[Grammar, str, bool]]):
+        """The output's compiled grammar (None without one) when the cache knows every grammar of
+        ``needed``, a 400 for a known refusal, or ``_UNKNOWN``: the event loop's fast path."""
+        out = None
+        for g, field, compiled in needed:
+            hit = self.grammars.peek(g, compiled)
+            if isinstance(hit, GrammarError):
+                raise protocol.bad(field, f"{field}: {hit}", code="invalid_grammar")
+            if hit is None:
+                return _UNKNOWN
+            if compiled:
+                out = hit
+        return out
 
-    def _compile(self, needed: list[tuple[Grammar, str]], cancel: threading.Event | None = None):
-        """Compile ``needed`` (on a thread of the grammar limiter), caching each result, refusals too;
-        the last one compiled (the output's grammar), or a 400 naming the field of the first that cannot
-        be compiled. The first compilation of a grammar runs in a grammar worker process
-        (constrain.compile_grammar): one that crashes or stalls llguidance costs a worker, never this
-        server."""
-        compiled = None
-        for g, field in needed:
-            compiled = self._cached(g, field)
-            if compiled is None:
-                try:
-                    compiled = compile_grammar(self.model, g, cancel=cancel)
-                except GrammarError as e:
-                    compiled = e
-                with self._grammar_lock:
-                    self._grammars[(g.kind, g.source)] = compiled
-                    while len(self._grammars) > 64:
-                        self._grammars.popitem(last=False)
-                if isinstance(compiled, GrammarError):
-                    raise protocol.bad(field, f"{field}: {compiled}", code="invalid_grammar")
-        return compiled
+    def _compile(self, needed: list[tuple[Grammar, str, bool]], cancel: threading.Event | None = None):
+        """Check each tool's parameters, then compile the output's grammar (on a thread of the grammar
+        limiter; constrain.GrammarCache: cached by text, refusals too, one compilation of a grammar at
+        a time); the output's compiled grammar, or a 400 naming the field of the first that cannot be
+        compiled. The first compilation of a grammar runs in a grammar worker process: one that crashes
+        or stalls llguidance costs a worker, never this server."""
+        out = None
+        for g, field, compiled in needed:
+            try:
+                if compiled:
+                    out = self.grammars.compile(g, cancel)
+                else:
+                    self.grammars.check(g, cancel)
+            except GrammarError as e:
+                raise protocol.bad(field, f"{field}: {e}", code="invalid_grammar") from None
+        return out
+
+    def _check_length(self, req: GenRequest, toks: list[int]) -> None:
+        cfg = self.engine.config
+        truncate = req.truncate if req.truncate is not None else cfg.truncate
+        why = None if truncate else prompt_too_long(len(toks), self.engine.n_ctx)   # truncate: the engine cuts it
+        if why:
+            raise protocol.bad("messages" if req.kind == "chat" else "prompt", why, code="context_length_exceeded")
 
     def _prepare(self, req: GenRequest) -> list[int]:
         """The prompt's token ids (on a worker thread: rendering and tokenizing take a while), and with
         tools, the grammar that forces or shapes a call (``req.grammar``)."""
         toks = self._tokens(req)
-        g = toolcall.grammar(req.tool_format, req.tools) if req.kind == "chat" else None
+        try:
+            g = toolcall.grammar(req.tool_format, req.tools) if req.kind == "chat" else None
+        except GrammarError as e:   # (each tool's parameters were in bounds: their combination is not)
+            raise protocol.bad("tools", f"tools: {e}", code="invalid_grammar") from None
         if g is not None:
             req.grammar, req.grammar_param = g, "tools"
         return toks
@@ -310,9 +321,11 @@ class Server:
         grammar workers never holds the threads other requests render and tokenize on; given up when
         the client leaves meanwhile (a grammar worker compiling is killed then): _Gone("preparing")."""
         toks = await run_in_threadpool(self._prepare, req)
+        self._check_length(req, toks)   # before any grammar costs a worker's time
         needed = self._grammars_of(req)
-        if all(self._cached(g, f) is not None for g, f in needed):
-            return toks, (self._cached(*needed[-1]) if needed else None)
+        known = self._known(needed)
+        if known is not _UNKNOWN:
+            return toks, known
         cancel = threading.Event()
         work = asyncio.ensure_future(anyio.to_thread.run_sync(self._compile, needed, cancel,
                                                               limiter=self._grammar_threads))
@@ -363,11 +376,6 @@ class Server:
                              check_tokens=self.model.check_tokens)
         self._check_model(req.model)
         toks, grammar = await self._prepared(request, req)
-        n_ctx = self.engine.n_ctx
-        truncate = req.truncate if req.truncate is not None else cfg.truncate
-        why = None if truncate else prompt_too_long(len(toks), n_ctx)   # with "truncate": true the engine cuts it
-        if why:
-            raise protocol.bad("messages" if kind == "chat" else "prompt", why, code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
