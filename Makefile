@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all setup venv vendor patch build demo lint test sdist wheel clean distclean
+.PHONY: all setup venv vendor patch build demo lint test sdist wheel clean distclean FORCE
 
 all: test
 
@@ -18,7 +18,15 @@ LCP    := $(VENV)/.llama-cpp-python
 
 # editable, with no library compiled into it (-DPYLLAMA_KV_BUILD=OFF): here the harness builds
 # (build/patched-cpu, build/vanilla-cpu); `pip install .` without that flag compiles one into the package
-$(STAMP): pyproject.toml CMakeLists.txt
+# the editable install knows the package's files by name: a module added, moved or removed reinstalls it
+# ($(MODULES) is rewritten only when that list changes)
+MODULES := $(VENV)/.modules
+$(MODULES): FORCE
+	@mkdir -p $(VENV)
+	@find pyllama_kv -name '*.py' -not -path '*/__pycache__/*' | LC_ALL=C sort > $@.new
+	@cmp -s $@.new $@ || mv $@.new $@; rm -f $@.new
+
+$(STAMP): pyproject.toml CMakeLists.txt $(MODULES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
 		--config-settings=cmake.define.PYLLAMA_KV_BUILD=OFF -e '.[test,map,server]'

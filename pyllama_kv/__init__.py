@@ -19,21 +19,24 @@ import typing as _typing
 # runs where nothing else is installed yet, as in a package build's isolated environment.
 _LAZY = {
     "library_info": "._native.ffi",
-    "Context": ".context", "KVStats": ".context",
-    "ChatTemplate": ".conversation", "Conversation": ".conversation",
+    "Context": ".core.context", "KVStats": ".core.context",
+    "ChatTemplate": ".chat.conversation", "Conversation": ".chat.conversation",
     "DecodeError": ".errors", "GGUFFileError": ".errors", "InvalidInputError": ".errors", "KVCacheFullError": ".errors",
     "LibraryError": ".errors", "LlamaError": ".errors", "ModelLoadError": ".errors",
-    "Model": ".model",
-    "PrefixCache": ".prefix",
-    "Sampler": ".sampling",
-    "Sequence": ".sequence", "SequenceState": ".sequence",
-    "Span": ".span",
+    "Model": ".core.model",
+    "PrefixCache": ".prefixcache.cache",
+    "Sampler": ".sampling.sampler",
+    "Sequence": ".core.sequence", "SequenceState": ".core.sequence",
+    "Span": ".core.span",
 }
 
 if _typing.TYPE_CHECKING:
     from ._native.ffi import library_info
-    from .context import Context, KVStats
-    from .conversation import ChatTemplate, Conversation
+    from .chat.conversation import ChatTemplate, Conversation
+    from .core.context import Context, KVStats
+    from .core.model import Model
+    from .core.sequence import Sequence, SequenceState
+    from .core.span import Span
     from .errors import (
         DecodeError,
         GGUFFileError,
@@ -43,11 +46,8 @@ if _typing.TYPE_CHECKING:
         LlamaError,
         ModelLoadError,
     )
-    from .model import Model
-    from .prefix import PrefixCache
-    from .sampling import Sampler
-    from .sequence import Sequence, SequenceState
-    from .span import Span
+    from .prefixcache.cache import PrefixCache
+    from .sampling.sampler import Sampler
 
 
 def __getattr__(name: str) -> _typing.Any:

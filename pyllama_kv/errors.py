@@ -26,14 +26,14 @@ class LibraryError(LlamaError):
 
 
 class ModelLoadError(LlamaError):
-    """The model file is missing, not GGUF, truncated, refused by validation (pyllama_kv.tools.gguf_check:
+    """The model file is missing, not GGUF, truncated, refused by validation (pyllama_kv.modelfile.validate:
     a hyperparameter, tensor or vocabulary llama.cpp would crash on, or an architecture other than
     llama), or one llama.cpp cannot load."""
 
 
 class GGUFFileError(LlamaError, ValueError):
     """Not a GGUF file, a truncated or corrupt one, or one whose values have types that cannot be read
-    (pyllama_kv.gguf, the GGUF reader). Loading a model turns it into a ModelLoadError. It is also a
+    (pyllama_kv.modelfile.gguf, the GGUF reader). Loading a model turns it into a ModelLoadError. It is also a
     ValueError, as it was before it joined LlamaError, so that callers catching ValueError still do."""
 
 
@@ -58,3 +58,8 @@ class HarnessError(LlamaError):
     """Base class of the build harness's errors (fetching, patching and building llama.cpp:
     VendorError, PatchError, BuildError). Not raised by the runtime API; a LlamaError like every
     error of ours, so that one ``except LlamaError`` catches whatever pyllama_kv reports."""
+
+
+class BuildError(HarnessError):
+    """The build could not be configured or compiled; the message says why and what to do
+    (pyllama_kv.harness.build and .cuda)."""

@@ -41,7 +41,7 @@ QUANTIZED_KV_TYPES: frozenset[str] = frozenset(KV_CACHE_TYPES) - {"f32", "f16", 
 
 def kv_type_block(name: str) -> int:
     """Values per block of KV cache type ``name`` (1 for f32, f16, bf16); KeyError for another name."""
-    from .gguf import GGML_TYPES  # (it imports numpy: not at this module's import)
+    from .modelfile.gguf import GGML_TYPES  # (it imports numpy: not at this module's import)
 
     return GGML_TYPES[KV_CACHE_TYPES[name]][1]
 
@@ -49,7 +49,7 @@ def kv_type_block(name: str) -> int:
 def kv_type_size(name: str) -> float:
     """Bytes per value of KV cache type ``name`` (a block type's averaged over its block); KeyError for
     another name."""
-    from .gguf import GGML_TYPES
+    from .modelfile.gguf import GGML_TYPES
 
     _name, block, size = GGML_TYPES[KV_CACHE_TYPES[name]]
     return size / block
@@ -69,7 +69,7 @@ LOGIT_BIAS_MAX = 100.0
 REPEAT_PENALTY_MAX = 10.0
 #: stop strings of one request (the engine's bound, and the HTTP API's 400)
 MAX_STOP_STRINGS = 16
-#: a grammar or schema a request carries (pyllama_kv._grammar_check measures it before llguidance sees it):
+#: a grammar or schema a request carries (pyllama_kv.sampling.grammar_check measures it before llguidance sees it):
 #: characters of its text; rules (or schema objects); levels of chained references and nesting. llguidance
 #: 1.9 overflows its native stack at ~2,500 chained ``$defs`` and ~2,800 chained Lark rules, and its GBNF
 #: converter is superlinear in chain length (0.33 s at 500, 6.5 s at 2,000): the depth bound is 5x below
@@ -77,7 +77,7 @@ MAX_STOP_STRINGS = 16
 GRAMMAR_MAX_CHARS = 256 * 1024
 GRAMMAR_MAX_RULES = 4000
 GRAMMAR_MAX_DEPTH = 500
-#: a grammar's first compilation runs in a worker process (pyllama_kv._template_worker): killed past
+#: a grammar's first compilation runs in a worker process (pyllama_kv._worker): killed past
 #: GRAMMAR_TIME_LIMIT seconds, under GRAMMAR_MEMORY_LIMIT bytes of address space (a vocabulary of 150k
 #: tokens and llguidance's lexer take a few hundred MiB)
 GRAMMAR_TIME_LIMIT = 10.0

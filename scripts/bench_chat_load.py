@@ -60,9 +60,9 @@ from bench_server import (  # noqa: E402
     run_load,
 )
 
-from pyllama_kv import catalogue  # noqa: E402
 from pyllama_kv.config import default_threads  # noqa: E402
 from pyllama_kv.harness.peer import build_peer, find_peer_server  # noqa: E402
+from pyllama_kv.modelfile import catalogue  # noqa: E402
 from pyllama_kv.tools.bench import machine  # noqa: E402
 
 SERVERS = ("ours", "ours-no-tier", "pin", "current")

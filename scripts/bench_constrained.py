@@ -1,4 +1,4 @@
-"""The cost of constrained decoding (pyllama_kv.constrain, llguidance); prints JSON.
+"""The cost of constrained decoding (pyllama_kv.sampling.grammar, llguidance); prints JSON.
 
 * ``tokenizer``: seconds to build llguidance's tokenizer from the model's vocabulary (once per model),
   on SmolLM2's 49,152 tokens and Qwen2.5's 151,665 (a tiny random qwen2 carrying the real vocabulary).
@@ -26,8 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pyllama_kv import Model, catalogue, chat, constrain
+from pyllama_kv import Model
+from pyllama_kv.chat import templates as chat
 from pyllama_kv.engine import Engine, EngineConfig, SamplingParams
+from pyllama_kv.modelfile import catalogue
+from pyllama_kv.sampling import grammar as constrain
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "items"], "properties": {
     "name": {"type": "string", "maxLength": 40},

@@ -34,8 +34,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import Server, free_port, percentile, pyllama_kv_cmd  # noqa: E402
 
-from pyllama_kv import catalogue  # noqa: E402
 from pyllama_kv.config import default_threads  # noqa: E402
+from pyllama_kv.modelfile import catalogue  # noqa: E402
 from pyllama_kv.tools.bench import machine  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

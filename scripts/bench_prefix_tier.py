@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import pyllama_kv as pk  # noqa: E402
-from pyllama_kv import catalogue  # noqa: E402
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig  # noqa: E402
+from pyllama_kv.modelfile import catalogue  # noqa: E402
 
 WORDS = ("river stone market window garden letter engine morning silver harbor lantern meadow bridge "
          "candle forest violin paper thunder orchard compass ladder island mirror velvet").split()

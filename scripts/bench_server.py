@@ -42,9 +42,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 import pyllama_kv as pk
-from pyllama_kv import catalogue
 from pyllama_kv.config import default_threads
 from pyllama_kv.harness import build as _build
+from pyllama_kv.modelfile import catalogue
 from pyllama_kv.tools.bench import machine
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

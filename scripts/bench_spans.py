@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import pyllama_kv as pk  # noqa: E402
-from pyllama_kv import catalogue  # noqa: E402
+from pyllama_kv.modelfile import catalogue  # noqa: E402
 
 
 def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None) -> dict:

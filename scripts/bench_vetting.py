@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyllama_kv as pk  # noqa: E402
-from pyllama_kv import catalogue, vetting  # noqa: E402
+from pyllama_kv.modelfile import catalogue, vetting  # noqa: E402
 
 
 def _time(fn) -> float:

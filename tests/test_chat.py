@@ -1,4 +1,4 @@
-"""Chat templates: the GGUF's tokenizer.chat_template rendered in the jinja2 sandbox (pyllama_kv.chat)."""
+"""Chat templates: the GGUF's tokenizer.chat_template rendered in the jinja2 sandbox (pyllama_kv.chat.templates)."""
 from __future__ import annotations
 
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 
 import pyllama_kv as pk
-from pyllama_kv import chat
+from pyllama_kv.chat import templates as chat
 from pyllama_kv.tools.gguf import make_tiny_model
 
 # SmolLM2-Instruct's template (tokenizer_config.json / the GGUF's tokenizer.chat_template)
@@ -234,7 +234,7 @@ def test_unlocatable_control_text_makes_the_whole_string_plain(real, monkeypatch
 
 def test_conversation_slices_keep_the_plain_spans(real):
     """`pyllama-kv chat` tokenizes each turn's new text (a slice of the rendering)."""
-    from pyllama_kv.conversation import ChatTemplate, Conversation
+    from pyllama_kv.chat.conversation import ChatTemplate, Conversation
 
     conv = Conversation(ChatTemplate(real), None)
     msgs, text, toks = conv.next_prompt("Hello")

@@ -97,7 +97,7 @@ def test_run_chat_parallel_forks_the_rendered_prompt(real_model, smol):
 def test_kept_token_ids_are_the_prefix_even_when_bpe_would_merge_them(smol):
     # the answer's tokens as generated ("Hel" + "lo", not "Hello"): the next prompt starts with them,
     # where re-tokenizing the rendered text would not (and the cached cells would not match)
-    from pyllama_kv.conversation import ChatTemplate, Conversation
+    from pyllama_kv.chat.conversation import ChatTemplate, Conversation
     from pyllama_kv.engine import Completion
 
     conv = Conversation(ChatTemplate(smol), None)

@@ -13,7 +13,7 @@ import pytest
 from pyllama_kv import limits
 from pyllama_kv.config import CacheConfig, ContextConfig, EngineConfig, SamplingParams
 from pyllama_kv.errors import InvalidInputError
-from pyllama_kv.gguf import GGML_TYPES
+from pyllama_kv.modelfile.gguf import GGML_TYPES
 
 
 def _names(cls) -> list[str]:
@@ -39,9 +39,9 @@ def test_configs_extend_the_cache_config_instead_of_copying_it():
 
 
 def test_the_defaults_agree():
-    from pyllama_kv.context import Context
-    from pyllama_kv.model import Model
-    from pyllama_kv.sampling import Sampler
+    from pyllama_kv.core.context import Context
+    from pyllama_kv.core.model import Model
+    from pyllama_kv.sampling.sampler import Sampler
     from pyllama_kv.tools.workload import StressConfig
 
     for fn in (Context.__init__, Model.context):

@@ -1,4 +1,4 @@
-"""Constrained decoding (pyllama_kv.constrain, llguidance) in the engine: a held set of JSON schemas
+"""Constrained decoding (pyllama_kv.sampling.grammar, llguidance) in the engine: a held set of JSON schemas
 validates 100% on the real model (forks included), a grammar survives preemption, a grammar that
 never completes ends by length, uncompilable schemas are errors naming the problem, and logprobs
 are the log-softmax of the logits the engine sampled from."""
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from pyllama_kv import chat, constrain
-from pyllama_kv.constrain import Grammar, GrammarError
+from pyllama_kv.chat import templates as chat
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig, SamplingParams
+from pyllama_kv.sampling import grammar as constrain
+from pyllama_kv.sampling.grammar import Grammar, GrammarError
 from test_engine import FakeKV
 
 # the held set: nested objects, arrays, enums, required fields, string formats, numbers with bounds
@@ -207,7 +208,7 @@ def test_logprobs_are_the_log_softmax_of_the_engines_logits(model):
     seen: list[np.ndarray] = []
 
     def sampler(req, i):
-        from pyllama_kv.sampling import Sampler
+        from pyllama_kv.sampling.sampler import Sampler
 
         smp = Sampler(eng.kv.ctx, temp=0.9, seed=7 + i)
 

@@ -1,12 +1,12 @@
-"""pyllama_kv.conversation (the token-stable multi-turn conversation) on pyllama_kv.engine.oneshot's
+"""pyllama_kv.chat.conversation (the token-stable multi-turn conversation) on pyllama_kv.engine.oneshot's
 EngineSession, on the tiny model with a small template of our own (the tiny model has none)."""
 from __future__ import annotations
 
 import pytest
 
 import pyllama_kv as pk
+from pyllama_kv.chat.conversation import ChatTemplate, Conversation
 from pyllama_kv.config import GREEDY, EngineConfig
-from pyllama_kv.conversation import ChatTemplate, Conversation
 from pyllama_kv.engine.oneshot import EngineSession
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

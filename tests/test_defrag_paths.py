@@ -27,7 +27,7 @@ import pytest
 from test_rpc import start_rpc_server, stop
 
 import pyllama_kv as pk
-from pyllama_kv.state import parse, reorder
+from pyllama_kv.core.state import parse, reorder
 from pyllama_kv.tools.gguf import make_tiny_model
 
 N_CTX = 256

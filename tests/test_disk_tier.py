@@ -13,9 +13,9 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import F32, toks
-from pyllama_kv import spanfile
 from pyllama_kv.engine import EngineConfig
 from pyllama_kv.engine.tier import PagingPrefixCache
+from pyllama_kv.prefixcache import spanfile
 from pyllama_kv.tools.gguf import make_tiny_model
 
 ATOL = 1e-4
@@ -341,8 +341,8 @@ def test_a_prefix_of_a_stored_span_is_not_written_again(model, tmp_path):
 def test_the_token_index_finds_what_a_brute_force_finds():
     """spanfile.TokenIndex against every file compared with the prompt, through random adds and
     removes of files that share prefixes (a small vocabulary: many branch points)."""
-    from pyllama_kv.span import shared_prefix
-    from pyllama_kv.spanfile import TokenIndex, _File
+    from pyllama_kv.core.span import shared_prefix
+    from pyllama_kv.prefixcache.spanfile import TokenIndex, _File
 
     rng = np.random.default_rng(0)
     idx, held = TokenIndex(), {}
@@ -382,8 +382,8 @@ def test_an_engine_restores_the_system_prompt_of_a_paged_out_conversation(model,
     engine on the same cache_dir gets another question under the same system prompt: the file
     serves the system prompt (and nothing more), counted as a disk hit and reused tokens, and the
     answer is what an engine without the cache gives (F32)."""
+    from pyllama_kv.core.span import shared_prefix
     from pyllama_kv.engine import GREEDY, Engine
-    from pyllama_kv.span import shared_prefix
 
     def ask(eng, prompt):
         h = eng.submit(prompt, GREEDY, max_tokens=8)

@@ -21,8 +21,15 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import ROOT, run_py
+from pyllama_kv.modelfile.validate import (
+    ARRAY,
+    STRING,
+    GGUFFileError,
+    check_gguf_header,
+    read_gguf_header,
+    validate_gguf,
+)
 from pyllama_kv.tools.gguf import inspect_gguf, make_tiny_model, tiny_vocab
-from pyllama_kv.tools.gguf_check import ARRAY, STRING, GGUFFileError, check_gguf_header, read_gguf_header, validate_gguf
 
 T = gguf.GGUFValueType
 Q = gguf.GGMLQuantizationType

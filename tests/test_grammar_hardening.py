@@ -10,9 +10,10 @@ import threading
 import httpx
 import pytest
 
-from pyllama_kv import _grammar_check, _template_worker
-from pyllama_kv.constrain import Grammar, GrammarError
+from pyllama_kv import _worker as _template_worker
 from pyllama_kv.limits import GRAMMAR_MAX_DEPTH, GRAMMAR_MAX_RULES
+from pyllama_kv.sampling import grammar_check as _grammar_check
+from pyllama_kv.sampling.grammar import Grammar, GrammarError
 from test_server import MODEL, ServerProc
 
 #: what a client must never see: llguidance's error names, its parser state, its verbose markers
@@ -288,7 +289,7 @@ def test_the_grammar_cache_keeps_verdicts_and_compiles_a_grammar_once(real_model
     """Verdicts of many tools' parameters are kept (70 schemas: a second pass costs no worker), and
     threads asking for one grammar at once compile it once."""
     import pyllama_kv as pk
-    from pyllama_kv import constrain
+    from pyllama_kv.sampling import grammar as constrain
 
     calls = []
     real_check, real_compile = constrain.check_in_worker, constrain.compile_grammar

@@ -17,7 +17,7 @@ from pyllama_kv.engine import GREEDY, Engine, EngineConfig
 from pyllama_kv.engine.kv import PrefixPolicy
 from pyllama_kv.engine.scheduler import _MAX_OVERTAKES, _MIN_SHARED
 from pyllama_kv.errors import KVCacheFullError, LlamaError
-from pyllama_kv.prefix import shared_prefix
+from pyllama_kv.prefixcache.cache import shared_prefix
 
 TOKEN = 5        # what the fake model always answers (never end-of-generation)
 N_VOCAB = 8

@@ -24,7 +24,7 @@ import pyllama_kv as pk
 from conftest import run_py
 from pyllama_kv.config import default_threads
 from pyllama_kv.engine import Engine, EngineConfig, SamplingParams
-from pyllama_kv.tools.gguf_check import ggml_type_name, read_gguf_header
+from pyllama_kv.modelfile.validate import ggml_type_name, read_gguf_header
 
 TOL = 1e-3            # logits of a KV operation vs a fresh evaluation, F32 weights and cache
 GREEDY_ALL = SamplingParams(temperature=0.0, ignore_eos=True)   # exactly max_tokens tokens, like llama-cpp-python

@@ -26,7 +26,7 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import run_cli, run_py, toks
-from pyllama_kv import model as M
+from pyllama_kv.core import model as M
 
 F32_ATOL = 1e-4
 

@@ -17,7 +17,7 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import run_py
-from pyllama_kv import state as S
+from pyllama_kv.core import state as S
 from pyllama_kv.tools.gguf import make_tiny_model
 
 F32_ATOL = 1e-4  # f32 cache, no flash attention: differences are ~1e-6 (summation order)

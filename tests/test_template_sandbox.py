@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from conftest import ROOT, run_py
-from pyllama_kv import chat
+from pyllama_kv.chat import templates as chat
 
 BIG = "{% set s = 'x' * 1000000 %}"
 
@@ -272,7 +272,7 @@ FREEZE = "{% set a = ((9 ** 4096) ** 4096) ** 4096 %}{% for m in messages %}{{ m
 
 def _template_workers(pid: int) -> dict[int, float]:
     """The chat-template worker processes of process ``pid`` (its children running
-    pyllama_kv._template_worker, not zombies): pid -> CPU seconds they have used."""
+    pyllama_kv._worker, not zombies): pid -> CPU seconds they have used."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for d in os.listdir("/proc"):
@@ -362,12 +362,13 @@ def test_freezing_template_does_not_stop_the_server(models, monkeypatch):
 
 
 def test_module_imports_nothing_but_jinja2():
-    """The worker runs _template_sandbox with jinja2 and the standard library only."""
-    code = ("import sys; import pyllama_kv._template_worker, pyllama_kv._template_sandbox as s; s._env(); "
+    """The worker runs the template sandbox (pyllama_kv.chat.sandbox) with jinja2 and the standard
+    library only: the chat package loads its names only when they are used."""
+    code = ("import sys; import pyllama_kv._worker, pyllama_kv.chat.sandbox as s; s._env(); "
             "print(sorted(m for m in sys.modules if m.startswith('pyllama_kv')))")
     p = run_py(["-c", code], timeout=60)
     assert p.returncode == 0, p.stderr
-    assert eval(p.stdout) == ["pyllama_kv", "pyllama_kv._template_sandbox", "pyllama_kv._template_worker"]
+    assert eval(p.stdout) == ["pyllama_kv", "pyllama_kv._worker", "pyllama_kv.chat", "pyllama_kv.chat.sandbox"]
 
 
 def test_a_worker_does_not_outlive_its_parent_by_more_than_one_rendering():

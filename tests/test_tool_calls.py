@@ -1,6 +1,6 @@
 """Tool calls (issue 22, section 2): the formats (hermes, llama3, mistral, generic) detected, forced,
-parsed and streamed (pyllama_kv.toolcall); tools and tool messages rendered through the GGUF's own
-template (pyllama_kv.chat); and the server with the official openai client: a round trip on the
+parsed and streamed (pyllama_kv.chat.toolcall); tools and tool messages rendered through the GGUF's own
+template (pyllama_kv.chat.templates); and the server with the official openai client: a round trip on the
 real SmolLM2 (generic format), forced calls on a tiny qwen2 with Qwen2.5's template (hermes),
 streamed calls equal to non-streamed ones, and the 400s that name the field."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import openai
 import pytest
 
 import pyllama_kv as pk
-from pyllama_kv import chat, toolcall
-from pyllama_kv.toolcall import StreamParser, ToolError, check_tools, detect_format, parse
+from pyllama_kv.chat import templates as chat, toolcall
+from pyllama_kv.chat.toolcall import StreamParser, ToolError, check_tools, detect_format, parse
 from pyllama_kv.tools.qwen_vocab import CHAT_TEMPLATE as QWEN_TEMPLATE
 from test_server import MODEL, ServerProc
 

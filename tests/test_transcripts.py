@@ -1,12 +1,12 @@
 """Transcripts: a chat that comes back whole over HTTP is tokenized as the cache holds its past
-(pyllama_kv.conversation.Transcripts), never with control tokens taken from message text."""
+(pyllama_kv.chat.conversation.Transcripts), never with control tokens taken from message text."""
 from __future__ import annotations
 
 import pytest
 
 import pyllama_kv as pk
-from pyllama_kv.chat import tokenize_rendered
-from pyllama_kv.conversation import Transcripts
+from pyllama_kv.chat.conversation import Transcripts
+from pyllama_kv.chat.templates import tokenize_rendered
 
 
 @pytest.fixture(scope="module")

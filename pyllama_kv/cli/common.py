@@ -56,7 +56,7 @@ def positive(name: str, v: int | None, minimum: int = 1) -> None:
 
 def resolve_model(spec: str):
     """A MODEL argument as a path: a catalogue name becomes its cached GGUF (pulled on first use)."""
-    from ..catalogue import resolve
+    from ..modelfile.catalogue import resolve
 
     return resolve(spec)
 
@@ -65,7 +65,7 @@ def open_model(path: str, lib: str | None, rpc: list[str] | None = None, validat
     """The model at ``path`` on library ``lib``; with ``rpc`` (the --rpc endpoints), every layer runs
     on those rpc-server processes; ``validate`` is the --validate level (None: the default)."""
     from .. import Model
-    from ..vetting import DEFAULT_VALIDATE
+    from ..modelfile.vetting import DEFAULT_VALIDATE
 
     return Model(path, lib=lib, rpc=rpc, validate=validate or DEFAULT_VALIDATE)
 
@@ -121,9 +121,9 @@ def read_template(path: str | None) -> str | None:
 
 
 def chat_template(model, source: str | None = None, file: str | None = None):
-    """The conversation's :class:`~pyllama_kv.conversation.ChatTemplate`: the model's, or ``source``
+    """The conversation's :class:`~pyllama_kv.chat.conversation.ChatTemplate`: the model's, or ``source``
     (read from the ``--template`` ``file``). CLIError naming --template when the model has none."""
-    from ..conversation import ChatTemplate
+    from ..chat.conversation import ChatTemplate
 
     if source is None and model.chat_template is None:
         raise CLIError(f"{model.path.name} has no chat template (no tokenizer.chat_template in the GGUF): "

@@ -56,7 +56,7 @@ class Flag:
 
 def _rpc_endpoints(text: str) -> list[str]:
     """--rpc HOST:PORT,...: the endpoints, checked as pk.Model checks them."""
-    from ..model import parse_rpc
+    from ..core.model import parse_rpc
 
     try:
         return parse_rpc(text)
@@ -65,7 +65,7 @@ def _rpc_endpoints(text: str) -> list[str]:
 
 
 def _validate_help() -> str:
-    from ..vetting import DEFAULT_VALIDATE, VALIDATE_HELP
+    from ..modelfile.vetting import DEFAULT_VALIDATE, VALIDATE_HELP
 
     levels = "; ".join(f"{k}: {v}" for k, v in VALIDATE_HELP.items())
     return f"how a GGUF file is checked before llama.cpp reads it (default {DEFAULT_VALIDATE}): {levels}"

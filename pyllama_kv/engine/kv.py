@@ -12,7 +12,7 @@ are copied to host memory, and a later prompt restores them instead of evaluatin
 dropped otherwise. At admission, the idle prefix that is the best match for the prompt being placed
 goes last, and only when no live sequence could free cells later (nothing else would make room).
 
-:class:`ContextKV` implements the interface over a :class:`~pyllama_kv.context.Context` and a
+:class:`ContextKV` implements the interface over a :class:`~pyllama_kv.core.context.Context` and a
 :class:`~pyllama_kv.engine.tier.PagingPrefixCache`; tests/test_kv_policy.py drives the same policy
 and the scheduler over a fake in pure Python, without a model.
 """
@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..context import Context
+from ..core.context import Context
 from .tier import PagingPrefixCache, TierStats
 
 
@@ -157,7 +157,7 @@ class PrefixPolicy(ABC):
 
 
 class ContextKV(PrefixPolicy):
-    """:class:`KVCache` over a :class:`~pyllama_kv.context.Context`: ``parallel`` ids for live
+    """:class:`KVCache` over a :class:`~pyllama_kv.core.context.Context`: ``parallel`` ids for live
     sequences, the rest of the context's ids for a
     :class:`~pyllama_kv.engine.tier.PagingPrefixCache` of idle prefixes, paged out to a host tier of
     ``cache_ram`` MiB (0: evicted prefixes are dropped) and, with ``cache_dir``, to files there (at

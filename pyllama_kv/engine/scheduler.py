@@ -58,14 +58,14 @@ import numpy as np
 from ..config import EngineConfig, SamplingParams, int_param
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..limits import MAX_STOP_STRINGS, prompt_too_long
-from ..prefix import shared_prefix
+from ..prefixcache.cache import shared_prefix
 from .detok import TextStream
 from .kv import KVCache, context_kv
 from .request import FINISH_REASONS, GRAMMAR_ERROR, Event, Request, RequestHandle
 from .tier import TierStats
 
 if TYPE_CHECKING:
-    from ..context import Context
+    from ..core.context import Context
 
 T = TypeVar("T")
 
@@ -190,8 +190,8 @@ class Engine:
         (see the module docstring); ``boundaries`` are indices into the prompt where a turn starts (a
         chat's messages), where truncation prefers to cut.
 
-        ``grammar`` (a :class:`~pyllama_kv.constrain.Grammar`, or one compiled for this model with
-        :func:`~pyllama_kv.constrain.compile_grammar`) constrains every continuation's output (its
+        ``grammar`` (a :class:`~pyllama_kv.sampling.grammar.Grammar`, or one compiled for this model with
+        :func:`~pyllama_kv.sampling.grammar.compile_grammar`) constrains every continuation's output (its
         logits are masked before the sampler); a grammar that cannot compile is a GrammarError (an
         InvalidInputError). ``logprobs=k`` reports each token's log-probability and the k most likely
         alternatives (0..20) in the events and completions."""
@@ -233,7 +233,7 @@ class Engine:
         stops = tuple(s for s in stops if s)
         keep = self.config.keep_finished if keep is None else bool(keep)
         if grammar is not None:
-            from ..constrain import CompiledGrammar, Grammar, GrammarError, compile_grammar
+            from ..sampling.grammar import CompiledGrammar, Grammar, GrammarError, compile_grammar
 
             if isinstance(grammar, Grammar):
                 if self.model is None:
@@ -285,7 +285,7 @@ class Engine:
 
     @property
     def context(self) -> Context | None:
-        """The :class:`~pyllama_kv.context.Context` the engine's KV cache is (None over a fake
+        """The :class:`~pyllama_kv.core.context.Context` the engine's KV cache is (None over a fake
         KVCache): for llama.cpp's samplers and for tools that read the cache. Read it between steps
         (:meth:`between_steps`, or on the thread that calls :meth:`step`)."""
         return self.kv.context
@@ -775,13 +775,13 @@ class Engine:
         p = req.params
         if p.greedy and not p.penalized:
             return (lambda logits: int(np.argmax(logits))), None
-        from ..sampling import Sampler
+        from ..sampling.sampler import Sampler
 
         seed = (p.seed + index if p.seed is not None else next(self._seed)) & 0xFFFFFFFF
         ctx = self.context
         assert ctx is not None   # (submit refused the request otherwise)
         if p.penalized:   # logit bias and penalties: llama.cpp's samplers at the head of the chain
-            from ..penalties import PenalizedSampler
+            from ..sampling.penalties import PenalizedSampler
 
             pen = PenalizedSampler(ctx, p, seed=seed, last_n=req.max_tokens)
             return pen.sample_logits, pen.close

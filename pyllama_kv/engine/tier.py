@@ -1,18 +1,18 @@
-"""The engine's name for the prefix cache's tiers, which live in the public API layer
-(:mod:`pyllama_kv.tier`, :mod:`pyllama_kv.spanfile`, :class:`pyllama_kv.prefix.PrefixCache`):
-the engine imports the API, never the reverse."""
+"""The engine's name for the prefix cache's tiers, which live in the prefix-cache layer
+(:mod:`pyllama_kv.prefixcache.tiers`, :mod:`pyllama_kv.prefixcache.spanfile`,
+:class:`pyllama_kv.prefixcache.cache.PrefixCache`): the engine imports it, never the reverse."""
 from __future__ import annotations
 
 import os
 
-from ..prefix import PrefixCache
-from ..tier import SpanTrie, Tiers, TierStats, can_restore
+from ..prefixcache.cache import PrefixCache
+from ..prefixcache.tiers import SpanTrie, Tiers, TierStats, can_restore
 
 __all__ = ["PagingPrefixCache", "SpanTrie", "TierStats", "Tiers", "can_restore"]
 
 
 class PagingPrefixCache(PrefixCache):
-    """A :class:`~pyllama_kv.prefix.PrefixCache` with the engine's argument order: ``cache_ram_mib``
+    """A :class:`~pyllama_kv.prefixcache.cache.PrefixCache` with the engine's argument order: ``cache_ram_mib``
     MiB of host memory for paged-out prefixes, and an optional ``cache_dir``."""
 
     def __init__(self, ctx, max_sequences: int | None, cache_ram_mib: int,

@@ -31,14 +31,14 @@ import time
 from pathlib import Path
 
 from .. import _paths
-from .._download import Log, stderr_log as _stderr
 from .._native.locate import (  # noqa: F401  (find_builds, lib_name: re-exported)
     find_builds,
     lib_name,
     read_manifest,
     registry_dir,
 )
-from ..errors import HarnessError
+from ..errors import BuildError, HarnessError  # noqa: F401  (BuildError: re-exported)
+from ..modelfile.download import Log, stderr_log as _stderr
 from . import patch as _patch, vendor as _vendor
 
 VARIANTS = ("patched", "vanilla")
@@ -48,10 +48,6 @@ BACKENDS = ("cpu", "cuda", "metal")
 TOOLS = ("llama-batched-bench", "llama-server")
 # ggml's RPC server (tools/rpc at the pin), built with the RPC backend (--rpc)
 RPC_SERVER = "rpc-server"
-
-class BuildError(HarnessError):
-    """The build could not be configured or compiled; the message says why and what to do."""
-
 
 def default_backend() -> str:
     return "metal" if platform.system() == "Darwin" else "cpu"

@@ -37,8 +37,8 @@ import zipfile
 from pathlib import Path
 
 from .. import _paths
-from .._download import Log, cached_ok, pip_download, sha256_file, stderr_log as _stderr
-from .build import BuildError
+from ..errors import BuildError
+from ..modelfile.download import Log, cached_ok, pip_download, sha256_file, stderr_log as _stderr
 
 # Turing, Ampere (A100), Ampere (RTX 30), Ada (RTX 40, L4, L40), Hopper (H100, H200): the GPUs in
 # common use that CUDA 12 and 13 both support

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from .. import _paths
-from .._download import Log, stderr_log as _stderr
 from ..errors import HarnessError
+from ..modelfile.download import Log, stderr_log as _stderr
 from . import vendor as _vendor
 from .build import _run_logged
 

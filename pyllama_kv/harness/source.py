@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 from .. import _paths
-from .._download import Log
 from ..errors import HarnessError
+from ..modelfile.download import Log
 from . import patch as _patch, vendor as _vendor
 
 STATS_SYMBOL = "llama_kv_self_stats"  # declared in include/llama.h by patches/0004-kv-stats-api.patch

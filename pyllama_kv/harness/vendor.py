@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .. import _paths
-from .._download import Log, cached_ok, pip_download, sha256_file, stderr_log as _stderr
 from ..errors import HarnessError
+from ..modelfile.download import Log, cached_ok, pip_download, sha256_file, stderr_log as _stderr
 
 MARKER = ".pyllama-kv-vendor.json"
 

@@ -42,14 +42,14 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import toolcall
-from .._template_worker import Cancelled
-from ..chat import chat_template
-from ..constrain import Grammar, GrammarCache, GrammarError
-from ..conversation import Transcripts
+from .._worker import Cancelled
+from ..chat import toolcall
+from ..chat.conversation import Transcripts
+from ..chat.templates import chat_template
 from ..engine.request import GRAMMAR_ERROR
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from ..limits import prompt_too_long
+from ..sampling.grammar import Grammar, GrammarCache, GrammarError
 from . import protocol
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE, Metrics, Snapshot

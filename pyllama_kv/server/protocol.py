@@ -9,13 +9,13 @@ the caller's own records), ``store: false``, ``service_tier`` auto/default, ``mo
 ``stream_options.include_obfuscation``; and ``null`` for any field means absent.
 
 Tool calls: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (checked by
-pyllama_kv.toolcall, which also renders, forces and parses the calls); assistant messages with
+pyllama_kv.chat.toolcall, which also renders, forces and parses the calls); assistant messages with
 ``tool_calls`` (their ``arguments`` JSON text handed to the template as an object, as transformers'
 templates expect) and ``tool`` messages (``tool_call_id`` required) in the history.
 
 Structured output: ``response_format`` ``{"type": "json_schema", "json_schema": {"name", "schema",
 "strict"}}`` or ``{"type": "json_object"}`` constrains the output with a grammar (llguidance, see
-pyllama_kv.constrain); a schema it cannot compile is a 400 naming
+pyllama_kv.sampling.grammar); a schema it cannot compile is a 400 naming
 ``response_format.json_schema.schema``. ``logprobs``/``top_logprobs`` (chat) and ``logprobs``
 (completions) report the raw distribution's log-probabilities.
 
@@ -44,9 +44,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .. import toolcall
+from ..chat import toolcall
+from ..chat.toolcall import ToolError, ToolSpec
 from ..config import SamplingParams
-from ..constrain import Grammar, GrammarError
 from ..errors import InvalidInputError
 from ..limits import (
     INT32_MAX,
@@ -57,7 +57,7 @@ from ..limits import (
     REPEAT_PENALTY_MAX,
     UINT32_MAX,
 )
-from ..toolcall import ToolError, ToolSpec
+from ..sampling.grammar import Grammar, GrammarError
 
 #: the engine's finish reasons as OpenAI's (cache_full and error are reported as errors instead)
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "cancelled"}

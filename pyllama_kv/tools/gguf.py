@@ -2,8 +2,8 @@
 model, and file inspection.
 
 None of them loads weights into llama.cpp: ``inspect_gguf`` reads the header and tensor table
-with the runtime's GGUF reader, :mod:`pyllama_kv.gguf` (memory-mapped, weights untouched), and
-checks it with :mod:`pyllama_kv.tools.gguf_check`.
+with the runtime's GGUF reader, :mod:`pyllama_kv.modelfile.gguf` (memory-mapped, weights untouched), and
+checks it with :mod:`pyllama_kv.modelfile.validate`.
 """
 from __future__ import annotations
 
@@ -16,14 +16,8 @@ import numpy as np
 
 from .. import limits
 from ..errors import GGUFFileError, InvalidInputError, ModelLoadError
-from ..gguf import (
-    _INTEGER_TYPES,
-    ARRAY as _ARRAY,
-    STRING as _STRING,
-    ggml_type_name,
-    read_gguf_header,
-)
-from .gguf_check import check_gguf_header
+from ..modelfile.gguf import _INTEGER_TYPES, ARRAY as _ARRAY, STRING as _STRING, ggml_type_name, read_gguf_header
+from ..modelfile.validate import check_gguf_header
 
 __all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_f32_copy", "make_tiny_model", "tiny_vocab"]
 
@@ -407,7 +401,7 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
     per-token bytes * n_ctx; ``parallel`` (sequences sharing the cache, as serve's ``--parallel``) is
     reported with the average room per sequence.
 
-    Reads the header and tensor table with :func:`pyllama_kv.gguf.read_gguf_header` (never the
+    Reads the header and tensor table with :func:`pyllama_kv.modelfile.gguf.read_gguf_header` (never the
     weights). ``validation`` says how ``Model(path)`` checks the file: ``ok`` False with the ``error``
     for a refusal; ``level`` "static" for a file validated completely by the static checks (a dense
     llama model), "vetting" for one that gets a vetting run in a child process (another
@@ -515,7 +509,7 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
 
 def _vetted(path: Path) -> bool | None:
     """The cached vetting verdict of ``path`` on the default library (None: none cached, or no library)."""
-    from ..vetting import cached_verdict
+    from ..modelfile.vetting import cached_verdict
 
     try:
         from .._native.locate import resolve

@@ -4,7 +4,7 @@ Every turn renders the whole conversation with the model's chat template (or ``-
 and submits it to the engine with ``keep=True``. The engine keeps the finished turn (prompt and
 answer) as a cached sequence and starts the next turn as a fork of it, so only the new messages are
 evaluated. So that the next prompt really starts with the cached tokens, the conversation
-(:class:`pyllama_kv.conversation.Conversation`, whose docstring states the token-stability contract)
+(:class:`pyllama_kv.chat.conversation.Conversation`, whose docstring states the token-stability contract)
 keeps the token ids it submitted and generated, and appends only the tokens of the newly rendered
 text.
 
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ...conversation import Conversation
+from ...chat.conversation import Conversation
 from .. import options
 from ..common import (
     add_lib_flag,
@@ -78,7 +78,7 @@ def register(subparsers) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the session: the conversation (pyllama_kv.conversation) on an engine
+# the session: the conversation (pyllama_kv.chat.conversation) on an engine
 
 
 class Session:

@@ -145,7 +145,7 @@ def _chat_answers(model_path: str, args) -> dict:
     evaluated once and forked; the answers decode together)."""
     import time
 
-    from ...chat import tokenize_rendered
+    from ...chat.templates import tokenize_rendered
     from ...config import EngineConfig, SamplingParams
     from ...engine.oneshot import EngineSession
 
@@ -215,7 +215,7 @@ def run(args) -> int:
     setup_logging(args.debug)
     if args.tiny:
         return _tiny(args)
-    from ...catalogue import resolve
+    from ...modelfile.catalogue import resolve
 
     set_phase("finding the model")
     model_path = str(resolve(args.model))

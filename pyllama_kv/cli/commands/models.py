@@ -12,7 +12,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ... import catalogue
+    from ...modelfile import catalogue
 
     rows = catalogue.listing()
     if args.json:

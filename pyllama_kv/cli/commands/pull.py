@@ -16,7 +16,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ... import catalogue
+    from ...modelfile import catalogue
 
     entry = catalogue.get(args.name)
     was_cached = catalogue.is_cached(entry)

@@ -87,7 +87,7 @@ class RunSpec:
     validate: str | None = None    # --validate: how the GGUF is checked (None: the default)
     context_shift: bool = True     # --context-shift: go on past the end of the context
     n_keep: int | None = None      # --keep: tokens a context shift keeps (None: EngineConfig's)
-    grammar: object = None         # --json-schema / --grammar: a pyllama_kv.constrain.Grammar
+    grammar: object = None         # --json-schema / --grammar: a pyllama_kv.sampling.grammar.Grammar
 
 
 def read_prompt(prompt: str | None, file: str | None) -> bytes:
@@ -129,7 +129,7 @@ def run(args) -> int:
     template = read_template(args.template) if args.chat else None
     grammar = None
     if args.json_schema or args.grammar:
-        from ...constrain import Grammar, GrammarError
+        from ...sampling.grammar import Grammar, GrammarError
 
         try:
             grammar = (Grammar.from_file(args.json_schema, "json_schema") if args.json_schema
@@ -181,7 +181,7 @@ def generate(spec: RunSpec) -> int:
         cfg = engine_config(spec, n_ctx)
         grammar = None
         if spec.grammar is not None:
-            from ...constrain import GrammarError, compile_grammar
+            from ...sampling.grammar import GrammarError, compile_grammar
 
             try:
                 grammar = compile_grammar(model, spec.grammar)   # type: ignore[arg-type]

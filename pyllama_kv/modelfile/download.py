@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ._filehash import sha256_file
+from .filehash import sha256_file
 
 __all__ = ["Log", "cached_ok", "pip_download", "sha256_file", "stderr_log"]
 

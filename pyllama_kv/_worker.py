@@ -1,7 +1,7 @@
 """Chat templates render in worker processes, so that no template can block the calling process.
 
 A worker is ``python -I -c ...`` running :func:`main`: it imports jinja2 and the sandbox
-(pyllama_kv._template_sandbox), limits its own address space (``RLIMIT_AS`` = ``memory_limit``),
+(pyllama_kv.chat.sandbox), limits its own address space (``RLIMIT_AS`` = ``memory_limit``),
 then answers one request at a time on its stdin/stdout (a 4-byte big-endian length, then JSON; JSON
 and never pickle, so a worker can send nothing but data). The calling side (:func:`render`) waits for
 the answer with ``poll`` and a deadline: past ``time_limit`` it kills the worker (SIGKILL: a big-integer
@@ -16,7 +16,7 @@ one has a CPU-time limit per rendering (``RLIMIT_CPU``, ``time_limit`` + 2 s: SI
 (Not PR_SET_PDEATHSIG: it fires when the *thread* that started the worker ends, and a server starts
 them from pool threads that come and go.)
 
-The same workers run a grammar's first compilation (:func:`grammar_job`, pyllama_kv._grammar_check), in
+The same workers run a grammar's first compilation (:func:`grammar_job`, pyllama_kv.sampling.grammar_check), in
 a pool of their own with their own memory limit: llguidance can overflow its native stack on a
 hostile grammar, and llama.cpp's GBNF is translated by pure Python that holds the GIL. A grammar job
 can also be cancelled (its client left): the worker is killed within 50 ms.
@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any
 
-from ._template_sandbox import TemplateFailure, TemplateLimits
+from .chat.sandbox import TemplateFailure, TemplateLimits
 
 _HEADER = struct.Struct(">I")
 MAX_MESSAGE = 1 << 30          # bytes of one JSON message
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fin, fout = 0, os.dup(1)
     os.dup2(2, 1)                      # nothing but answers on the answer pipe
-    from . import _template_sandbox as sandbox
+    from .chat import sandbox as sandbox
 
     sandbox._env()                     # jinja2 imported and the environment built before the limit
     try:
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> None:
             req = _read(fin, None)
         except _Died:
             return
-        if req.get("job") == "grammar":    # a grammar's first compilation (pyllama_kv._grammar_check)
+        if req.get("job") == "grammar":    # a grammar's first compilation (pyllama_kv.sampling.grammar_check)
             resp = _grammar_job(req, resource, memory_limit)
         else:
             resp = _render_job(req, sandbox, resource, memory_limit)
@@ -141,12 +141,12 @@ def _render_job(req: dict, sandbox, resource, memory_limit: int) -> dict:
         return {"kind": e.kind, "detail": e.detail}
     except MemoryError:
         return {"kind": "refused", "detail": f"it runs out of memory (more than {memory_limit} bytes)"}
-    except Exception as e:   # a bad request: not expected from pyllama_kv.chat
+    except Exception as e:   # a bad request: not expected from pyllama_kv.chat.templates
         return {"kind": "failed", "detail": f"{type(e).__name__}: {e}"}
 
 
 def _grammar_job(req: dict, resource, memory_limit: int) -> dict:
-    from . import _grammar_check
+    from .sampling import grammar_check as _grammar_check
 
     _cpu_limit(resource, float(req.get("seconds", 10.0)) + 2)
     try:
@@ -175,7 +175,7 @@ class _Worker:
     def __init__(self, memory_limit: int) -> None:
         self.memory_limit = memory_limit
         code = (f"import sys; sys.path[:] = {sys.path!r}; "
-                "from pyllama_kv._template_worker import main; main(sys.argv[1:])")
+                "from pyllama_kv._worker import main; main(sys.argv[1:])")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-c", code, str(memory_limit)],
@@ -310,7 +310,7 @@ def call(pool: _Pool, req: dict, time_limit: float, memory_limit: int, workers: 
 
 def grammar_job(req: dict, time_limit: float, memory_limit: int, workers: int = 2,
                 cancel: threading.Event | None = None) -> dict:
-    """A grammar job (pyllama_kv._grammar_check.job) in a worker: its answer, or ``{"error": ...}``
+    """A grammar job (pyllama_kv.sampling.grammar_check.job) in a worker: its answer, or ``{"error": ...}``
     when the worker ran past ``time_limit``, ran out of memory or crashed; Cancelled when
     ``cancel`` was set first."""
     req = {**req, "job": "grammar", "seconds": time_limit}

@@ -1,8 +1,8 @@
 """The chat-template sandbox: jinja2's immutable sandbox with resource caps, rendering in the calling
-thread. pyllama_kv.chat runs it in worker processes (pyllama_kv._template_worker) that are killed at the
+thread. pyllama_kv.chat.templates runs it in worker processes (pyllama_kv._worker) that are killed at the
 time limit and run under a memory limit; the caps here make most refusals precise and fast.
 
-Standard library and jinja2 only (the worker imports nothing else). See pyllama_kv.chat for the
+Standard library and jinja2 only (the worker imports nothing else). See pyllama_kv.chat.templates for the
 threat model.
 
 What is capped here, per rendering (the numbers are :class:`TemplateLimits` fields):

@@ -11,12 +11,12 @@ messages are untrusted too (a server's clients). What is guaranteed:
   ``__subclasses__``, ...), the immutable variant refuses mutating ``messages`` in place, and the
   globals are ``range`` (at most 100000 items), ``dict``, ``namespace``, ``cycler``, ``joiner``,
   ``raise_exception`` and ``strftime_now`` (jinja's ``lipsum`` is removed);
-- bounded time and memory: a rendering runs in a worker process (pyllama_kv._template_worker) under a
+- bounded time and memory: a rendering runs in a worker process (pyllama_kv._worker) under a
   memory limit (``RLIMIT_AS``), and the caller waits at most ``time_limit`` seconds for it: past that
   the worker is killed. A template that loops, recurses, or builds a huge integer or string in one
   operation cannot block the calling thread, the server's event loop or the engine, and takes no more
   than ``memory_limit`` bytes of address space. Inside the worker, caps refuse most such templates
-  early and precisely (pyllama_kv._template_sandbox): ``*``/``**`` on integers above ``max_int_bits``
+  early and precisely (pyllama_kv.chat.sandbox): ``*``/``**`` on integers above ``max_int_bits``
   bits before computing, every string-building operation above ``max_size`` characters before it
   runs, ``max_steps`` loop iterations and calls, ``max_output_chars`` of output;
 - every failure (a refused operation, the time or memory limit, a syntax error, an undefined name in
@@ -46,9 +46,10 @@ import re
 import threading
 from typing import Any
 
-from . import _template_sandbox, _template_worker
-from ._template_sandbox import TemplateFailure, TemplateLimits
-from .errors import InvalidInputError, LlamaError
+from .. import _worker as _template_worker
+from ..errors import InvalidInputError, LlamaError
+from . import sandbox as _template_sandbox
+from .sandbox import TemplateFailure, TemplateLimits
 
 __all__ = ["Rendered", "TemplateLimits", "apply_chat_template", "chat_template", "check_messages", "check_tools",
            "get_template_limits", "read_chat_template", "render", "set_template_limits", "tokenize_rendered"]
@@ -161,7 +162,7 @@ def _name(model) -> str:
 
 def read_chat_template(model) -> str | None:
     """The GGUF's ``tokenizer.chat_template`` (read from the file's header, in full), or None."""
-    from .gguf import STRING, GGUFFileError, read_gguf_header
+    from ..modelfile.gguf import STRING, GGUFFileError, read_gguf_header
 
     try:
         kv = read_gguf_header(model.path).kv.get("tokenizer.chat_template")

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._native import kv as _kv
-from .config import SamplingParams
-from .context import Context
-from .errors import InvalidInputError
+from .._native import kv as _kv
+from ..config import SamplingParams
+from ..core.context import Context
+from ..errors import InvalidInputError
 
 
 def add_sampling_stages(native: _kv.NativeSampler, p: SamplingParams, seed: int) -> None:

@@ -24,7 +24,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from . import _paths
+from .. import _paths
 
 _lock = threading.Lock()
 #: entries kept in the index at most (the oldest go first)

@@ -14,7 +14,7 @@ Three things can go wrong with a grammar a client sends (tried on llguidance 1.9
 So: :func:`check_bounds` measures a grammar in linear time with no recursion (its size, its number of
 rules or schema nodes, and the longest chain of references and nesting) and refuses one past the
 limits of :mod:`pyllama_kv.limits`, far below the crash points; :func:`translate` and :func:`probe`
-run in a worker process (``pyllama_kv._template_worker``, the chat templates' sandbox: killed at a time
+run in a worker process (``pyllama_kv._worker``, the chat templates' sandbox: killed at a time
 limit, under a memory limit; :func:`job` is its entry point) so that the first compilation of a
 grammar, the one that could crash or run away, is never the server's; :func:`plain` words llguidance's
 errors as one sentence with none of its internals.
@@ -28,7 +28,7 @@ import re
 from typing import Any
 from urllib.parse import unquote
 
-from .limits import GRAMMAR_MAX_CHARS, GRAMMAR_MAX_DEPTH, GRAMMAR_MAX_RULES
+from ..limits import GRAMMAR_MAX_CHARS, GRAMMAR_MAX_DEPTH, GRAMMAR_MAX_RULES
 
 #: the raw grammar kinds (``json_schema`` and ``json_object`` are schemas)
 SCHEMA_KINDS = ("json_schema", "json_object")

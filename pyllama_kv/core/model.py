@@ -1,0 +1,481 @@
+"""A loaded GGUF model: vocabulary, sizes, tokenization, and the factory for contexts.
+
+Package interface (used by context.py and sampling.py, not public): ``Model._native`` (the
+:class:`~pyllama_kv._native.kv.NativeModel`, None once closed), ``Model._lib`` (the loaded library),
+``Model._lock`` (taken after a context's lock, never before), ``Model._contexts`` (the open contexts,
+closed first by :meth:`Model.close`); public: ``Model.check_open()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import stat
+import struct
+import threading
+from collections.abc import Iterable, Sequence as _Seq
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .._native import kv as _kv
+from ..config import ContextConfig as _CC
+from ..errors import InvalidInputError, LibraryError, LlamaError, ModelLoadError
+from ..limits import INT32_MAX, INT32_MIN
+
+if TYPE_CHECKING:
+    from ..modelfile.gguf import GGUFHeader
+
+# what the vocabulary functions return when llama.cpp threw an exception (patch 0005)
+C_EXCEPTION = INT32_MIN
+
+
+# ggml's RPC protocol at the pin (ggml/include/ggml-rpc.h, ggml-rpc.cpp): a client's first command is
+# HELLO (1 byte, then a uint64 request size of 0); the server answers a uint64 size (3) and
+# major.minor.patch. The pinned client accepts major 2, minor <= 0.
+RPC_CMD_HELLO = 14
+RPC_PROTO = (2, 0)
+#: seconds each RPC endpoint gets to accept a connection and answer HELLO before loading gives up
+RPC_TIMEOUT = 5.0
+_ENDPOINT = re.compile(r"([A-Za-z0-9._-]{1,253}):([0-9]{1,5})")
+# endpoints that an open Model of this process is connected to (llama.cpp keeps one connection per
+# endpoint, and rpc-server serves one client at a time: a second connection would not be answered)
+_rpc_open: dict[str, int] = {}
+_rpc_lock = threading.Lock()
+_NO_LOCK = contextlib.nullcontext()
+
+
+def parse_rpc(rpc) -> list[str]:
+    """``rpc`` (``"host:port"``, ``"host:port,host:port"`` or a list of them) as a list of endpoints;
+    InvalidInputError for one the pinned RPC client would misread (it splits at the first ``:``,
+    resolves IPv4 names only and aborts on a port that is not a number)."""
+    items = rpc.split(",") if isinstance(rpc, str) else rpc
+    if isinstance(items, (bytes, bytearray)) or not isinstance(items, Iterable):
+        raise InvalidInputError(f"rpc must be a list of 'host:port' strings, got {type(rpc).__name__}")
+    out: list[str] = []
+    for ep in items:
+        if not isinstance(ep, str):
+            raise InvalidInputError(f"an rpc endpoint must be a 'host:port' string, got {type(ep).__name__}")
+        ep = ep.strip()
+        m = _ENDPOINT.fullmatch(ep)
+        if not m or not 0 < int(m.group(2)) < 65536:
+            raise InvalidInputError(f"rpc endpoint {ep!r} is not HOST:PORT (an IPv4 address or a host name, "
+                                    "and a port 1-65535)")
+        if ep in out:
+            raise InvalidInputError(f"rpc endpoint {ep} is given twice")
+        out.append(ep)
+    if not out:
+        raise InvalidInputError("rpc is empty: give at least one 'host:port' of a running rpc-server")
+    return out
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the connection was closed")
+        data += chunk
+    return data
+
+
+def probe_rpc(endpoint: str, timeout: float | None = None) -> tuple[int, int, int]:
+    """Connect to the rpc-server at ``endpoint`` and exchange HELLO, each step within ``timeout``
+    seconds (default :data:`RPC_TIMEOUT`): its protocol version, or ModelLoadError naming the
+    endpoint. The pinned client itself would block without limit on an unreachable host, and abort
+    on a server that does not answer."""
+    timeout = RPC_TIMEOUT if timeout is None else timeout
+    host, port = endpoint.rsplit(":", 1)
+    what = f"RPC server {endpoint}"
+    try:
+        ip = str(socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+    except (OSError, UnicodeError) as exc:
+        raise ModelLoadError(f"{what}: cannot resolve {host} to an IPv4 address ({exc})") from None
+    try:
+        with socket.create_connection((ip, int(port)), timeout=timeout) as sock:
+            sock.sendall(struct.pack("<BQ", RPC_CMD_HELLO, 0))
+            size = struct.unpack("<Q", _recv_exactly(sock, 8))[0]
+            version = tuple(_recv_exactly(sock, 3)) if size == 3 else ()
+    except socket.timeout:
+        raise ModelLoadError(f"{what} did not answer within {timeout:g}s: is the host up, is rpc-server running "
+                             "there, and is no other program using it (it serves one client at a time)?") from None
+    except ConnectionRefusedError:
+        raise ModelLoadError(f"{what} refused the connection: is rpc-server running there on port {port}?") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{what}: cannot connect: {exc.strerror or exc}") from None
+    if len(version) != 3:
+        raise ModelLoadError(f"{what} is not an rpc-server (it does not answer ggml's RPC HELLO)")
+    if version[0] != RPC_PROTO[0] or version[1] > RPC_PROTO[1]:
+        raise ModelLoadError(f"{what} speaks RPC protocol {'.'.join(map(str, version))}, this libllama "
+                             f"speaks {RPC_PROTO[0]}.{RPC_PROTO[1]}: run an rpc-server of the same llama.cpp "
+                             "revision (`pyllama-kv build --rpc` builds it)")
+    return version[0], version[1], version[2]
+
+
+def _open_model_file(path: Path) -> int:
+    """``path`` opened for reading: the one open file that validation, vetting and llama.cpp's load
+    all read (through :func:`pyllama_kv.modelfile.vetting.fd_path`), so that a file swapped in at the path
+    meanwhile is never what gets loaded. ModelLoadError naming the path."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot open: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ModelLoadError(f"{path}: not a file")
+    return fd
+
+
+def _validate_gguf(path: Path, fd: int, level: str, lib: _kv.Library, n_gpu_layers: int,
+                   use_mmap: bool) -> GGUFHeader:
+    """Refuse (ModelLoadError) a file that would make llama.cpp abort or misbehave, before it sees it
+    (``level`` "full" or "static"; see :mod:`pyllama_kv.modelfile.vetting`): the static checks of
+    pyllama_kv.modelfile.validate (complete for dense llama models; structure, common hyperparameters
+    and vocabulary for the others), then, at "full", a vetting run in a child process for a file the
+    static checks could not validate completely (cached by the file's sha256). Reads the open file
+    ``fd`` (``path`` names it in messages); returns its header."""
+    from ..modelfile.validate import validated_header
+
+    header, complete = validated_header(path, fd)
+    if not complete and level == "full":
+        from ..modelfile.vetting import vet
+
+        vet(path, lib.path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, fd=fd)
+    return header
+
+
+class Model(_kv.CResource):
+    """A GGUF model loaded into llama.cpp.
+
+    >>> model = Model("tiny.gguf")            # ModelLoadError on a missing/corrupt/unsupported file
+    >>> model.n_vocab, model.n_layer, model.n_ctx_train
+    >>> toks = model.tokenize("hello")        # [bos, ...]
+    >>> with model.context(n_ctx=2048, n_seq_max=8) as ctx: ...
+
+    ``lib`` selects the library: a path, ``"patched"`` / ``"vanilla"``, or None for the default
+    (``$PYLLAMA_KV_LIB``, else the patched build). Close with :meth:`close` or ``with``; contexts made
+    from a model keep it alive until they close.
+
+    ``rpc``: ``["host:port", ...]`` of ``rpc-server`` processes (ggml's RPC backend; a library built
+    with ``pyllama-kv build --rpc``) to offload layers to: the last ``n_gpu_layers`` layers (default:
+    all of them) are split over those servers, the rest run on this machine's CPU (a local GPU is
+    not used then: run an rpc-server here too and list it). Each endpoint is checked first
+    (connect and HELLO, :data:`RPC_TIMEOUT` seconds each): one that cannot be reached is a
+    ModelLoadError naming it. A server that dies later aborts this process (the pinned backend
+    asserts on a failed RPC call).
+
+    ``validate`` (a GGUF file is untrusted input; :mod:`pyllama_kv.modelfile.vetting` has the details):
+    ``"full"`` (default, or True): no file may kill this process, whatever its architecture: a
+    dense llama model is checked statically, any other architecture gets the generic static checks
+    and a vetting run in a child process, once per file (the verdict is cached by its sha256).
+    ``"static"``: the static checks only (complete for llama; a lying file of another architecture
+    can still abort). ``"off"`` (or False): llama.cpp reads the file unchecked.
+    """
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, *, lib=None,
+                 use_mmap: bool = True, validate: bool | str = "full", rpc=None):
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidInputError(f"the model path must be a str or os.PathLike, got {type(path).__name__}")
+        self.path = Path(path)
+        if "\0" in str(self.path):
+            raise ModelLoadError("the model path contains a NUL byte")
+        if not self.path.is_file():  # a catalogue name: its cached GGUF, pulled on first use
+            from ..modelfile import catalogue
+
+            self.path = catalogue.resolve(path)
+        if not isinstance(use_mmap, bool):
+            raise InvalidInputError(f"use_mmap must be a bool, got {type(use_mmap).__name__}")
+        from ..modelfile.vetting import validate_level
+
+        level = validate_level(validate)
+        endpoints = parse_rpc(rpc) if rpc is not None else []
+        if n_gpu_layers is None:
+            n_gpu_layers = -1 if endpoints else 0
+        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
+            raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
+        self._lib = _kv.load_library(lib)
+        fd = None
+        load_path: Path = self.path
+        if level != "off":
+            from ..modelfile.vetting import fd_path
+
+            fd = _open_model_file(self.path)
+            load_path = Path(fd_path(fd))
+        try:
+            header = None
+            if fd is not None:
+                # a vetting child runs on this machine's devices (rpc endpoints serve one client at a time)
+                header = _validate_gguf(self.path, fd, level, self._lib, 0 if endpoints else n_gpu_layers, use_mmap)
+            native = self._load(load_path, n_gpu_layers, use_mmap, endpoints)
+            # the identity a saved sequence state is checked against (the file as loaded now)
+            from . import state as _state
+
+            _state.model_fingerprint(self, load_path, header)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        self._contexts: set = set()
+        info = native.info()
+        self.n_vocab: int = info.n_vocab
+        self.n_layer: int = info.n_layer
+        self.n_ctx_train: int = info.n_ctx_train   # a uint32 in the file
+        self.n_embd: int = info.n_embd
+        self.n_head: int = info.n_head
+        self.n_head_kv: int = info.n_head_kv
+        self.head_dim_k: int = self._head_dim("key_length")    # K and V head sizes (a quantized
+        self.head_dim_v: int = self._head_dim("value_length")  # cache needs whole blocks)
+        self.bos: int = info.bos
+        self.eos: int = info.eos
+        self.add_bos: bool = info.add_bos
+        self.rope_type: int = info.rope_type
+        self.has_encoder: bool = info.has_encoder
+        self.desc: str = info.desc
+        self.size: int = info.size
+        self.n_params: int = info.n_params
+        self.n_gpu_layers = n_gpu_layers
+
+    def _load(self, load_path: Path, n_gpu_layers: int, use_mmap: bool, endpoints: list[str]) -> _kv.NativeModel:
+        """llama_model_load_from_file on ``load_path`` (the checked open file, or the path itself
+        with validation off), the RPC devices connected first; sets _native and _lock."""
+        self.rpc: tuple[str, ...] = ()
+        with _rpc_lock if endpoints else _NO_LOCK:
+            devices = None
+            if endpoints:
+                devices = _kv.rpc_devices(self._lib, endpoints)
+                if devices is None:
+                    raise LibraryError(f"{self._lib.path} was built without ggml's RPC backend: rebuild it with "
+                                       "`pyllama-kv build --rpc` to use rpc servers")
+                for ep in endpoints:
+                    if not _rpc_open.get(ep):   # else this process is connected already
+                        probe_rpc(ep)
+            native, err = _kv.NativeModel.load(self._lib, os.fsencode(load_path),
+                                               INT32_MAX if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap),
+                                               devices)
+            if native is None:
+                raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
+            for ep in endpoints:
+                _rpc_open[ep] = _rpc_open.get(ep, 0) + 1
+            self.rpc = tuple(endpoints)
+        self._native: _kv.NativeModel | None = native
+        self._lock = threading.RLock()
+        return native
+
+    def _head_dim(self, key: str) -> int:
+        arch = self.meta("general.architecture") or ""
+        v = self.meta(f"{arch}.attention.{key}")
+        try:
+            return int(v) if v is not None else self.n_embd // max(1, self.n_head)
+        except ValueError:
+            return self.n_embd // max(1, self.n_head)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._native is None
+
+    @property
+    def _ptr(self):
+        """The raw ``llama_model *`` (None once closed): for tests and scripts that call C directly."""
+        n = self._native
+        return None if n is None else n.ptr
+
+    @property
+    def library(self) -> dict:
+        """Information about the libllama this model runs on (see pyllama_kv.library_info)."""
+        return dict(self._lib.info)
+
+    def close(self) -> None:
+        """Free the model. Open contexts are closed first (each under its own lock, so a context
+        that is decoding finishes first; from a context's abort callback this raises
+        InvalidInputError and the model stays open)."""
+        if getattr(self, "_native", None) is None:
+            return
+        while True:
+            with self._lock:
+                native = self._native
+                if native is None:
+                    return
+                ctxs = list(self._contexts)
+                if not ctxs:
+                    self._native = None
+                    native.free()
+                    if self.rpc:
+                        with _rpc_lock:
+                            for ep in self.rpc:
+                                _rpc_open[ep] -= 1
+                    return
+            for c in ctxs:   # outside the model lock: a context's lock is always taken first
+                c.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.desc}, n_vocab={self.n_vocab}, n_layer={self.n_layer}"
+        return f"<pyllama_kv.Model {self.path.name}: {state}>"
+
+    def check_open(self) -> None:
+        """InvalidInputError when the model is closed."""
+        if self._native is None:
+            raise InvalidInputError("the model is closed")
+
+    # -- vocabulary -----------------------------------------------------------------------------
+
+    def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of ``text`` (str, or UTF-8 bytes); ``add_bos`` adds the BOS token if the model
+        uses one. Text the vocabulary cannot represent raises InvalidInputError."""
+        if not isinstance(add_bos, bool) or not isinstance(special, bool):
+            raise InvalidInputError("add_bos and special must be bools")
+        if isinstance(text, str):
+            data = text.encode("utf-8", "surrogatepass")
+        elif isinstance(text, (bytes, bytearray, memoryview)):
+            data = bytes(text)
+        else:
+            raise InvalidInputError(f"tokenize needs str or bytes, got {type(text).__name__}")
+        if len(data) > INT32_MAX // 2:
+            raise InvalidInputError(f"text of {len(data)} bytes is too long to tokenize")
+        n_max = len(data) + 8
+        with self._lock:
+            self.check_open()
+            native = self._native
+            assert native is not None
+            for _ in range(2):
+                n, toks = native.tokenize(data, n_max, bool(add_bos), bool(special))
+                if n >= 0:
+                    return toks
+                if n == C_EXCEPTION:
+                    why = self._lib.last_error() or "llama.cpp failed"
+                    raise InvalidInputError(f"the vocabulary cannot tokenize this text: {why}")
+                n_max = -n
+        raise LlamaError("llama_tokenize failed")  # pragma: no cover
+
+    def _token_id(self, token, what: str = "token") -> int:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise InvalidInputError(f"{what} id must be an integer, got {type(token).__name__}")
+        t = int(token)
+        if not 0 <= t < self.n_vocab:
+            raise InvalidInputError(f"{what} id {t} is out of range [0, {self.n_vocab})")
+        return t
+
+    def check_tokens(self, tokens: Iterable[int], what: str = "token") -> np.ndarray:
+        """``tokens`` as an int32 array, or InvalidInputError if any id is out of range: the one range
+        check of token ids (prompts, logit_bias keys, a grammar's token references), whatever their size."""
+        if isinstance(tokens, (str, bytes)):
+            raise InvalidInputError(f"{what} ids must be integers, got {type(tokens).__name__} (tokenize text first)")
+        try:
+            arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(list(tokens))
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"{what} ids must be integers: {exc}") from None
+        if arr.ndim != 1:
+            raise InvalidInputError(f"{what} ids must be a flat sequence of integers")
+        if arr.size and arr.dtype == object:   # Python ints past int64 (or a mix of types)
+            for i, t in enumerate(arr.tolist()):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise InvalidInputError(f"{what} ids must be integers, got {type(t).__name__} at index {i}")
+                if not 0 <= t < self.n_vocab:
+                    raise InvalidInputError(f"{what} id {t} at index {i} is out of range [0, {self.n_vocab})")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidInputError(f"{what} ids must be integers, got {arr.dtype} values")
+        if arr.size:
+            bad = (arr < 0) | (arr >= self.n_vocab)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise InvalidInputError(f"{what} id {int(arr[i])} at index {i} is out of range [0, {self.n_vocab})")
+        return arr.astype(np.int32, copy=False)
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (may be part of a UTF-8 character)."""
+        t = self._token_id(token)
+        with self._lock:
+            self.check_open()
+            native = self._native
+            assert native is not None
+            n, piece = native.token_to_piece(t, 64, bool(special))
+            if n < 0 and n != C_EXCEPTION:
+                n, piece = native.token_to_piece(t, -n, bool(special))
+            if n < 0:
+                raise LlamaError(f"llama_token_to_piece failed for token {t}: {self._lib.last_error()}")
+            return piece
+
+    def detokenize(self, tokens: _Seq[int], special: bool = False) -> str:
+        """Text of ``tokens`` (invalid UTF-8 is replaced). Ids are validated first."""
+        arr = self.check_tokens(tokens)
+        if arr.size == 0:
+            return ""
+        if arr.size > INT32_MAX // 64:
+            raise InvalidInputError(f"{arr.size} tokens are too many to detokenize at once")
+        arr = np.ascontiguousarray(arr)
+        n_max = max(64, arr.size * 16)
+        with self._lock:
+            self.check_open()
+            native = self._native
+            assert native is not None
+            for _ in range(2):
+                n, out = native.detokenize(arr, n_max, not special, bool(special))
+                if n >= 0:
+                    return out.decode("utf-8", "replace")
+                if n == C_EXCEPTION:
+                    break
+                n_max = -n
+        raise LlamaError(f"llama_detokenize failed: {self._lib.last_error()}")
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation (EOS, EOT, ...)."""
+        t = self._token_id(token)
+        with self._lock:
+            self.check_open()
+            assert self._native is not None
+            return self._native.is_eog(t)
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value of the GGUF file as a string (None if absent; arrays are abridged by
+        llama.cpp)."""
+        if not isinstance(key, str):
+            raise InvalidInputError(f"meta key must be a str, got {type(key).__name__}")
+        k = key.encode("utf-8", "surrogatepass")
+        if b"\0" in k:
+            raise InvalidInputError("meta key must not contain NUL")
+        size = 4096
+        with self._lock:
+            self.check_open()
+            native = self._native
+            assert native is not None
+            for _ in range(2):
+                n, val = native.meta(k, size)
+                if n < 0:
+                    return None
+                if n < size:
+                    return val.decode("utf-8", "replace")
+                size = n + 1
+        return val.decode("utf-8", "replace")  # pragma: no cover
+
+    @property
+    def chat_template(self) -> str | None:
+        """The GGUF's ``tokenizer.chat_template`` in full (read from the file once), or None."""
+        from ..chat import templates as chat
+
+        return chat.chat_template(self)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *, tools: list | None = None) -> str:
+        """Render ``messages`` (a list of ``{"role": str, "content": str}``, which may carry
+        ``tool_calls``, ``tool_call_id`` and ``name`` too) with the model's chat template, sandboxed as
+        transformers does (see pyllama_kv.chat.templates), ``tools`` (OpenAI function definitions) as the
+        template's ``tools`` variable; InvalidInputError if the model has none or the template fails
+        or is refused."""
+        from ..chat import templates as chat
+
+        return chat.apply_chat_template(self, messages, add_generation_prompt, tools=tools)
+
+    # -- contexts -------------------------------------------------------------------------------
+
+    def context(self, n_ctx: int = _CC.n_ctx, n_seq_max: int = _CC.n_seq_max, n_batch: int = _CC.n_batch,
+                n_ubatch: int = _CC.n_ubatch, flash_attn: bool = _CC.flash_attn, type_k: str = _CC.type_k,
+                type_v: str = _CC.type_v, **kwargs):
+        """A new :class:`~pyllama_kv.core.context.Context` over this model (see its docstring; the defaults
+        are :class:`~pyllama_kv.config.ContextConfig`'s)."""
+        from .context import Context
+
+        return Context(self, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_ubatch=n_ubatch,
+                       flash_attn=flash_attn, type_k=type_k, type_v=type_v, **kwargs)

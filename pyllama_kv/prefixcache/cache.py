@@ -1,0 +1,287 @@
+"""A prompt-prefix cache over one context: many requests, shared prefixes evaluated once, and
+prefixes evicted from the context paged out to host memory and disk (pyllama_kv.prefixcache.tiers)."""
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ..config import int_param
+from ..core.context import Context
+from ..core.sequence import Sequence
+from ..errors import InvalidInputError, KVCacheFullError, LlamaError
+from .tiers import SpanTrie, Tiers, TierStats, can_restore, context_layout, shared_prefix
+
+__all__ = ["PrefixCache", "PrefixCacheStats", "TierStats", "shared_prefix"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class PrefixCacheStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0      # tokens served from cached cells (forked, not evaluated)
+    restored_tokens: int = 0    # tokens restored from host memory or disk (not evaluated)
+    evaluated_tokens: int = 0   # tokens decoded by acquire() (or left to the caller of fork_prefix)
+    evictions: int = 0
+
+
+class PrefixCache:
+    """Serve prompts from cached sequences that share their prefix.
+
+    ``acquire(tokens)`` returns a new sequence holding ``tokens``: it forks the cached sequence with
+    the longest common prefix (sharing its cells, no recompute), restores what the tiers hold beyond
+    it (a memcpy), and evaluates only the rest (always at least the last token, so the returned
+    sequence has next-token logits). The prompt is remembered as an idle cached sequence for later
+    requests. ``release(seq)`` hands a finished sequence back to be cached too (or closed).
+
+    Eviction has one rule (:meth:`_evict`): the least recently used idle cached sequence goes, when
+    there are more than ``max_sequences`` of them, or when a sequence id or cells are needed. An
+    evicted sequence is paged out first (patched library): its cells not already stored are copied
+    to a token trie of spans in host memory of at most ``cache_ram`` MiB, a prefix shared by many
+    sequences stored once; spans leaving host memory go to files in ``cache_dir`` (at most
+    ``cache_dir_mib`` MiB) when one is given. See :mod:`pyllama_kv.prefixcache.tiers` and
+    :mod:`pyllama_kv.prefixcache.spanfile`. ``cache_ram=0`` without a ``cache_dir``: evicted sequences are
+    dropped.
+
+    Every acquired sequence has ``reused_tokens`` (the tokens it did not evaluate; the last acquire's
+    are ``last_reused_tokens``); ``stats`` sums them up, ``tier_info``
+    (:class:`~pyllama_kv.prefixcache.tiers.TierStats`) counts the tiers. Thread-safe through the context's lock.
+    """
+
+    def __init__(self, ctx, max_sequences: int | None = None, cache_ram: int = 256,
+                 cache_dir: str | os.PathLike | None = None, cache_dir_mib: int = 1024):
+        if not isinstance(ctx, Context):
+            raise InvalidInputError(f"PrefixCache needs a pyllama_kv.Context, got {type(ctx).__name__}")
+        ctx.check_open()
+        if max_sequences is None:
+            max_sequences = min(4, ctx.n_seq_max)
+        if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) \
+                or not 0 <= max_sequences <= ctx.n_seq_max:
+            raise InvalidInputError(f"max_sequences must be an integer in [0, n_seq_max={ctx.n_seq_max}]")
+        cache_ram = int_param("cache_ram", cache_ram, 0)
+        cache_dir_mib = int_param("cache_dir_mib", cache_dir_mib, 1)
+        if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir)):
+            raise InvalidInputError(f"cache_dir must be a directory path or None, got {cache_dir!r}")
+        self.ctx = ctx
+        self.max_sequences = max_sequences
+        self._idle: OrderedDict[int, Sequence] = OrderedDict()  # seq id -> Sequence, LRU first
+        self.stats = PrefixCacheStats()
+        self.last_reused_tokens = 0
+        self.tier_info = TierStats()   # live: the engine's stats hold this object
+        self.tiers: Tiers | None = None
+        if cache_ram == 0 and cache_dir is None:
+            self.tier_info.off_reason = "cache_ram is 0 and there is no cache_dir"
+        elif not can_restore(ctx):
+            self.tier_info.off_reason = ("the library has no llama_state_seq_add_data (patch 0014): evicted "
+                                         "prefixes are dropped, not paged out")
+        else:
+            self.tiers = Tiers(ctx, cache_ram << 20, self.tier_info, cache_dir, cache_dir_mib << 20)
+        try:
+            ly = context_layout(ctx)
+            self._cell_bytes = ly.n_bytes(1) - ly.n_bytes(0)
+        except LlamaError:
+            self._cell_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    @property
+    def cached(self) -> list:
+        """The idle cached sequences, least recently used first."""
+        return list(self._idle.values())
+
+    @property
+    def tier(self) -> SpanTrie | None:
+        """The host tier's trie of spans (None when paging is off)."""
+        return None if self.tiers is None else self.tiers.trie
+
+    def tier_stats(self) -> dict:
+        """The tiers' counters (TierStats.as_dict(): ``enabled`` and, when off, ``off_reason``)."""
+        return self.tier_info.as_dict()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _best(self, toks):
+        best, best_n = None, 0
+        for s in self._idle.values():
+            if min(len(s), len(toks)) <= best_n:
+                continue
+            n = shared_prefix(s.tokens, toks)
+            if n > best_n:
+                best, best_n = s, n
+        return best, best_n
+
+    def _resident_changed(self) -> None:
+        st = self.tier_info
+        st.resident_sequences = len(self._idle)
+        st.resident_tokens = sum(len(s) for s in self._idle.values())
+        st.resident_bytes = st.resident_tokens * self._cell_bytes
+
+    def _evict(self, keep=None) -> bool:
+        """The one eviction rule: the least recently used idle cached sequence other than ``keep`` is
+        paged out (when the tiers are on) and closed. False when there is none to evict."""
+        victim = next((s for s in self._idle.values() if s is not keep), None)
+        if victim is None:
+            return False
+        if self.tiers is not None:
+            self.tiers.page_out(victim)
+        del self._idle[victim.id]
+        victim.close()
+        self.stats.evictions += 1
+        self._resident_changed()
+        return True
+
+    def _with_room(self, op: Callable[[], T], keep, full: type[LlamaError] = KVCacheFullError) -> T:
+        """``op()``, evicting (:meth:`_evict`, never ``keep``) and trying again while it raises ``full``."""
+        while True:
+            try:
+                return op()
+            except full:
+                if not self._evict(keep):
+                    raise
+
+    def _remember(self, s) -> None:
+        """Cache ``s`` (idle), closing cached sequences it makes redundant (prefixes of it: it holds
+        their tokens, so nothing is lost), then evicting down to ``max_sequences``."""
+        if self.max_sequences == 0:
+            s.close()
+            return
+        toks = s.tokens
+        for sid, o in list(self._idle.items()):
+            if len(o) > len(toks):
+                continue
+            ot = o.tokens
+            if toks[:len(ot)] == ot:
+                del self._idle[sid]
+                o.close()
+        self._idle[s.id] = s
+        self._idle.move_to_end(s.id)
+        while len(self._idle) > self.max_sequences and self._evict():
+            pass
+        self._resident_changed()
+
+    # -- API ------------------------------------------------------------------------------------
+
+    def longest(self, tokens) -> int:
+        """How many leading tokens of ``tokens`` an idle cached sequence already holds."""
+        with self.ctx.critical():
+            return self._best(self.ctx.model.check_tokens(tokens))[1]
+
+    def fork_prefix(self, tokens):
+        """A new sequence holding the longest cached prefix of ``tokens`` (at most all but the last
+        token), without evaluating or restoring anything: ``(seq, n)`` with ``n`` the tokens it
+        holds (0: an empty sequence). Idle cached sequences other than the matching one are evicted
+        when no sequence id is free; LlamaError when none can be had. The caller restores what it
+        can (:meth:`restore_into`) and decodes the rest."""
+        ctx = self.ctx
+        with ctx.critical():
+            toks = ctx.model.check_tokens(tokens)
+            if toks.size == 0:
+                raise InvalidInputError("a prompt needs at least one token")
+            best, n = self._best(toks)
+            n = min(n, toks.size - 1)
+            if best is not None:
+                self._idle.move_to_end(best.id)
+            seq = self._with_room(lambda: best.fork(n) if (best is not None and n > 0) else ctx.new_sequence(),
+                                  best, full=LlamaError)
+            n = len(seq)
+            seq.reused_tokens = n
+            st = self.stats
+            st.requests += 1
+            st.prompt_tokens += int(toks.size)
+            st.reused_tokens += n
+            st.evaluated_tokens += int(toks.size) - n
+            self.tier_info.evaluated_tokens += int(toks.size) - n
+            return seq, n
+
+    def restore_into(self, seq, tokens, limit: int, make_room: Callable[[], bool] | None = None) -> int:
+        """Restore the tiers' spans for ``tokens[len(seq):limit]`` onto ``seq`` (which holds a prefix
+        of ``tokens``, e.g. from :meth:`fork_prefix`), host memory first, then disk; returns the
+        tokens restored (0 when the tiers are off). Stops early, with ``seq`` valid, when the
+        context has no room (``make_room()``, if given, is asked to free some first)."""
+        if self.tiers is None:
+            return 0
+        with self.ctx.critical():
+            self.ctx.check_sequence(seq)
+            got = self.tiers.restore_into(seq, tokens, limit, make_room)
+            if got:
+                seq.reused_tokens = len(seq)
+                self.stats.restored_tokens += got
+                self.stats.evaluated_tokens -= got
+                self.tier_info.evaluated_tokens -= got
+            return got
+
+    def remember(self, seq) -> bool:
+        """Keep a fork of ``seq`` (its current tokens) as an idle cached sequence, if a sequence id
+        is free; the caller keeps ``seq``. Returns whether it was kept."""
+        with self.ctx.critical():
+            self.ctx.check_sequence(seq)
+            if self.max_sequences == 0 or len(seq) == 0 or not self.ctx.free_sequence_ids:
+                return False
+            self._remember(seq.fork())
+            return True
+
+    def evict(self, keep_for=None) -> bool:
+        """Evict the least recently used idle cached sequence (paged out, then closed; not the best
+        match for the tokens ``keep_for``, if given); False when there is none."""
+        with self.ctx.critical():
+            keep = None
+            if keep_for is not None and len(keep_for):
+                keep = self._best(self.ctx.model.check_tokens(keep_for))[0]
+            return self._evict(keep)
+
+    @property
+    def last_reused(self) -> int:
+        """Deprecated alias of :attr:`last_reused_tokens`."""
+        warnings.warn("PrefixCache.last_reused is deprecated: use PrefixCache.last_reused_tokens",
+                      DeprecationWarning, stacklevel=2)
+        return self.last_reused_tokens
+
+    def acquire(self, tokens, remember: bool = True):
+        """A new sequence holding ``tokens`` (see the class docstring); the caller owns it."""
+        ctx = self.ctx
+        with ctx.critical():
+            seq, n = self.fork_prefix(tokens)
+            toks = ctx.model.check_tokens(tokens)
+            keep = self._best(toks)[0]
+            try:
+                n += self.restore_into(seq, toks, toks.size - 1, make_room=lambda: self._evict(keep))
+                rest = toks[n:]
+                self._with_room(lambda: seq.extend(rest), keep)
+            except BaseException:
+                seq.close()
+                raise
+            self.last_reused_tokens = n
+            if remember and self.max_sequences > 0:
+                try:
+                    self._remember(seq.fork())
+                except LlamaError:
+                    pass  # no free id: the prompt simply is not cached
+            return seq
+
+    def release(self, seq: Sequence, keep: bool = True) -> None:
+        """Give a finished sequence back: cached for later prefixes (``keep``) or closed."""
+        with self.ctx.critical():
+            self.ctx.check_sequence(seq)
+            if self._idle.get(seq.id) is seq:
+                raise InvalidInputError(f"sequence {seq.id} was already released to the prefix cache")
+            if keep and len(seq) > 0:
+                self._remember(seq)
+            else:
+                seq.close()
+
+    def clear(self) -> None:
+        """Close every idle cached sequence and drop the spans in host memory (files in
+        ``cache_dir`` stay: they outlive the process by design)."""
+        with self.ctx.critical():
+            for s in list(self._idle.values()):
+                s.close()
+            self._idle.clear()
+            self._resident_changed()
+            if self.tiers is not None:
+                self.tiers.clear()

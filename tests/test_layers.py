@@ -1,0 +1,126 @@
+"""The folders are the layers (docs/architecture.md): each imports only the folders it may, no import
+cycle exists (lazy imports included, TYPE_CHECKING ones not), and objects reach into each other's
+private names only where architecture.md says why."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PKG = ROOT / "pyllama_kv"
+SHARED = {"errors", "config", "limits", "_paths", "_worker", "_moved", "__init__"}
+#: folder -> the folders it may import (besides itself and the shared modules)
+MAY = {
+    "_native": set(),
+    "modelfile": {"_native"},
+    "core": {"_native", "modelfile"},
+    "prefixcache": {"core"},
+    "sampling": {"core", "_native"},
+    "chat": {"core", "sampling", "modelfile"},
+    "engine": {"core", "prefixcache", "sampling", "chat"},
+    "server": {"engine", "chat", "sampling", "core"},
+    "cli": {"_native", "modelfile", "core", "prefixcache", "sampling", "chat", "engine", "server", "harness",
+            "tools"},
+    "harness": {"_native", "modelfile"},
+    "tools": {"_native", "modelfile", "core", "prefixcache", "sampling", "chat", "engine"},
+}
+#: (importer, imported): the exceptions architecture.md lists, each with its reason there
+ALLOWED = {
+    ("pyllama_kv.core.model", "pyllama_kv.chat.templates"),        # Model.apply_chat_template forwards
+    ("pyllama_kv._worker", "pyllama_kv.chat.sandbox"),             # the worker runs the sandbox's jobs
+    ("pyllama_kv._worker", "pyllama_kv.sampling.grammar_check"),   # ... and the grammar checks
+    ("pyllama_kv.limits", "pyllama_kv.modelfile.gguf"),            # ggml's block table, lazily
+}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        init = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if init else parts)] = (p, init)
+    return out
+
+
+def _imports(mods) -> dict[str, set[str]]:
+    """module -> the package modules it imports (at any level, lazily too; not under TYPE_CHECKING)."""
+    edges = {}
+    for mod, (path, init) in mods.items():
+        tree = ast.parse(path.read_text())
+        skip = {id(m) for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+                for m in ast.walk(n)}
+        out = set()
+        for n in ast.walk(tree):
+            if id(n) in skip:
+                continue
+            if isinstance(n, ast.ImportFrom):
+                if n.level:
+                    base = (mod if init else mod.rsplit(".", 1)[0]).split(".")
+                    base = base[:len(base) - (n.level - 1)] if n.level > 1 else base
+                    target = ".".join(base + ([n.module] if n.module else []))
+                else:
+                    target = n.module or ""
+                for a in n.names:
+                    sub = f"{target}.{a.name}"
+                    out.add(sub if sub in mods else target)
+            elif isinstance(n, ast.Import):
+                out.update(a.name for a in n.names)
+        edges[mod] = {o for o in out if o in mods and o != mod}
+    return edges
+
+
+def _layer(mod: str) -> str:
+    parts = mod.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and (PKG / parts[1]).is_dir()):
+        return parts[1]
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def test_each_folder_imports_only_what_it_may():
+    mods = _modules()
+    bad = []
+    for mod, targets in _imports(mods).items():
+        a = _layer(mod)
+        for t in targets:
+            b = _layer(t)
+            if a == b or b in SHARED or (mod, t) in ALLOWED:
+                continue
+            if a in SHARED or b not in MAY.get(a, set()):
+                bad.append(f"{mod} -> {t}")
+    assert not bad, "imports across layers that docs/architecture.md does not allow:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    edges = _imports(_modules())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
