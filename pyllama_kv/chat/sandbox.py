@@ -600,6 +600,12 @@ def _env():
     return _environment()
 
 
+def prepare() -> None:
+    """Import jinja2 and build the sandboxed environment now (a worker process does it once, before
+    its memory limit is set)."""
+    _env()
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(source: str):
     """The template: every ``{% for %}`` iterable wrapped in the rendering's budget, every ``~`` a
