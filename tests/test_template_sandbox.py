@@ -96,7 +96,8 @@ UNCAPPED = {
 
 SCRIPT = textwrap.dedent("""
     import json, resource, sys
-    from pyllama_kv import chat, _template_worker
+    from pyllama_kv import _worker as _template_worker
+    from pyllama_kv.chat import templates as chat
     cases, uncapped = json.loads(sys.stdin.read())
     out = {}
     msgs = [{"role": "user", "content": "hi"}]
@@ -285,7 +286,7 @@ def _template_workers(pid: int) -> dict[int, float]:
                 cmd = f.read()
         except OSError:
             continue
-        if st[0] != "Z" and int(st[1]) == pid and b"_template_worker" in cmd:
+        if st[0] != "Z" and int(st[1]) == pid and b"pyllama_kv._worker" in cmd:
             out[int(d)] = (int(st[11]) + int(st[12])) / tick
     return out
 
@@ -378,7 +379,8 @@ def test_a_worker_does_not_outlive_its_parent_by_more_than_one_rendering():
     them)."""
     code = textwrap.dedent("""
         import os, sys, threading, time, dataclasses
-        from pyllama_kv import _template_worker as W, chat
+        from pyllama_kv import _worker as W
+        from pyllama_kv.chat import templates as chat
         lim = chat.TemplateLimits(time_limit=1.0, max_int_bits=10**12)
         box = {}
         def start():
@@ -420,7 +422,7 @@ def test_concurrent_renderings_share_the_pool():
     worker alone (no worker started or killed for them)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pyllama_kv import _template_worker
+    from pyllama_kv import _worker as _template_worker
 
     pool_ = _template_worker._POOL
     lim = chat.TemplateLimits(time_limit=3.0, max_steps=10**9)
