@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
     os.dup2(2, 1)                      # nothing but answers on the answer pipe
     from .chat import sandbox as sandbox
 
-    sandbox._env()                     # jinja2 imported and the environment built before the limit
+    sandbox.prepare()                  # jinja2 imported and the environment built before the limit
     try:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
     except (ValueError, OSError):

@@ -14,7 +14,7 @@ import pyllama_kv as pk
 from conftest import F32, KVWrapper, run_cli, toks
 from pyllama_kv.config import EngineConfig, SamplingParams
 from pyllama_kv.engine import Engine, HoldingKV
-from pyllama_kv.engine.scheduler import truncate_prompt
+from pyllama_kv.engine.admission import truncate_prompt
 
 GREEDY_ALL = SamplingParams(temperature=0.0, ignore_eos=True)
 # logits of the 1-layer f32 model after a K-shift vs a fresh evaluation: RoPE of an already rotated

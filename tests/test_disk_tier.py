@@ -14,8 +14,8 @@ import pytest
 import pyllama_kv as pk
 from conftest import F32, toks
 from pyllama_kv.engine import EngineConfig
-from pyllama_kv.engine.tier import PagingPrefixCache
 from pyllama_kv.prefixcache import spanfile
+from pyllama_kv.prefixcache.cache import PrefixCache
 from pyllama_kv.tools.gguf import make_tiny_model
 
 ATOL = 1e-4
@@ -205,7 +205,7 @@ def test_host_memory_spills_to_disk_and_both_restore_through_the_api(model, tmp_
 
 def test_the_engine_cache_takes_a_cache_dir(model, tmp_path):
     with new_ctx(model) as ctx:
-        pc = PagingPrefixCache(ctx, 2, 0, cache_dir=tmp_path / "new" / "dir")
+        pc = PrefixCache(ctx, 2, 0, cache_dir=tmp_path / "new" / "dir")
         assert pc.tier_stats()["enabled"] and pc.tier_stats()["disk_budget_bytes"] == 1024 << 20
         assert (tmp_path / "new" / "dir").is_dir()
         (tmp_path / "file").write_text("x")

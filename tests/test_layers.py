@@ -124,3 +124,30 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+#: ``x._name`` where x is another object (not self, cls or an imported module): the ones
+#: architecture.md names, by module and expression
+PRIVATE_ALLOWED: dict[str, set[str]] = {}
+
+
+def test_objects_do_not_reach_into_each_others_private_names():
+    found = {}
+    for mod, (path, _) in _modules().items():
+        tree = ast.parse(path.read_text())
+        modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+                   if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            base = n.value
+            if isinstance(base, ast.Name) and base.id in ({"self", "cls", "os", "sys"} | modules):
+                continue
+            if isinstance(base, ast.Call) and ast.unparse(base.func) == "super":
+                continue
+            expr = ast.unparse(n)
+            if expr not in PRIVATE_ALLOWED.get(mod, set()):
+                found.setdefault(mod, []).append(f"{path.relative_to(ROOT)}:{n.lineno}: {expr}")
+    total = sum(len(v) for v in found.values())
+    assert total <= 10, f"{total} cross-object private accesses (at most 10):\n" + "\n".join(
+        line for v in found.values() for line in v)

@@ -11,7 +11,7 @@ import pytest
 import pyllama_kv as pk
 from conftest import F32, toks
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig
-from pyllama_kv.engine.tier import SpanTrie
+from pyllama_kv.prefixcache.tiers import SpanTrie
 from pyllama_kv.server.metrics import Snapshot, _EngineCollector
 
 

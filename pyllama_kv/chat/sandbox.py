@@ -510,10 +510,59 @@ def _join_filter():
 
 # -- the environment ---------------------------------------------------------------------------------
 
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuse an arithmetic operation whose result would pass the limits, before it is computed:
+    a product or power of too many bits, a repetition, concatenation or %-format too large."""
+    limits = _limits()
+    ints = (isinstance(left, int) and isinstance(right, int))
+    if operator == "*":
+        if ints:
+            if left.bit_length() + right.bit_length() > limits.max_int_bits + 1:
+                raise Refused(f"a product would have more than {limits.max_int_bits} bits")
+        else:
+            for a, b in ((left, right), (right, left)):
+                if isinstance(a, (str, bytes, list, tuple)) and isinstance(b, int):
+                    _check(len(a) * b, f"a sequence repeated {b} times")
+    elif operator == "**":
+        if ints and right > 0 and abs(left) > 1:
+            if right > limits.max_int_bits or (abs(left).bit_length() - 1) * right > limits.max_int_bits:
+                raise Refused(f"{left if left.bit_length() < 64 else 'a big number'} ** {right} "
+                              f"would have more than {limits.max_int_bits} bits")
+    elif operator == "+":
+        if isinstance(left, (str, bytes, list, tuple)) and isinstance(right, (str, bytes, list, tuple)):
+            _check(len(left) + len(right), "a + concatenation")
+    elif operator == "%" and isinstance(left, str):
+        printf_size(left, right)
+
+
+def _str_format(env, value, bounded, bounded_escape):
+    """``str.format``/``format_map`` (and Markup's) bound to the bounded formatters; None for any
+    other value (jinja's sandbox then treats it as usual)."""
+    if not isinstance(value, (types.MethodType, types.BuiltinMethodType)) or \
+            value.__name__ not in ("format", "format_map") or not isinstance(value.__self__, str):
+        return None
+    from markupsafe import Markup
+
+    f_self = value.__self__
+    is_map = value.__name__ == "format_map"
+    if isinstance(f_self, Markup):
+        formatter = bounded_escape(env, escape=f_self.escape)
+    else:
+        formatter = bounded(env)
+
+    def format_(*args, **kwargs):
+        if is_map:
+            if kwargs or len(args) != 1:
+                raise TypeError("format_map() takes exactly one argument")
+            return type(f_self)(formatter.vformat(f_self, (), args[0]))
+        return type(f_self)(formatter.vformat(f_self, args, kwargs))
+
+    return format_
+
+
 def _environment():
     import jinja2.ext
     from jinja2 import nodes, sandbox
-    from markupsafe import Markup
 
     bounded, bounded_escape = _formatters()
 
@@ -522,47 +571,11 @@ def _environment():
 
         def call_binop(self, context, operator, left, right):
             _tick()
-            limits = _limits()
-            ints = (isinstance(left, int) and isinstance(right, int))
-            if operator == "*":
-                if ints:
-                    if left.bit_length() + right.bit_length() > limits.max_int_bits + 1:
-                        raise Refused(f"a product would have more than {limits.max_int_bits} bits")
-                else:
-                    for a, b in ((left, right), (right, left)):
-                        if isinstance(a, (str, bytes, list, tuple)) and isinstance(b, int):
-                            _check(len(a) * b, f"a sequence repeated {b} times")
-            elif operator == "**":
-                if ints and right > 0 and abs(left) > 1:
-                    if right > limits.max_int_bits or (abs(left).bit_length() - 1) * right > limits.max_int_bits:
-                        raise Refused(f"{left if left.bit_length() < 64 else 'a big number'} ** {right} "
-                                      f"would have more than {limits.max_int_bits} bits")
-            elif operator == "+":
-                if isinstance(left, (str, bytes, list, tuple)) and isinstance(right, (str, bytes, list, tuple)):
-                    _check(len(left) + len(right), "a + concatenation")
-            elif operator == "%" and isinstance(left, str):
-                printf_size(left, right)
+            _check_binop(operator, left, right)
             return _check_int(super().call_binop(context, operator, left, right))
 
         def wrap_str_format(self, value):
-            if not isinstance(value, (types.MethodType, types.BuiltinMethodType)) or \
-                    value.__name__ not in ("format", "format_map") or not isinstance(value.__self__, str):
-                return None
-            f_self = value.__self__
-            is_map = value.__name__ == "format_map"
-            if isinstance(f_self, Markup):
-                formatter = bounded_escape(self, escape=f_self.escape)
-            else:
-                formatter = bounded(self)
-
-            def format_(*args, **kwargs):
-                if is_map:
-                    if kwargs or len(args) != 1:
-                        raise TypeError("format_map() takes exactly one argument")
-                    return type(f_self)(formatter.vformat(f_self, (), args[0]))
-                return type(f_self)(formatter.vformat(f_self, args, kwargs))
-
-            return format_
+            return _str_format(self, value, bounded, bounded_escape)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
             _tick()
@@ -598,6 +611,12 @@ def _environment():
 @functools.lru_cache(maxsize=1)
 def _env():
     return _environment()
+
+
+def prepare() -> None:
+    """Import jinja2 and build the sandboxed environment now (a worker process does it once, before
+    its memory limit is set)."""
+    _env()
 
 
 @functools.lru_cache(maxsize=16)

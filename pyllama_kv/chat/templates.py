@@ -44,6 +44,7 @@ import json
 import os
 import re
 import threading
+import weakref
 from typing import Any
 
 from .. import _worker as _template_worker
@@ -294,14 +295,19 @@ def render(source: str, messages, add_generation_prompt: bool = True, *, bos_tok
     return hit[1]
 
 
+# model -> its chat template (None: the file has none), read once per model; kept here, not on the
+# model, so that chat code writes no attribute of another layer's object
+_MODEL_TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def chat_template(model) -> str | None:
-    """``model.chat_template``: read once from the file, cached on the model."""
+    """``model.chat_template``: read once from the file, cached per model."""
     try:
-        return model._chat_template_cached
-    except AttributeError:
+        return _MODEL_TEMPLATES[model]
+    except KeyError:
         pass
     t = read_chat_template(model)
-    model._chat_template_cached = t
+    _MODEL_TEMPLATES[model] = t
     return t
 
 

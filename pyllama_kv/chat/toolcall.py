@@ -121,76 +121,84 @@ def check_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = 
                                      "parameters}} objects")
         if len(tools) > MAX_TOOLS:
             raise ToolError("tools", f"tools has {len(tools)} entries; at most {MAX_TOOLS} are allowed")
-    checked = []
     seen: set[str] = set()
-    for i, t in enumerate(tools or []):
-        p = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise ToolError(p, f"{p} must be an object {{type: function, function: {{...}}}}")
-        if t.get("type") != "function":
-            raise ToolError(f"{p}.type", f"{p}.type must be 'function', got {t.get('type')!r}")
-        extra = set(t) - {"type", "function"}
-        if extra:
-            raise ToolError(f"{p}.{sorted(extra)[0]}", f"{p}.{sorted(extra)[0]} is not supported")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise ToolError(f"{p}.function", f"{p}.function must be an object {{name, description, parameters}}")
-        extra = set(fn) - {"name", "description", "parameters", "strict"}
-        if extra:
-            k = sorted(extra)[0]
-            raise ToolError(f"{p}.function.{k}", f"{p}.function.{k} is not a field of a function definition")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise ToolError(f"{p}.function.name", f"{p}.function.name is required (a string)")
-        if not NAME_RE.match(name):
-            raise ToolError(f"{p}.function.name", f"{p}.function.name {name!r} must be 1-64 characters of "
-                                                  "a-z, A-Z, 0-9, _ and -")
-        if name in seen:
-            raise ToolError(f"{p}.function.name", f"{p}.function.name {name!r} is given twice")
-        seen.add(name)
-        desc = fn.get("description")
-        if desc is not None and not isinstance(desc, str):
-            raise ToolError(f"{p}.function.description", f"{p}.function.description must be a string")
-        if fn.get("strict") is not None and not isinstance(fn.get("strict"), bool):
-            raise ToolError(f"{p}.function.strict", f"{p}.function.strict must be true or false")
-        params = fn.get("parameters")
-        if params is not None:
-            where = f"{p}.function.parameters"
-            if not isinstance(params, dict):
-                raise ToolError(where, f"{where} must be a JSON schema object")
-            if params.get("type", "object") != "object":
-                raise ToolError(where, f"{where} must be a schema of an object (type 'object'), "
-                                       f"got type {params.get('type')!r}")
-            _schema_ok(params, where)
-        f: dict[str, Any] = {"name": name}
-        if desc is not None:
-            f["description"] = desc
-        f["parameters"] = params if params is not None else {"type": "object", "properties": {}}
-        checked.append({"type": "function", "function": f})
+    checked = [_check_tool(f"tools[{i}]", t, seen) for i, t in enumerate(tools or [])]
     choice, fname = "auto", None
     if tool_choice is not None:
-        if isinstance(tool_choice, str):
-            if tool_choice not in ("none", "auto", "required"):
-                raise ToolError("tool_choice", f"tool_choice must be none, auto, required or "
-                                               f"{{type: function, function: {{name}}}}, got {tool_choice!r}")
-            choice = tool_choice
-        elif isinstance(tool_choice, dict):
-            if tool_choice.get("type") != "function":
-                raise ToolError("tool_choice.type", "tool_choice.type must be 'function'")
-            tf = tool_choice.get("function")
-            if not isinstance(tf, dict) or not isinstance(tf.get("name"), str):
-                raise ToolError("tool_choice.function.name", "tool_choice.function.name is required (a string)")
-            if tf["name"] not in seen:
-                raise ToolError("tool_choice.function.name", f"tool_choice names the function {tf['name']!r}, "
-                                                             "which is not in tools")
-            choice, fname = "function", tf["name"]
-        else:
-            raise ToolError("tool_choice", "tool_choice must be a string or an object")
+        choice, fname = _check_tool_choice(tool_choice, seen)
         if choice in ("required", "function") and not checked:
             raise ToolError("tool_choice", f"tool_choice {choice!r} needs tools")
     if not checked:
         return None
     return ToolSpec(tuple(checked), choice, fname, True if parallel_tool_calls is None else parallel_tool_calls)
+
+
+def _check_tool(p: str, t: Any, seen: set[str]) -> dict:
+    """One entry of ``tools`` (``p``: its place, for messages) checked and normalized; its name is
+    added to ``seen``, the names before it."""
+    if not isinstance(t, dict):
+        raise ToolError(p, f"{p} must be an object {{type: function, function: {{...}}}}")
+    if t.get("type") != "function":
+        raise ToolError(f"{p}.type", f"{p}.type must be 'function', got {t.get('type')!r}")
+    extra = set(t) - {"type", "function"}
+    if extra:
+        raise ToolError(f"{p}.{sorted(extra)[0]}", f"{p}.{sorted(extra)[0]} is not supported")
+    fn = t.get("function")
+    if not isinstance(fn, dict):
+        raise ToolError(f"{p}.function", f"{p}.function must be an object {{name, description, parameters}}")
+    extra = set(fn) - {"name", "description", "parameters", "strict"}
+    if extra:
+        k = sorted(extra)[0]
+        raise ToolError(f"{p}.function.{k}", f"{p}.function.{k} is not a field of a function definition")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ToolError(f"{p}.function.name", f"{p}.function.name is required (a string)")
+    if not NAME_RE.match(name):
+        raise ToolError(f"{p}.function.name", f"{p}.function.name {name!r} must be 1-64 characters of "
+                                              "a-z, A-Z, 0-9, _ and -")
+    if name in seen:
+        raise ToolError(f"{p}.function.name", f"{p}.function.name {name!r} is given twice")
+    seen.add(name)
+    desc = fn.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise ToolError(f"{p}.function.description", f"{p}.function.description must be a string")
+    if fn.get("strict") is not None and not isinstance(fn.get("strict"), bool):
+        raise ToolError(f"{p}.function.strict", f"{p}.function.strict must be true or false")
+    params = fn.get("parameters")
+    if params is not None:
+        where = f"{p}.function.parameters"
+        if not isinstance(params, dict):
+            raise ToolError(where, f"{where} must be a JSON schema object")
+        if params.get("type", "object") != "object":
+            raise ToolError(where, f"{where} must be a schema of an object (type 'object'), "
+                                   f"got type {params.get('type')!r}")
+        _schema_ok(params, where)
+    f: dict[str, Any] = {"name": name}
+    if desc is not None:
+        f["description"] = desc
+    f["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": f}
+
+
+def _check_tool_choice(tool_choice: Any, names: set[str]) -> tuple[str, str | None]:
+    """``tool_choice`` (not None) checked against the tools' ``names``: the choice and, for a
+    named function, its name."""
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise ToolError("tool_choice", f"tool_choice must be none, auto, required or "
+                                           f"{{type: function, function: {{name}}}}, got {tool_choice!r}")
+        return tool_choice, None
+    if isinstance(tool_choice, dict):
+        if tool_choice.get("type") != "function":
+            raise ToolError("tool_choice.type", "tool_choice.type must be 'function'")
+        tf = tool_choice.get("function")
+        if not isinstance(tf, dict) or not isinstance(tf.get("name"), str):
+            raise ToolError("tool_choice.function.name", "tool_choice.function.name is required (a string)")
+        if tf["name"] not in names:
+            raise ToolError("tool_choice.function.name", f"tool_choice names the function {tf['name']!r}, "
+                                                         "which is not in tools")
+        return "function", tf["name"]
+    raise ToolError("tool_choice", "tool_choice must be a string or an object")
 
 
 # -- ids -------------------------------------------------------------------------------------------------
@@ -378,62 +386,85 @@ def parse(fmt: str, spec: ToolSpec | None, text: str) -> tuple[str | None, list[
     them (right-stripped), None when that is empty; generic's ``{"response": ...}`` is its string."""
     if spec is None or not spec.active:
         return text, []
-    calls: list[dict] = []
-    content: str | None = None
     try:
         if fmt == "hermes":
-            start = text.find("<tool_call>")
-            if start < 0:
-                return text, []
-            pos = start
-            for m in _HERMES.finditer(text, start):
-                if text[pos:m.start()].strip():
-                    return text, []
-                obj = json.loads(m.group(1))
-                c = _call(fmt, spec, obj, ("arguments", "parameters"))
-                if c is None:
-                    return text, []
-                calls.append(c)
-                pos = m.end()
-            if not calls or text[pos:].strip():
-                return text, []
-            content = text[:start].rstrip() or None
+            content, calls = _parse_hermes(spec, text)
         elif fmt in ("llama3", "mistral"):
-            body = text.strip()
-            if fmt == "mistral" and body.startswith("[TOOL_CALLS]"):
-                body = body[len("[TOOL_CALLS]"):]
-            if fmt == "llama3" and body.startswith("<|python_tag|>"):
-                body = body[len("<|python_tag|>"):]
-            values = _json_values(body) if body[:1] in "{[" and body else None
-            if not values:
-                return text, []
-            objs = [o for v in values for o in (v if isinstance(v, list) else [v])]
-            for o in objs:
-                c = _call(fmt, spec, o, ("parameters", "arguments") if fmt == "llama3" else ("arguments",))
-                if c is None:
-                    return text, []
-                calls.append(c)
+            content, calls = _parse_json_calls(fmt, spec, text)
         else:
-            obj = json.loads(text)
-            if not isinstance(obj, dict):
-                return text, []
-            if isinstance(obj.get("response"), str) and "tool_calls" not in obj:
-                return obj["response"], []
-            raw = obj.get("tool_calls", [obj["tool_call"]] if "tool_call" in obj else None)
-            if not isinstance(raw, list) or not raw:
-                return text, []
-            for o in raw:
-                c = _call(fmt, spec, o, ("arguments", "parameters"))
-                if c is None:
-                    return text, []
-                calls.append(c)
+            content, calls = _parse_generic(fmt, spec, text)
     except (ValueError, TypeError, RecursionError):
         return text, []
     if not calls:
-        return text, []
+        return content, []
     if not spec.parallel:
         calls = calls[:1]
     return content, calls
+
+
+# The readers of parse, one per format: (content, calls), with (text, []) (or generic's response
+# string) for output that is not a well-formed call; a malformed JSON raises ValueError.
+
+def _parse_hermes(spec: ToolSpec, text: str) -> tuple[str | None, list[dict]]:
+    """Hermes: ``<tool_call>{...}</tool_call>`` blocks, nothing but space between and after them."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls: list[dict] = []
+    pos = start
+    for m in _HERMES.finditer(text, start):
+        if text[pos:m.start()].strip():
+            return text, []
+        obj = json.loads(m.group(1))
+        c = _call("hermes", spec, obj, ("arguments", "parameters"))
+        if c is None:
+            return text, []
+        calls.append(c)
+        pos = m.end()
+    if not calls or text[pos:].strip():
+        return text, []
+    return text[:start].rstrip() or None, calls
+
+
+def _parse_json_calls(fmt: str, spec: ToolSpec, text: str) -> tuple[str | None, list[dict]]:
+    """Llama 3 and Mistral: the whole answer is JSON calls (objects or lists of them), after
+    ``<|python_tag|>`` or ``[TOOL_CALLS]``."""
+    body = text.strip()
+    if fmt == "mistral" and body.startswith("[TOOL_CALLS]"):
+        body = body[len("[TOOL_CALLS]"):]
+    if fmt == "llama3" and body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):]
+    values = _json_values(body) if body[:1] in "{[" and body else None
+    if not values:
+        return text, []
+    calls: list[dict] = []
+    objs = [o for v in values for o in (v if isinstance(v, list) else [v])]
+    for o in objs:
+        c = _call(fmt, spec, o, ("parameters", "arguments") if fmt == "llama3" else ("arguments",))
+        if c is None:
+            return text, []
+        calls.append(c)
+    return (None, calls) if calls else (text, [])
+
+
+def _parse_generic(fmt: str, spec: ToolSpec, text: str) -> tuple[str | None, list[dict]]:
+    """Generic: one JSON object, ``{"tool_calls": [...]}``, ``{"tool_call": {...}}`` or
+    ``{"response": "..."}``."""
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        return text, []
+    if isinstance(obj.get("response"), str) and "tool_calls" not in obj:
+        return obj["response"], []
+    raw = obj.get("tool_calls", [obj["tool_call"]] if "tool_call" in obj else None)
+    if not isinstance(raw, list) or not raw:
+        return text, []
+    calls: list[dict] = []
+    for o in raw:
+        c = _call(fmt, spec, o, ("arguments", "parameters"))
+        if c is None:
+            return text, []
+        calls.append(c)
+    return None, calls
 
 
 class StreamParser:

@@ -29,19 +29,25 @@ a fork are never changed for the other holder: llama.cpp shifts the position of 
 *every* sequence in it, so when a removal would shift shared cells, the sequence drops its claim on
 the tail and re-evaluates it into cells of its own (copy-on-write; the sibling pays nothing).
 
-Package interface. sequence.py, prefix.py, sampling.py and engine/ use a context only through its
-public methods and these single-underscore ones (not public API, but the documented way in; nothing
-else in the package reads a Context's attributes):
+Package interface. Other modules use a context only through its public methods (nothing else in
+the package reads a Context's private attributes):
 
-* public: ``critical()`` (``with ctx.critical():`` the lock, Ctrl-C held back, re-entry from a
-  callback refused: several calls as one step), ``check_open()``, ``check_sequence(seq)``
-  (InvalidInputError for a closed context / a sequence not open in it), ``shared_in(sid, lo, hi)``;
-* ``_own(seq)``: the sequence's entry (``.tokens``, ``.logits``: read, never written), for sampling.
-* ``_tokens_of(seq)``, ``_is_closed(seq)``: what a handle holds (its live token list: read, never
-  written) and whether it is closed; no lock taken.
-* ``_next_logits(seq, recompute, copy)``, ``_fork``, ``_truncate``, ``_remove``, ``_shift_out``,
-  ``_export``, ``_close_sequence``: the operations behind Sequence's methods (and Sampler.sample).
-* ``shared_in(seq_id, lo, hi)``: whether another sequence shares a cell of ``seq_id`` in [lo, hi).
+* ``critical()`` (``with ctx.critical():`` the lock, Ctrl-C held back, re-entry from a callback
+  refused: several calls as one step), ``check_open()``, ``check_sequence(seq)`` (InvalidInputError
+  for a closed context / a sequence not open in it), ``shared_in(sid, lo, hi)``, ``cache_layout()``
+  and ``can_restore`` (for the prefix cache's tiers);
+* **the sequence channel**: ``sequence_tokens``, ``sequence_closed``, ``sequence_logits`` (and
+  ``sequence_logits_lent``), ``sequence_fork``, ``sequence_truncate``, ``sequence_remove``,
+  ``sequence_shift_out``, ``sequence_export``, ``sequence_snapshot``, ``sequence_restore`` and
+  ``sequence_close``: the
+  operations behind :class:`~pyllama_kv.core.sequence.Sequence`'s methods, each taking the handle
+  first. A Sequence forwards to them; the context checks the handle and writes cells and table. Users
+  call the Sequence's methods (``sequence_logits_lent(seq)`` lends a sampler the stored array).
+
+Pure pieces live beside this module: :mod:`.batching` (how a decode is cut into llama_decode calls),
+:mod:`.returncodes` (llama_decode's return code -> exception), :mod:`.kvstats` (KVStats and its
+arithmetic), :mod:`.spanio` (state reads and span checks), :mod:`.critical` (the lock's state and the
+critical section).
 
 Tests and scripts that go behind the API's back use ``_ptr``, ``_L``, ``_seq_remove`` and
 ``_read_seq_state``.
@@ -53,64 +59,33 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from .._native import kv as _kv
 from ..config import ContextConfig, default_threads, int_param
-from ..errors import DecodeError, InvalidInputError, KVCacheFullError, LibraryError, LlamaError
+from ..errors import InvalidInputError, KVCacheFullError, LibraryError, LlamaError
 from ..limits import KV_CACHE_TYPES, kv_type_block
-from . import _signals, state as _state
+from . import _signals, spanio as _spanio, state as _state
+from .batching import (
+    POLL_TOKENS as _POLL_TOKENS,
+    chunk_plan as _chunk_plan,
+    fast_tokens as _fast_tokens,
+    fill_batch as _fill_batch,
+)
+from .critical import Critical as _Critical, LockState as _LockState
+from .kvstats import KVStats, kv_stats as _kv_stats
+from .returncodes import decode_error as _decode_error
 from .sequence import Sequence as _Sequence
 from .state import SequenceState as _SequenceState
 
 if TYPE_CHECKING:
+    from .batching import Plan as _Plan
     from .model import Model
     from .span import Span as _Span
 
-
-@dataclass(frozen=True)
-class KVStats:
-    """A snapshot of the KV cache. Counters are cumulative over the context's life and are None on a
-    vanilla build (which lacks ``llama_kv_self_stats``)."""
-
-    n_cells: int
-    used_cells: int
-    free_cells: int
-    holes: int                 # free runs with a used cell after them (gaps a batch cannot span)
-    largest_free_block: int    # the biggest batch that fits without a defrag
-    fragmentation: float       # 1 - largest_free_block / free_cells (0: all free cells contiguous)
-    defrags: int | None = None
-    moves: int | None = None
-    cells_moved: int | None = None
-    graphs: int | None = None
-    nodes: int | None = None           # graph nodes computed for defrags (0 on the host memcpy path)
-    slot_retries: int | None = None
-    slot_failures: int | None = None
-    defrag_seconds: float | None = None   # time spent in defrags (patched build)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _fast_tokens(toks, n_vocab: int) -> list | None:
-    """``toks`` itself when it is a list of in-range Python ints (the common case, checked without
-    numpy); None when the general check must decide."""
-    if type(toks) is not list or not toks:
-        return None
-    for t in toks:
-        if type(t) is not int:
-            return None
-    if min(toks) < 0 or max(toks) >= n_vocab:
-        return None
-    return toks
-
-
-# decodes of at least this many tokens poll for Ctrl-C from the abort callback (a prompt chunk);
-# smaller ones (generation steps) are short enough to finish before the interrupt is delivered
-_POLL_TOKENS = 32
+__all__ = ["Context", "KVStats"]
 
 
 class _SeqEntry:
@@ -133,41 +108,8 @@ _CC = ContextConfig   # the defaults of Context's arguments are ContextConfig's
 def _is_model(obj) -> bool:
     """Whether ``obj`` is a pyllama_kv.Model, by the package interface model.py declares for contexts
     (this module does not import model.py, which imports it for Model.context)."""
-    return isinstance(obj, _kv.CResource) and isinstance(getattr(obj, "_lib", None), _kv.Library) \
-        and hasattr(obj, "_contexts")
-
-
-class _Critical:
-    """The context's lock, with Ctrl-C held back and re-entrant calls from a callback refused."""
-
-    __slots__ = ("ctx", "sig")
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-        self.sig: _signals.defer_sigint | None = None
-
-    def __enter__(self) -> None:
-        ctx = self.ctx
-        ctx._lock.acquire()
-        if ctx._busy:
-            ctx._lock.release()
-            raise InvalidInputError(
-                "the context is inside llama_decode: it cannot be used from its own abort callback "
-                "(or log handler) on the decoding thread")
-        ctx._depth += 1
-        if ctx._depth > 1:   # nested on this thread: the outer section holds Ctrl-C back already
-            self.sig = None
-            return
-        self.sig = _signals.defer_sigint()
-        self.sig.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.ctx._depth -= 1
-            self.ctx._lock.release()
-        finally:
-            if self.sig is not None:
-                self.sig.__exit__(*exc)   # delivers a held-back Ctrl-C, now that the state is whole
+    return isinstance(obj, _kv.CResource) and isinstance(getattr(obj, "native_library", None), _kv.Library) \
+        and callable(getattr(obj, "open_native_context", None))
 
 
 class Context(_kv.CResource):
@@ -209,7 +151,7 @@ class Context(_kv.CResource):
                 raise InvalidInputError(f"{name}={t!r} needs a head size that is a multiple of its block size "
                                         f"{block}; this model's is {hd}")
 
-        lib = model._lib
+        lib = model.native_library
         if defrag_thold is not None and defrag_thold > 0 and not lib.patched:
             raise InvalidInputError("defrag_thold (automatic defrag) on the vanilla build can abort the process "
                                     "inside llama_decode (see patches/0003): use the patched build")
@@ -219,26 +161,17 @@ class Context(_kv.CResource):
         # barriers crawl (a defrag graph of many small copies ran ~30x slower on 2 cores)
         n_threads = cfg.n_threads or default_threads()
         self.n_threads = n_threads
-        self._lock = threading.RLock()
-        self._busy = False        # inside a C call that may call back into Python (decode, update)
-        self._depth = 0           # nesting of critical sections on the thread holding the lock
+        self._guard = _LockState()   # the lock, busy (inside a C call that may call back) and depth
         self._no_abort = False    # a maintenance decode that must complete (abort callback ignored)
         self._abort_exc: BaseException | None = None
         self._shift_pending = False   # a K-shift (seq_add) not yet applied by an update
-        with model._lock:   # the model cannot be closed while a context of it is being made
-            model.check_open()
-            native_model = model._native
-            assert native_model is not None
-            # one id more than asked for: a spare sequence under which a tail is re-evaluated and
-            # swapped in only on success (copy-on-write and exact removal stay atomic)
-            native, err = _kv.NativeContext.create(
-                lib, native_model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
-                n_seq_max=n_seq_max + 1, flash_attn=flash_attn, type_k=KV_CACHE_TYPES[type_k],
-                type_v=KV_CACHE_TYPES[type_v], n_threads=n_threads, defrag_thold=defrag_thold)
-            if native is None:
-                raise LlamaError("llama.cpp could not create the context" + (f": {err}" if err else ""))
-            self._native = native
-            model._contexts.add(self)
+        # made under the model's lock (the model cannot be closed meanwhile), ours before the model
+        # registers us. One id more than asked for: a spare sequence under which a tail is
+        # re-evaluated and swapped in only on success (copy-on-write and exact removal stay atomic)
+        native = model.open_native_context(
+            self, self._adopt, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max + 1,
+            flash_attn=flash_attn, type_k=KV_CACHE_TYPES[type_k], type_v=KV_CACHE_TYPES[type_v],
+            n_threads=n_threads, defrag_thold=defrag_thold)
         # n_ctx may be padded up (256 with flash attention)
         self.n_ctx, self.n_batch, self.n_ubatch = native.sizes()
         self.n_seq_max: int = n_seq_max
@@ -257,6 +190,10 @@ class Context(_kv.CResource):
     # -- lifecycle ------------------------------------------------------------------------------
 
     _native: _kv.NativeContext | None = None   # None until made and once closed
+
+    def _adopt(self, native: _kv.NativeContext) -> None:
+        """Called by Model.open_native_context with the new native context, under the model's lock."""
+        self._native = native
 
     @property
     def closed(self) -> bool:
@@ -289,22 +226,22 @@ class Context(_kv.CResource):
             native = self._native
             if native is None:
                 return
-            if self._depth > 1:
+            if self._guard.depth > 1:
                 # a log handler or callback running inside another call of this context: freeing it
                 # here would pull the context out from under that call
                 raise InvalidInputError("the context cannot be closed from inside one of its own calls "
                                         "(a callback or log handler)")
-            # every handle is closed now (see _is_closed); the table stays, so that a sequence closed
+            # every handle is closed now (see sequence_closed); the table stays, so that a sequence closed
             # with its context still tells the tokens it held (one closed by Sequence.close holds none)
             for e in self._table.values():
                 e.logits = None
             self._native = None
             native.free()
-            self.model._contexts.discard(self)
+            self.model.forget_context(self)
 
     def critical(self) -> _Critical:
         """``with ctx.critical():`` the lock, Ctrl-C held back, no re-entry from a callback."""
-        return _Critical(self)
+        return _Critical(self._guard)
 
     def __repr__(self) -> str:
         if self.closed:
@@ -324,7 +261,7 @@ class Context(_kv.CResource):
     @property
     def lock(self) -> threading.RLock:
         """The context's lock; hold it to make several calls one atomic step."""
-        return self._lock
+        return self._guard.lock
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -344,14 +281,14 @@ class Context(_kv.CResource):
     @property
     def sequences(self) -> list:
         """The open sequences, by id."""
-        with self._lock:
+        with self._guard.lock:
             if self._native is None:
                 return []
             return [self._table[k].seq for k in sorted(self._table)]
 
     @property
     def free_sequence_ids(self) -> int:
-        with self._lock:
+        with self._guard.lock:
             return len(self._free_ids)
 
     def _own(self, seq) -> _SeqEntry:
@@ -370,16 +307,6 @@ class Context(_kv.CResource):
         """The entry of ``seq`` for an operation on it: the context open, ``seq`` open in it."""
         self.check_open()
         return self._own(seq)
-
-    def _tokens_of(self, seq) -> list[int] | tuple:
-        """The live token list of ``seq``: read it, never change it. Empty once ``seq`` is closed,
-        except when its context closed: the tokens it held then."""
-        e = self._table.get(seq.id)
-        return e.tokens if e is not None and e.seq is seq else _NO_TOKENS
-
-    def _is_closed(self, seq) -> bool:
-        e = self._table.get(seq.id)
-        return e is None or e.seq is not seq or self._native is None
 
     def _release(self, sid: int) -> None:
         """Free sequence id ``sid`` and its cells; its handle is closed."""
@@ -431,19 +358,29 @@ class Context(_kv.CResource):
     def _read_seq_state(self, sid: int) -> bytes:
         """llama.cpp's state of sequence ``sid`` (LlamaError when it cannot be read whole)."""
         assert self._native is not None
-        n = self._native.state_seq_size(sid)
-        if n == 0:
-            raise LlamaError(f"llama.cpp could not size the state of sequence {sid}")
-        got, data = self._native.state_seq_get(sid, n)
-        if got != n:
-            raise LlamaError(f"llama.cpp wrote {got} bytes of the state of sequence {sid}, expected {n}")
-        return data
+        return _spanio.read_seq_state(self._native, sid)
 
     def _write_seq_state(self, data: bytes, sid: int) -> int:
         """Write a checked state into the empty sequence ``sid``: the bytes llama.cpp read (0: no slot)."""
         assert self._native is not None
         return self._native.state_seq_set(data, sid)
 
+    def cache_layout(self) -> _state.Layout:
+        """The layout of this context's sequence states (cache types, row sizes, V layout), read from
+        its spare sequence, which holds no cells between calls."""
+        with self.critical():
+            self.check_open()
+            return self._layout_of(self._spare_id)
+
+    def _layout_of(self, sid: int) -> _state.Layout:
+        return _state.context_layout(self._read_seq_state(sid), self.type_k, self.type_v)
+
+    @property
+    def can_restore(self) -> bool:
+        """Whether this context's library can restore a span (llama_state_seq_add_data, patch 0014 of
+        the series); False once closed."""
+        native = self._native
+        return native is not None and getattr(native.L, "llama_state_seq_add_data", None) is not None
 
     def import_sequence(self, state):
         """A new sequence holding the cells and tokens of ``state`` (from Sequence.export_state).
@@ -471,9 +408,7 @@ class Context(_kv.CResource):
     def _import_into(self, e: _SeqEntry, state: _SequenceState) -> None:
         """Fill the new, empty sequence of ``e`` from ``state``; on any error it holds no cells."""
         sid = e.id
-        toks, data, p = _state.check_import(
-            state, self.model, self.n_ctx,
-            lambda: _state.context_layout(self._read_seq_state(sid), self.type_k, self.type_v))
+        toks, data, p = _state.check_import(state, self.model, self.n_ctx, lambda: self._layout_of(sid))
         if p.cell_count == 0:
             return
         # free cells may still carry the pending delta of a removed cell: the next update would
@@ -481,8 +416,7 @@ class Context(_kv.CResource):
         self._c_update()
         st = self.kv_stats()
         if st.largest_free_block < p.cell_count:
-            raise KVCacheFullError(f"could not restore {p.cell_count} cells: they need one contiguous block, the "
-                                   f"largest free block is {st.largest_free_block} of {st.free_cells} free cells")
+            raise _spanio.no_block(p.cell_count, st)
         got = self._write_seq_state(data, sid)
         if got != len(data):
             self._seq_remove(sid, -1, -1)
@@ -491,9 +425,23 @@ class Context(_kv.CResource):
             raise LlamaError(f"llama.cpp read {got} of the {len(data)} bytes of a checked state")
         e.tokens = toks.tolist()
 
-    # -- sequences: the operations behind Sequence's methods (the context writes every entry) ----
+    # -- the sequence channel: the operations behind Sequence's methods -------------------------
+    # A Sequence is a handle that forwards here; each method checks the handle (InvalidInputError for
+    # one closed or of another context) and the context writes cells and table together.
 
-    def _next_logits(self, seq, recompute: bool = False, copy: bool = True) -> np.ndarray:
+    def sequence_tokens(self, seq) -> list[int] | tuple:
+        """Sequence.tokens and len(): the live token list of ``seq`` (read it, never change it; no
+        lock taken). Empty once ``seq`` is closed, except when its context closed: the tokens it held
+        then."""
+        e = self._table.get(seq.id)
+        return e.tokens if e is not None and e.seq is seq else _NO_TOKENS
+
+    def sequence_closed(self, seq) -> bool:
+        """Sequence.closed: whether the table no longer holds ``seq`` or the context is closed (no lock)."""
+        e = self._table.get(seq.id)
+        return e is None or e.seq is not seq or self._native is None
+
+    def sequence_logits(self, seq, recompute: bool = False, copy: bool = True) -> np.ndarray:
         """Sequence.logits (``copy=False``: the stored array itself, for a sampler that only reads it)."""
         with self.critical():
             e = self._entry(seq)
@@ -504,7 +452,13 @@ class Context(_kv.CResource):
             assert e.logits is not None
             return e.logits.copy() if copy else e.logits
 
-    def _fork(self, seq, n: int | None) -> _Sequence:
+    def sequence_logits_lent(self, seq) -> np.ndarray:
+        """For a sampler inside ``critical()``: the stored next-token logits of ``seq``, lent (read
+        them, never write them; the context is their only writer), recomputed first when stale."""
+        logits = self._own(seq).logits
+        return logits if logits is not None else self.sequence_logits(seq, copy=False)
+
+    def sequence_fork(self, seq, n: int | None) -> _Sequence:
         """Sequence.fork: a new sequence sharing the first ``n`` cells of ``seq``."""
         with self.critical():
             e = self._entry(seq)
@@ -518,7 +472,7 @@ class Context(_kv.CResource):
                 c.logits = e.logits.copy()
             return child
 
-    def _truncate(self, seq, n: int) -> None:
+    def sequence_truncate(self, seq, n: int) -> None:
         """Sequence.truncate."""
         with self.critical():
             e = self._entry(seq)
@@ -532,7 +486,7 @@ class Context(_kv.CResource):
         del e.tokens[n:]
         e.logits = None
 
-    def _remove(self, seq, start: int, end: int, recompute: bool = False) -> None:
+    def sequence_remove(self, seq, start: int, end: int, recompute: bool = False) -> None:
         """Sequence.remove: a K-shift when the tail is private and the build and model can shift,
         else the tail re-evaluated (copy-on-write when it is shared)."""
         with self.critical():
@@ -559,7 +513,7 @@ class Context(_kv.CResource):
         del e.tokens[start:end]
         e.logits = None
 
-    def _shift_out(self, seq, n_keep: int, n_discard: int) -> None:
+    def sequence_shift_out(self, seq, n_keep: int, n_discard: int) -> None:
         """Sequence.shift_out."""
         with self.critical():
             e = self._entry(seq)
@@ -634,7 +588,7 @@ class Context(_kv.CResource):
                 raise LlamaError(f"sequence {e.id} could not be restored after a failed re-evaluation and was "
                                  f"truncated to {start} tokens: {exc}") from exc
 
-    def _export(self, seq) -> _SequenceState:
+    def sequence_export(self, seq) -> _SequenceState:
         """Sequence.export_state."""
         with self.critical():
             e = self._entry(seq)
@@ -642,73 +596,44 @@ class Context(_kv.CResource):
             self._c_update()
             return _state.export_state(self._read_seq_state(e.id), list(e.tokens), e.id, self.n_ctx, self.model)
 
-    def _snapshot(self, seq, start: int, end: int | None) -> _Span:
+    def sequence_snapshot(self, seq, start: int, end: int | None) -> _Span:
         """Sequence.snapshot: a compact copy of the cells of ``seq`` over positions [start, end)."""
-        from .span import Span
-
         with self.critical():
             e = self._entry(seq)
-            n = len(e.tokens)
-            end = n if end is None else end
-            for name, v in (("start", start), ("end", end)):
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise InvalidInputError(f"{name} must be an int, got {type(v).__name__}")
-            if not 0 <= start < end <= n:
-                raise InvalidInputError(f"a span needs 0 <= start < end <= {n} (the sequence's length), got "
-                                        f"[{start}, {end})")
+            end = _spanio.span_end(start, end, len(e.tokens))
             self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
-            data = self._read_seq_state(e.id)
-            p, order = _state.position_order(data, n, e.id, self.n_ctx)
-            return Span(start, tuple(e.tokens[start:end]), _state.select(data, p, order[start:end]), p.layout,
-                        _state.model_fingerprint(self.model))
+            return _spanio.make_span(self._read_seq_state(e.id), e.tokens, start, end, e.id, self.n_ctx,
+                                     self.model)
 
-    def _restore(self, seq, span: _Span) -> None:
+    def sequence_restore(self, seq, span: _Span) -> None:
         """Sequence.restore: add the cells of ``span`` to ``seq``, which holds exactly [0, span.start)."""
-        from .span import Span
-
         with self.critical():
             e = self._entry(seq)
-            if not isinstance(span, Span):
-                raise InvalidInputError(f"restore needs a Span from Sequence.snapshot(), got {type(span).__name__}")
-            if span.model != _state.model_fingerprint(self.model):
-                raise InvalidInputError("the span comes from another model")
-            if len(e.tokens) != span.start:
-                raise InvalidInputError(f"a span of positions [{span.start}, {span.end}) goes on a sequence of "
-                                        f"{span.start} tokens; sequence {e.id} has {len(e.tokens)}")
-            if span.end > self.n_ctx:
-                raise KVCacheFullError(f"the span ends at position {span.end}, past the context's {self.n_ctx} cells")
-            layout = _state.context_layout(self._read_seq_state(self._spare_id), self.type_k, self.type_v)
-            if span.layout != layout:
-                raise InvalidInputError("the span was copied from a context with other cache types or V layout "
-                                        "(flash attention)")
-            try:
-                span.parsed()   # the data is exactly len(tokens) cells of this layout, or InvalidInputError
-            except InvalidInputError as exc:
-                raise InvalidInputError(f"the span's data is not {len(span)} cells of this layout: {exc}") from None
+            span = _spanio.check_restore(span, self.model, len(e.tokens), e.id, self.n_ctx,
+                                         lambda: self._layout_of(self._spare_id))
             self._c_update()   # free cells may still carry the pending delta of a removed cell
             st = self.kv_stats()
             if st.largest_free_block < len(span) <= st.free_cells:
                 self.defrag()
                 st = self.kv_stats()
             if st.largest_free_block < len(span):
-                raise KVCacheFullError(f"could not restore {len(span)} cells: they need one contiguous block, the "
-                                       f"largest free block is {st.largest_free_block} of {st.free_cells} free cells")
+                raise _spanio.no_block(len(span), st)
             assert self._native is not None
             got = self._native.state_seq_add(span.data, e.id)
             if got is None:
-                raise LibraryError(f"{self.model._lib.path} cannot restore a span (llama_state_seq_add_data is "
+                raise LibraryError(f"{self._libobj.path} cannot restore a span (llama_state_seq_add_data is "
                                    "patch 0014 of pyllama_kv's series): use the patched library")
             if got != len(span.data):   # llama.cpp removed the cells it placed: the sequence is as it was
                 raise KVCacheFullError(f"llama.cpp could not add the span's {len(span)} cells")
             e.tokens.extend(span.tokens)
             e.logits = None   # computed from the restored cells at the next logits() or decode
 
-    def _close_sequence(self, seq) -> None:
+    def sequence_close(self, seq) -> None:
         """Sequence.close: free the id and cells of ``seq`` (nothing when it is closed already)."""
-        if self._is_closed(seq):
+        if self.sequence_closed(seq):
             return
         with self.critical():
-            if self._native is not None and not self._is_closed(seq):
+            if self._native is not None and not self.sequence_closed(seq):
                 self._release(seq.id)
 
     # -- decoding -------------------------------------------------------------------------------
@@ -752,11 +677,12 @@ class Context(_kv.CResource):
         self._abort_exc = None
         native = self._native
         assert native is not None
-        self._busy = True
+        guard = self._guard
+        guard.busy = True
         try:
             return native.decode(batch, n_tokens)
         finally:
-            self._busy = False
+            guard.busy = False
 
     def _c_update(self) -> None:
         """llama_kv_self_update: apply pending K-shifts and a scheduled defrag, to completion. The
@@ -764,13 +690,13 @@ class Context(_kv.CResource):
         leave cells and K/V disagreeing (llama.cpp drops an aborted shift's deltas)."""
         assert self._native is not None
         prev = self._no_abort
-        self._busy = True
+        self._guard.busy = True
         self._no_abort = True
         try:
             self._native.update()
             self._shift_pending = False
         finally:
-            self._busy = False
+            self._guard.busy = False
             self._no_abort = prev
 
     def _apply_shifts(self) -> None:
@@ -779,58 +705,20 @@ class Context(_kv.CResource):
         if self._shift_pending:
             self._c_update()
 
-    def _raw_decode(self, plan: list[tuple[int, list[int] | np.ndarray, int]]) -> list[np.ndarray | None]:
+    def _raw_decode(self, plan: _Plan) -> list[np.ndarray | None]:
         """Decode ``plan`` = [(seq_id, tokens, first_pos)] (validated) in as few llama_decode calls as
         n_batch allows, with one output (the last token) per entry. On failure every entry's new
         positions are removed and the mapped exception is raised."""
         native = self._native
         assert native is not None
         b = self._batch
-        cap = b.cap
         results: list[np.ndarray | None] = [None] * len(plan)
         n_vocab = self.model.n_vocab
-        # flatten into chunks of at most n_batch tokens
-        chunks: list[list[tuple[int, int, int, int]]] = []  # (entry, lo, hi, pos0) per piece
-        cur: list[tuple[int, int, int, int]] = []
-        room = cap
-        for e, (_sid, toks, pos0) in enumerate(plan):
-            lo = 0
-            while lo < len(toks):
-                take = min(room, len(toks) - lo)
-                cur.append((e, lo, lo + take, pos0))
-                lo += take
-                room -= take
-                if room == 0:
-                    chunks.append(cur)
-                    cur, room = [], cap
-        if cur:
-            chunks.append(cur)
+        chunks = _chunk_plan(plan, b.cap)
         self._apply_shifts()
         try:
             for chunk in chunks:
-                # fill the batch with one numpy assignment per array (lists built in Python are
-                # cheaper than a numpy call per sequence for the many small pieces of a generation step)
-                tok: list[int] = []
-                pos: list[int] = []
-                sid_l: list[int] = []
-                outs = []
-                for e, lo, hi, pos0 in chunk:
-                    sid, toks, _ = plan[e]
-                    k = hi - lo
-                    tok.extend(toks[lo:hi] if (lo or hi != len(toks)) else toks)
-                    pos.extend(range(pos0 + lo, pos0 + hi))
-                    sid_l.extend([sid] * k)
-                    if hi == len(toks):
-                        outs.append((e, len(tok) - 1))
-                n = len(tok)
-                b.np_token[:n] = tok
-                b.np_pos[:n] = pos
-                b.np_sid[:n] = sid_l
-                b.np_out[:n] = 0
-                if outs:
-                    b.np_out[[bidx for _, bidx in outs]] = 1
-                else:  # a chunk that ends no entry: llama.cpp still wants one output
-                    b.np_out[n - 1] = 1
+                n, outs = _fill_batch(b, plan, chunk)
                 rc = self._c_decode(b, n)
                 if rc != 0:
                     raise self._decode_error(rc)
@@ -847,29 +735,10 @@ class Context(_kv.CResource):
         return results
 
     def _decode_error(self, rc: int) -> BaseException:
-        err = self._libobj.last_error()
-        if rc == 1:
-            st = self.kv_stats()
-            return KVCacheFullError(
-                f"no room in the KV cache for the batch ({st.free_cells} of {st.n_cells} cells free, largest free "
-                f"block {st.largest_free_block}{'' if self.patched else '; the vanilla build does not defragment'})"
-            )
-        if rc == 2:
-            exc = self._abort_exc
-            self._abort_exc = None
-            if exc is not None:
-                if not isinstance(exc, Exception):   # KeyboardInterrupt, SystemExit: re-raised as is
-                    return exc
-                err_ = DecodeError(f"decode aborted: the abort callback raised {type(exc).__name__}: {exc}; "
-                                   "nothing was changed")
-                err_.__cause__ = exc
-                return err_
-            if _signals.interrupt_pending():
-                return DecodeError("decode interrupted (Ctrl-C); nothing was changed")
-            return DecodeError("decode aborted by the abort callback; nothing was changed")
-        if rc == -1:
-            return InvalidInputError(f"llama_decode rejected the batch: {err or 'invalid input'}")
-        return DecodeError(f"llama_decode failed with code {rc}" + (f": {err}" if err else ""))
+        """The exception for llama_decode's return code ``rc`` (see :mod:`.returncodes`)."""
+        exc, self._abort_exc = self._abort_exc, None
+        return _decode_error(rc, self._libobj.last_error(), stats=self.kv_stats, patched=self.patched,
+                             abort_exc=exc)
 
     def decode(self, batch: Mapping[_Sequence, Iterable[int]]) -> dict[_Sequence, np.ndarray]:
         """Append tokens to several sequences at once: ``{seq: tokens}`` -> ``{seq: logits}``.
@@ -880,49 +749,7 @@ class Context(_kv.CResource):
         """
         with self.critical():
             self.check_open()
-            if not isinstance(batch, Mapping):
-                raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
-            # first run every piece of caller code (the mapping's iteration, token iterables), then
-            # check the state they may have changed: nothing the checks saw can change after them
-            items: list[tuple[_Sequence, list[int]]] = []
-            n_vocab = self.model.n_vocab
-            table = self._table
-            for seq, toks in list(batch.items()):
-                e = table.get(seq.id) if type(seq) is _Sequence else None
-                if e is None or e.seq is not seq:
-                    e = self._own(seq)  # raises the precise error
-                arr = _fast_tokens(toks, n_vocab)
-                if arr is None:  # not a plain list of ints: the general (numpy) check
-                    arr = self.model.check_tokens(toks).tolist()
-                items.append((seq, arr))
-            if not items:
-                raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
-            self.check_open()
-            plan: list[tuple[int, list[int] | np.ndarray, int]] = []
-            entries = []
-            seen: set[int] = set()
-            total = 0
-            for seq, arr in items:
-                sid = seq.id
-                e = table.get(sid)
-                if e is None or e.seq is not seq:   # closed by the caller's code above
-                    e = self._own(seq)
-                if sid in seen:
-                    raise InvalidInputError(f"sequence {sid} appears twice in the batch")
-                seen.add(sid)
-                if not arr:
-                    raise InvalidInputError(f"empty token list for sequence {sid}")
-                n_new = len(arr)
-                n_old = len(e.tokens)
-                if n_old + n_new > self.n_ctx:
-                    raise KVCacheFullError(
-                        f"sequence {sid} would hold {n_old + n_new} positions, more than n_ctx={self.n_ctx}")
-                plan.append((sid, arr, n_old))
-                entries.append(e)
-                total += n_new
-            free = self._free_cells()
-            if total > free:
-                raise KVCacheFullError(f"the batch needs {total} cells but only {free} of {self.n_ctx} are free")
+            plan, entries = self._plan(batch)
             results = self._raw_decode(plan)
             out: dict[_Sequence, np.ndarray] = {}
             for e, (_sid, new, _), logits in zip(entries, plan, results):
@@ -931,6 +758,53 @@ class Context(_kv.CResource):
                 e.logits = logits
                 out[e.seq] = logits
             return out
+
+    def _plan(self, batch) -> tuple[_Plan, list[_SeqEntry]]:
+        """decode's plan [(seq_id, tokens, first_pos)] for ``batch`` and the entries it extends. First
+        every piece of caller code runs (the mapping's iteration, token iterables), then the state they
+        may have changed is checked: nothing the checks saw can change after them."""
+        if not isinstance(batch, Mapping):
+            raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
+        items: list[tuple[_Sequence, list[int]]] = []
+        n_vocab = self.model.n_vocab
+        table = self._table
+        for seq, toks in list(batch.items()):
+            e = table.get(seq.id) if type(seq) is _Sequence else None
+            if e is None or e.seq is not seq:
+                e = self._own(seq)  # raises the precise error
+            arr = _fast_tokens(toks, n_vocab)
+            if arr is None:  # not a plain list of ints: the general (numpy) check
+                arr = self.model.check_tokens(toks).tolist()
+            items.append((seq, arr))
+        if not items:
+            raise InvalidInputError("decode needs a non-empty mapping {sequence: tokens}")
+        self.check_open()
+        plan: _Plan = []
+        entries = []
+        seen: set[int] = set()
+        total = 0
+        for seq, arr in items:
+            sid = seq.id
+            e = table.get(sid)
+            if e is None or e.seq is not seq:   # closed by the caller's code above
+                e = self._own(seq)
+            if sid in seen:
+                raise InvalidInputError(f"sequence {sid} appears twice in the batch")
+            seen.add(sid)
+            if not arr:
+                raise InvalidInputError(f"empty token list for sequence {sid}")
+            n_new = len(arr)
+            n_old = len(e.tokens)
+            if n_old + n_new > self.n_ctx:
+                raise KVCacheFullError(
+                    f"sequence {sid} would hold {n_old + n_new} positions, more than n_ctx={self.n_ctx}")
+            plan.append((sid, arr, n_old))
+            entries.append(e)
+            total += n_new
+        free = self._free_cells()
+        if total > free:
+            raise KVCacheFullError(f"the batch needs {total} cells but only {free} of {self.n_ctx} are free")
+        return plan, entries
 
     # -- cache maintenance ----------------------------------------------------------------------
 
@@ -1005,28 +879,7 @@ class Context(_kv.CResource):
             if self.patched:
                 assert self._native is not None
                 counters = self._native.stats()
-        free = seqs[:, 0] < 0
-        n = int(free.size)
-        n_free = int(free.sum())
-        largest = 0
-        holes = 0
-        if n_free:
-            # runs of free cells
-            d = np.diff(np.concatenate(([0], free.astype(np.int8), [0])))
-            starts = np.flatnonzero(d == 1)
-            ends = np.flatnonzero(d == -1)
-            largest = int((ends - starts).max())
-            holes = int((ends < n).sum())  # runs followed by a used cell
-        extra: dict[str, Any] = {}
-        if counters is not None:
-            extra = dict(defrags=counters["n_defrags"], moves=counters["n_defrag_moves"],
-                         cells_moved=counters["n_defrag_cells"], graphs=counters["n_defrag_graphs"],
-                         nodes=counters["n_defrag_nodes"],
-                         slot_retries=counters["n_slot_retries"], slot_failures=counters["n_slot_failures"],
-                         defrag_seconds=counters["t_defrag_us"] / 1e6)
-        frag = 0.0 if n_free == 0 else 1.0 - largest / n_free
-        return KVStats(n_cells=n, used_cells=n - n_free, free_cells=n_free, holes=holes,
-                       largest_free_block=largest, fragmentation=round(frag, 6), **extra)
+        return _kv_stats(seqs, counters)
 
     def shared_in(self, sid: int, lo: int, hi: int) -> bool:
         """Whether any cell of sequence ``sid`` with position in [lo, hi) is held by another sequence too

@@ -1,9 +1,12 @@
 """A loaded GGUF model: vocabulary, sizes, tokenization, and the factory for contexts.
 
-Package interface (used by context.py and sampling.py, not public): ``Model._native`` (the
-:class:`~pyllama_kv._native.kv.NativeModel`, None once closed), ``Model._lib`` (the loaded library),
-``Model._lock`` (taken after a context's lock, never before), ``Model._contexts`` (the open contexts,
-closed first by :meth:`Model.close`); public: ``Model.check_open()``.
+Package interface (what contexts and samplers use; nothing else of the package reads a Model's
+private attributes): ``Model.native_library`` (the loaded :class:`~pyllama_kv._native.kv.Library`,
+which samplers build their chains with), ``Model.open_native_context(owner, adopt, **params)``
+(a llama.cpp context made under the model's lock, so the model cannot be closed meanwhile, given to
+``adopt``, and ``owner`` registered: :meth:`Model.close` closes it first), ``Model.forget_context(owner)`` (the
+owner closed its native context) and ``Model.check_open()``. The model's lock is taken after a
+context's lock, never before.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import struct
 import threading
 from collections.abc import Iterable, Sequence as _Seq
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -178,6 +181,8 @@ class Model(_kv.CResource):
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, *, lib=None,
                  use_mmap: bool = True, validate: bool | str = "full", rpc=None):
+        # ~60 lines: the checks in the order loading needs them, then every public attribute a Model
+        # has, declared here in one place
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"the model path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)
@@ -288,6 +293,34 @@ class Model(_kv.CResource):
     def library(self) -> dict:
         """Information about the libllama this model runs on (see pyllama_kv.library_info)."""
         return dict(self._lib.info)
+
+    @property
+    def native_library(self) -> _kv.Library:
+        """The loaded libllama (:class:`~pyllama_kv._native.kv.Library`) this model's contexts and
+        samplers call (package interface; :attr:`library` is its public description)."""
+        return self._lib
+
+    def open_native_context(self, owner, adopt: Callable[[_kv.NativeContext], None],
+                            **params) -> _kv.NativeContext:
+        """llama_init_from_model for ``owner`` (a Context): ``params`` are
+        :meth:`~pyllama_kv._native.kv.NativeContext.create`'s. Under the model's lock, so the model
+        cannot be closed meanwhile: the new native context is given to ``adopt`` first, then ``owner``
+        is registered (closed first by :meth:`close`, until it calls :meth:`forget_context`).
+        InvalidInputError when the model is closed, LlamaError when llama.cpp refuses."""
+        with self._lock:
+            self.check_open()
+            native_model = self._native
+            assert native_model is not None
+            native, err = _kv.NativeContext.create(self._lib, native_model, **params)
+            if native is None:
+                raise LlamaError("llama.cpp could not create the context" + (f": {err}" if err else ""))
+            adopt(native)
+            self._contexts.add(owner)
+            return native
+
+    def forget_context(self, owner) -> None:
+        """``owner`` freed the native context :meth:`open_native_context` made for it."""
+        self._contexts.discard(owner)
 
     def close(self) -> None:
         """Free the model. Open contexts are closed first (each under its own lock, so a context

@@ -3,8 +3,9 @@
 The context owns what a sequence holds: its tokens (the invariant: a sequence of length n holds
 exactly positions 0..n-1 in the cache, position i holding ``tokens[i]``) and its next-token logits,
 in one table keyed by sequence id (as Ollama's ``Causal`` owns its cells and llama.cpp's server slot
-its ``cache_tokens``). Every method here asks the context, which checks the handle (closed, of another
-context), keeps the invariant, and leaves everything untouched when it fails. How removal, shifting
+its ``cache_tokens``). Every method here forwards to the context's sequence channel (its public
+``sequence_*`` methods), which checks the handle (closed, of another context), keeps the invariant,
+and leaves everything untouched when it fails. How removal, shifting
 and copy-on-write work is in :mod:`pyllama_kv.core.context`.
 """
 from __future__ import annotations
@@ -48,14 +49,14 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         """The token ids the cache holds for this sequence; position i is index i (a copy)."""
-        return list(self._ctx._tokens_of(self))
+        return list(self._ctx.sequence_tokens(self))
 
     def __len__(self) -> int:
-        return len(self._ctx._tokens_of(self))
+        return len(self._ctx.sequence_tokens(self))
 
     @property
     def closed(self) -> bool:
-        return self._ctx._is_closed(self)
+        return self._ctx.sequence_closed(self)
 
     def __repr__(self) -> str:
         return f"<pyllama_kv.Sequence id={self.id} len={len(self)}{' closed' if self.closed else ''}>"
@@ -90,20 +91,20 @@ class Sequence:
         a direct check of what the cache holds. That needs one cell: KVCacheFullError when the cache is
         full to the last cell and this sequence's last cell is shared with a fork.
         """
-        return self._ctx._next_logits(self, recompute)
+        return self._ctx.sequence_logits(self, recompute)
 
     # -- prefix copies --------------------------------------------------------------------------
 
     def fork(self, n: int | None = None) -> Sequence:
         """A new sequence sharing this one's first ``n`` positions (default: all). No recompute:
         the cells are shared, not copied. LlamaError when no sequence id is free."""
-        return self._ctx._fork(self, n)
+        return self._ctx.sequence_fork(self, n)
 
     # -- removal and shifting -------------------------------------------------------------------
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions, drop the rest."""
-        self._ctx._truncate(self, n)
+        self._ctx.sequence_truncate(self, n)
 
     def remove(self, start: int, end: int, recompute: bool = False) -> None:
         """Drop positions [start, end) and shift the later ones down by ``end - start``.
@@ -115,12 +116,12 @@ class Sequence:
         does a removal whose tail shares cells with a fork (copy-on-write), and every removal on a
         vanilla build or a model that cannot shift.
         """
-        self._ctx._remove(self, start, end, recompute)
+        self._ctx.sequence_remove(self, start, end, recompute)
 
     def shift_out(self, n_keep: int, n_discard: int) -> None:
         """Context shift for generation loops: keep the first ``n_keep`` positions, drop the next
         ``n_discard``, shift the rest down. Refused (LlamaError) when the model cannot shift."""
-        self._ctx._shift_out(self, n_keep, n_discard)
+        self._ctx.sequence_shift_out(self, n_keep, n_discard)
 
     # -- saving and restoring -------------------------------------------------------------------
 
@@ -130,13 +131,13 @@ class Sequence:
 
         Pending K-shifts are applied first (the state copies K as stored); cells shared with forks are
         copied like the others. LlamaError if the cache does not hold exactly positions 0..n-1 for it."""
-        return self._ctx._export(self)
+        return self._ctx.sequence_export(self)
 
     def snapshot(self, start: int = 0, end: int | None = None) -> Span:
         """A :class:`~pyllama_kv.core.span.Span`: a compact host copy of this sequence's cells over
         positions [start, end) (default: to the end), its K/V rows of every layer and its tokens. The
         sequence is unchanged; the span refers to no cell (pending K-shifts are applied first)."""
-        return self._ctx._snapshot(self, start, end)
+        return self._ctx.sequence_snapshot(self, start, end)
 
     def restore(self, span: Span) -> None:
         """Add ``span``'s cells after this sequence's, which must be exactly positions
@@ -144,10 +145,10 @@ class Sequence:
         cells, no evaluation. Needs the patched library (LibraryError otherwise). Atomic: on
         KVCacheFullError (no contiguous room even after a defrag) or InvalidInputError (a span of
         another model, cache layout or position) the sequence is as it was."""
-        self._ctx._restore(self, span)
+        self._ctx.sequence_restore(self, span)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Free this sequence's id and its cells (cells shared with forks stay for them)."""
-        self._ctx._close_sequence(self)
+        self._ctx.sequence_close(self)

@@ -5,16 +5,24 @@ for a prefix match (:meth:`KVCache.match`) and for room (:meth:`KVCache.reserve`
 :meth:`KVCache.make_room` when a decode found none), and preempts a continuation when told there is
 no room. It never evicts anything itself and never reaches the context behind the cache.
 
-**The one eviction rule** (:class:`PrefixPolicy`): room is made by evicting *idle cached prefixes*
-(prompts and finished conversations kept for reuse; never a sequence a request holds), least
-recently used first. An evicted prefix is paged out to the host tier when the KV has one (its cells
-are copied to host memory, and a later prompt restores them instead of evaluating them again), and
-dropped otherwise. At admission, the idle prefix that is the best match for the prompt being placed
-goes last, and only when no live sequence could free cells later (nothing else would make room).
+**The eviction rule is the prefix cache's** (:mod:`pyllama_kv.prefixcache.eviction`, written once
+for the API's :class:`~pyllama_kv.prefixcache.cache.PrefixCache` and this layer alike): room is made
+by evicting *idle cached prefixes* (prompts and finished conversations kept for reuse; never a
+sequence a request holds), least recently used first, never the best match of the prompt being
+placed. An evicted prefix is paged out to the host tier when the KV has one (its cells are copied to
+host memory, and a later prompt restores them instead of evaluating them again), and dropped
+otherwise.
+
+**What the engine adds** (:class:`PrefixPolicy`, around that rule): reservations (reserve() evicts
+until the prompt's cells and the cells promised to running requests fit, make_room() until a decode
+fits) and the hold-back at admission: the idle prefix that is the best match for the prompt being
+placed goes last, and only when no live sequence could free cells later (nothing else would make
+room). :class:`HoldingKV` finishes the sequences it holds back before anything idle is evicted.
 
 :class:`ContextKV` implements the interface over a :class:`~pyllama_kv.core.context.Context` and a
-:class:`~pyllama_kv.engine.tier.PagingPrefixCache`; tests/test_kv_policy.py drives the same policy
-and the scheduler over a fake in pure Python, without a model.
+:class:`~pyllama_kv.prefixcache.cache.PrefixCache` it holds (composition: it evicts through
+``PrefixCache.evict``); tests/test_kv_policy.py drives the same policy and the scheduler over a fake
+in pure Python, without a model.
 """
 from __future__ import annotations
 
@@ -25,7 +33,8 @@ from typing import Protocol
 import numpy as np
 
 from ..core.context import Context
-from .tier import PagingPrefixCache, TierStats
+from ..prefixcache.cache import PrefixCache
+from ..prefixcache.tiers import TierStats
 
 
 class KVCache(Protocol):
@@ -109,8 +118,11 @@ class KVCache(Protocol):
 
 
 class PrefixPolicy(ABC):
-    """The module's eviction rule, written once over four primitives a cache provides; the
-    :class:`KVCache` methods reserve() and make_room() (and fork()'s need for an id) use only it."""
+    """The engine's reservations and hold-back at admission (see the module docstring), written once
+    over primitives a cache provides: :meth:`_evict_idle` is the prefix cache's one eviction rule
+    (:meth:`pyllama_kv.prefixcache.eviction.IdlePrefixes.evict`, for ContextKV), and the
+    :class:`KVCache` methods reserve() and make_room() (and fork()'s need for an id) evict only
+    through it."""
 
     @abstractmethod
     def free_cells(self) -> int: ...
@@ -124,8 +136,9 @@ class PrefixPolicy(ABC):
 
     @abstractmethod
     def _evict_idle(self, keep_for: Sequence[int] | None) -> bool:
-        """Evict the least recently used idle cached prefix (not the best match for ``keep_for``):
-        paged out to the host tier when it can hold it, else dropped. False when there is none."""
+        """Evict one idle cached prefix by the one rule (:mod:`pyllama_kv.prefixcache.eviction`): the
+        least recently used, not the best match for ``keep_for``, paged out to the host tier when it
+        can hold it, else dropped. False when there is none."""
 
     @property
     @abstractmethod
@@ -158,16 +171,17 @@ class PrefixPolicy(ABC):
 
 class ContextKV(PrefixPolicy):
     """:class:`KVCache` over a :class:`~pyllama_kv.core.context.Context`: ``parallel`` ids for live
-    sequences, the rest of the context's ids for a
-    :class:`~pyllama_kv.engine.tier.PagingPrefixCache` of idle prefixes, paged out to a host tier of
-    ``cache_ram`` MiB (0: evicted prefixes are dropped) and, with ``cache_dir``, to files there (at
-    most ``cache_dir_mib`` MiB)."""
+    sequences, the rest of the context's ids for ``cache``, the
+    :class:`~pyllama_kv.prefixcache.cache.PrefixCache` of idle prefixes (the same class as the API's,
+    with ``max_sequences=prefix_cache``), paged out to a host tier of ``cache_ram`` MiB (0: evicted
+    prefixes are dropped) and, with ``cache_dir``, to files there (at most ``cache_dir_mib`` MiB)."""
 
     def __init__(self, ctx: Context, parallel: int, prefix_cache: int, cache_ram: int = 0,
                  cache_dir: str | None = None, cache_dir_mib: int = 1024):
         self.ctx = ctx
         self.parallel = parallel
-        self.cache = PagingPrefixCache(ctx, prefix_cache, cache_ram, cache_dir=cache_dir, cache_dir_mib=cache_dir_mib)
+        self.cache = PrefixCache(ctx, max_sequences=prefix_cache, cache_ram=cache_ram, cache_dir=cache_dir,
+                                 cache_dir_mib=cache_dir_mib)
         self._live = 0
 
     @property
@@ -267,7 +281,8 @@ class ContextKV(PrefixPolicy):
         return kv
 
     def tier_stats(self) -> dict:
-        """The tiers' counters, host and disk (pyllama_kv.engine.tier.TierStats, ``enabled``, ``off_reason``)."""
+        """The tiers' counters, host and disk (pyllama_kv.prefixcache.tiers.TierStats, ``enabled``,
+        ``off_reason``)."""
         return self.cache.tier_stats()
 
     @property

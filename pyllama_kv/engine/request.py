@@ -73,7 +73,8 @@ class Usage:
 
 class RequestHandle:
     """The caller's side of a submitted request: iterate it for events (blocking), or wait for
-    :meth:`result`. Thread-safe; events are produced on the engine's thread."""
+    :meth:`result`. Thread-safe; events are produced on the engine's thread. The engine reaches it
+    through two hooks only: :meth:`bind_cancel` (at submit) and :meth:`deliver` (each event)."""
 
     def __init__(self, rid: int, n: int, prompt_tokens: int, on_event: Callable[[Event], None] | None):
         self.id = rid
@@ -88,9 +89,17 @@ class RequestHandle:
         self._open = n
         self._cancel: Callable[[], None] | None = None
 
-    # -- engine side -----------------------------------------------------------------------------
+    # -- engine side: the two hooks the engine calls (never the caller) --------------------------
 
-    def _emit(self, ev: Event) -> None:
+    def bind_cancel(self, cancel: Callable[[], None]) -> None:
+        """The engine's hook, set once at submit: what :meth:`cancel` calls (it posts a cancellation
+        to the engine's loop)."""
+        self._cancel = cancel
+
+    def deliver(self, ev: Event) -> None:
+        """The engine's hook, called on its thread for each event: fold ``ev`` into its completion,
+        queue it for iteration, call ``on_event``, and mark the handle done after the last
+        continuation's last event."""
         c = self.completions[ev.index]
         c.text += ev.text
         c.tokens.extend(ev.tokens)
@@ -148,7 +157,7 @@ class RequestHandle:
 
 @dataclass
 class Request:
-    """A request as the engine holds it (built by Engine.submit)."""
+    """A request as the engine holds it (built by Engine.submit from an admission.Submission)."""
 
     prompt: list[int]
     params: SamplingParams

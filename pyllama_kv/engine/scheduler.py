@@ -34,6 +34,8 @@ cache.
 * **Truncation.** A prompt that does not fit the context is refused, or with ``truncate`` cut
   after its first ``n_keep`` tokens, at one of the caller's turn ``boundaries`` when one is in
   reach (a chat turn is never split when it can be avoided), leaving room for the answer.
+* **Submission.** ``submit`` checks and normalises its arguments through ``engine/admission.py``
+  (every InvalidInputError it raises comes from there), then only builds the handle and queues.
 * **Threads.** ``submit`` and ``cancel`` are safe from any thread. Either call :meth:`step` yourself
   (one thread), or :meth:`start` a loop thread.
 
@@ -55,10 +57,10 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 
-from ..config import EngineConfig, SamplingParams, int_param
+from ..config import EngineConfig, SamplingParams
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
-from ..limits import MAX_STOP_STRINGS, prompt_too_long
 from ..prefixcache.cache import shared_prefix
+from .admission import Limits, admit, drop_range
 from .detok import TextStream
 from .kv import KVCache, context_kv
 from .request import FINISH_REASONS, GRAMMAR_ERROR, Event, Request, RequestHandle
@@ -197,67 +199,25 @@ class Engine:
         alternatives (0..20) in the events and completions."""
         if self._closed:
             raise InvalidInputError("the engine is closed")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidInputError("params must be a SamplingParams")
-        if isinstance(prompt, str):
-            prompt = self.model.tokenize(prompt)
-        toks = self.model.check_tokens(prompt).tolist() if self.model is not None else [int(t) for t in prompt]
-        if not toks:
-            raise InvalidInputError("the prompt is empty")
-        if (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                or not 1 <= max_tokens <= self.config.max_tokens):
-            raise InvalidInputError(f"max_tokens must be an integer in [1, {self.config.max_tokens}]")
-        cfg = self.config
-        shift = cfg.context_shift if context_shift is None else context_shift
-        trunc = cfg.truncate if truncate is None else truncate
-        for name, v in (("context_shift", shift), ("truncate", trunc)):
-            if not isinstance(v, bool):
-                raise InvalidInputError(f"{name} must be a bool or None")
-        keep_n = cfg.n_keep if n_keep is None else int_param("n_keep", n_keep, -1)
-        keep_n = min(len(toks) if keep_n < 0 else keep_n, self.n_ctx // 2)
-        bounds = _boundaries(boundaries, len(toks))
-        truncated = 0
-        too_long = prompt_too_long(len(toks), self.n_ctx)
-        if too_long:
-            if not trunc:
-                raise InvalidInputError(f"{too_long}: shorten it, use a larger context, or let the engine "
-                                        "truncate it (truncate=True)")
-            room = max(1, min(max_tokens, (self.n_ctx - keep_n) // 2))
-            toks, bounds, truncated = truncate_prompt(toks, self.n_ctx - room, keep_n, bounds)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.kv.parallel:
-            raise InvalidInputError(f"n must be an integer in [1, {self.kv.parallel}] (the engine's parallel)")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        if not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
-            raise InvalidInputError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
-        stops = tuple(s for s in stops if s)
-        keep = self.config.keep_finished if keep is None else bool(keep)
-        if grammar is not None:
-            from ..sampling.grammar import CompiledGrammar, Grammar, GrammarError, compile_grammar
-
-            if isinstance(grammar, Grammar):
-                if self.model is None:
-                    raise GrammarError("a Grammar needs the engine's model: pass a CompiledGrammar")
-                grammar = compile_grammar(self.model, grammar)
-            elif not isinstance(grammar, CompiledGrammar):
-                raise GrammarError(f"grammar must be a Grammar or a CompiledGrammar, got {type(grammar).__name__}")
-            if grammar.n_vocab != self.n_vocab:
-                raise GrammarError(f"the grammar was compiled for {grammar.n_vocab} tokens; "
-                                   f"the model has {self.n_vocab}")
-        if logprobs is not None:
-            logprobs = int_param("logprobs", logprobs, 0, 20)
-        if self._llama_samplers and self.context is None and (params.penalized or not params.greedy):
-            raise InvalidInputError("sampling other than greedy needs llama.cpp's samplers, which need a KV cache "
-                                    "over a context: pass sampler_factory to an engine over another KVCache")
-        for t, _ in params.logit_bias:
-            if t >= self.n_vocab:
-                raise InvalidInputError(f"logit_bias token {t} is out of range [0, {self.n_vocab})")
-        handle = RequestHandle(next(self._ids), n, len(toks), on_event)
-        handle.usage.truncated_tokens = truncated
+        sub = admit(self._limits(), prompt, params, max_tokens=max_tokens, stop=stop, n=n, keep=keep,
+                    context_shift=context_shift, n_keep=n_keep, truncate=truncate, boundaries=boundaries,
+                    grammar=grammar, logprobs=logprobs)
+        handle = RequestHandle(next(self._ids), sub.n, len(sub.prompt), on_event)
+        handle.usage.truncated_tokens = sub.truncated
         handle.submitted_at = time.perf_counter()
-        req = Request(prompt=toks, params=params, max_tokens=max_tokens, stop=stops, n=n, handle=handle, keep=keep,
-                      context_shift=shift, n_keep=keep_n, boundaries=bounds, grammar=grammar, logprobs=logprobs)
-        handle._cancel = lambda: self._post(("cancel", req))
+        req = sub.request(handle)
+        handle.bind_cancel(lambda: self._post(("cancel", req)))
+        self._enqueue(req, sub.truncated)
+        return handle
+
+    def _limits(self) -> Limits:
+        """What this engine admits (read at each submit: the KV layer says how many ids it has)."""
+        can_sample = not (self._llama_samplers and self.context is None)
+        return Limits(config=self.config, n_ctx=self.n_ctx, parallel=self.kv.parallel, n_vocab=self.n_vocab,
+                      model=self.model, can_sample=can_sample)
+
+    def _enqueue(self, req: Request, truncated: int) -> None:
+        """Into the inbox for the loop, or QueueFullError when ``max_queue`` requests wait already."""
         with self._cv:
             if self._n_waiting >= self.config.max_queue:
                 self.stats.rejected += 1
@@ -270,7 +230,6 @@ class Engine:
             self.stats.queue_peak = max(self.stats.queue_peak, self._n_waiting)
             self._inbox.append(("submit", req))
             self._cv.notify_all()
-        return handle
 
     def cancel(self, handle: RequestHandle) -> None:
         """Cancel a request (any thread); it finishes "cancelled" at the next step."""
@@ -649,28 +608,23 @@ class Engine:
         self._sample(cont)
 
     def _sample(self, cont: _Continuation) -> None:
+        """Draw the next token from ``cont.logits`` (under its grammar's mask), stream it, and either
+        finish the continuation (end of generation, grammar, stop string, length, full context) or
+        queue the token for the next decode."""
         req = cont.req
         raw = cont.logits
         assert raw is not None
         cont.logits = None
-        logits: np.ndarray | None = raw
-        con = cont.constraint
-        if con is not None:
-            # the grammar's mask before the sampler (a copy: forks share their first logits)
-            logits = con.mask(raw)
-            if logits is None:   # no token allowed: the grammar is complete, or its matcher broke
-                if con.at_limit:   # llguidance's parser limits: the output is cut here
-                    self._finish(cont, "length")
-                    return
-                err = con.error
-                self._finish(cont, "error" if err else "stop", error=GRAMMAR_ERROR + err if err else None)
-                return
+        logits = self._masked(cont, raw)
+        if logits is None:
+            return   # (the grammar allowed no token: finished)
         tok = cont.sampler(logits)
         if req.handle.ttft is None:
             req.handle.ttft = time.perf_counter() - req.handle.submitted_at
         if not req.params.ignore_eos and self._is_eog(tok):
             self._finish(cont, "eos")
             return
+        con = cont.constraint
         cut = False   # the grammar took the token (its mask allowed it) but can go no further
         if con is not None and not con.accept(tok):
             if not con.at_limit:
@@ -678,6 +632,35 @@ class Engine:
                 self._finish(cont, "error", error=GRAMMAR_ERROR + why)
                 return
             cut = True
+        stopped = self._take(cont, tok, raw)
+        if cut:   # (a broken matcher is also done: this is not a completed grammar)
+            self._finish(cont, "length")
+            return
+        if stopped or (con is not None and con.done):   # a stop string, or a complete grammar: nothing may follow
+            self._finish(cont, "stop")
+            return
+        self._continue(cont, tok)
+
+    def _masked(self, cont: _Continuation, raw: np.ndarray) -> np.ndarray | None:
+        """The logits the sampler sees: ``raw``, or a copy under the grammar's mask (forks share their
+        first logits). None when the grammar allows no token: the continuation is finished then, "stop"
+        for a complete grammar, "length" at llguidance's parser limits, "error" for a broken matcher."""
+        con = cont.constraint
+        if con is None:
+            return raw
+        logits = con.mask(raw)
+        if logits is None:
+            if con.at_limit:   # llguidance's parser limits: the output is cut here
+                self._finish(cont, "length")
+                return None
+            err = con.error
+            self._finish(cont, "error" if err else "stop", error=GRAMMAR_ERROR + err if err else None)
+        return logits
+
+    def _take(self, cont: _Continuation, tok: int, raw: np.ndarray) -> bool:
+        """Count ``tok`` as generated and stream its text (with its log-probabilities when asked);
+        whether a stop string ended the text."""
+        req = cont.req
         cont.generated += 1
         self.stats.generated_tokens += 1
         req.handle.usage.completion_tokens += 1
@@ -685,12 +668,12 @@ class Engine:
         cont.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
         lps = (token_logprobs(raw, tok, req.logprobs),) if req.logprobs is not None else None
         self._emit(req, cont.index, text, (tok,), None, logprobs=lps)
-        if cut:   # (a broken matcher is also done: this is not a completed grammar)
-            self._finish(cont, "length")
-            return
-        if stopped or (con is not None and con.done):   # a stop string, or a complete grammar: nothing may follow
-            self._finish(cont, "stop")
-            return
+        return stopped
+
+    def _continue(self, cont: _Continuation, tok: int) -> None:
+        """``tok`` is decoded next, unless the answer reached max_tokens or the context is full and
+        cannot shift ("length")."""
+        req = cont.req
         if cont.generated >= req.max_tokens:
             self._finish(cont, "length")
             return
@@ -720,7 +703,7 @@ class Engine:
             self.stats.reevaluated_tokens += len(cont.pending) - 1
         # (K-shift: positions [end, held) are now [n_keep, held - discard), nothing to decode)
         del cont.tokens[n_keep:end]
-        cont.boundaries = _drop_range(cont.boundaries, n_keep, end)
+        cont.boundaries = drop_range(cont.boundaries, n_keep, end)
         self.stats.context_shifts += 1
         self.stats.dropped_tokens += discard
         usage = req.handle.usage
@@ -732,7 +715,7 @@ class Engine:
               error: str | None = None, logprobs: tuple | None = None) -> None:
         if reason is not None:
             self.stats.finished[reason] += 1
-        req.handle._emit(Event(req.handle.id, index, text, tuple(tokens), reason, error, logprobs))
+        req.handle.deliver(Event(req.handle.id, index, text, tuple(tokens), reason, error, logprobs))
 
     def _finish(self, cont: _Continuation, reason: str, error: str | None = None, keep: bool | None = None,
                 release: bool = True) -> None:
@@ -807,42 +790,3 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple:
         alts = tuple((int(i), float(x[i] - lse)) for i in idx)
     return (int(token), float(x[token] - lse), alts)
 
-
-# -- truncation and shifting: index bookkeeping -----------------------------------------------------
-
-
-def _boundaries(boundaries: Iterable[int] | None, n: int) -> list[int]:
-    """The caller's turn boundaries as sorted, distinct indices inside (0, n); InvalidInputError for
-    anything but integers."""
-    if boundaries is None:
-        return []
-    out = set()
-    for b in boundaries:
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
-            raise InvalidInputError(f"boundaries must be token indices (integers), got {b!r}")
-        if 0 < int(b) < n:
-            out.add(int(b))
-    return sorted(out)
-
-
-def _drop_range(boundaries: list[int], lo: int, hi: int) -> list[int]:
-    """``boundaries`` after the tokens [lo, hi) were dropped (those inside the range go)."""
-    d = hi - lo
-    return sorted({b if b <= lo else b - d for b in boundaries if b <= lo or b >= hi})
-
-
-def truncate_prompt(tokens: list[int], target: int, n_keep: int,
-                    boundaries: Sequence[int] = ()) -> tuple[list[int], list[int], int]:
-    """``tokens`` cut to at most ``target`` tokens: the first ``n_keep`` stay, and the oldest tokens
-    after them are dropped, up to the first of the ``boundaries`` (turn starts) that drops enough, so
-    that a turn is not split; exactly enough when no boundary is in reach (the last turn alone is too
-    long). Returns (tokens, boundaries re-indexed, tokens dropped)."""
-    need = len(tokens) - target
-    if need <= 0:
-        return list(tokens), list(boundaries), 0
-    n_keep = max(0, min(n_keep, target - 1))
-    end = n_keep + need
-    at_turn = [b for b in boundaries if end <= b < len(tokens)]
-    if at_turn:
-        end = min(at_turn)
-    return tokens[:n_keep] + tokens[end:], _drop_range(list(boundaries), n_keep, end), end - n_keep

@@ -1,21 +1,31 @@
-"""The engine's name for the prefix cache's tiers, which live in the prefix-cache layer
-(:mod:`pyllama_kv.prefixcache.tiers`, :mod:`pyllama_kv.prefixcache.spanfile`,
-:class:`pyllama_kv.prefixcache.cache.PrefixCache`): the engine imports it, never the reverse."""
+"""Deprecated (issue 31): the engine's old names for the prefix cache and its tiers, which live in
+:mod:`pyllama_kv.prefixcache` (the engine's KV layer holds a :class:`~pyllama_kv.prefixcache.cache.PrefixCache`
+itself). Each name here warns and is the prefix-cache layer's own object; this module goes in the next
+release. ``PagingPrefixCache`` is :class:`~pyllama_kv.prefixcache.cache.PrefixCache` (its arguments were
+PrefixCache's, in the same order: ``ctx, max_sequences, cache_ram, cache_dir, cache_dir_mib``)."""
 from __future__ import annotations
 
-import os
+import importlib
+import warnings
 
-from ..prefixcache.cache import PrefixCache
-from ..prefixcache.tiers import SpanTrie, Tiers, TierStats, can_restore
+from ..prefixcache.tiers import TierStats
 
-__all__ = ["PagingPrefixCache", "SpanTrie", "TierStats", "Tiers", "can_restore"]
+#: old name -> (module, name) of the new home
+_MOVED = {
+    "PagingPrefixCache": ("pyllama_kv.prefixcache.cache", "PrefixCache"),
+    "SpanTrie": ("pyllama_kv.prefixcache.tiers", "SpanTrie"),
+    "Tiers": ("pyllama_kv.prefixcache.tiers", "Tiers"),
+    "can_restore": ("pyllama_kv.prefixcache.tiers", "can_restore"),
+}
+
+# TierStats stays a plain re-export, without a warning, while engine/scheduler.py imports it from here
+__all__ = ["TierStats"]
 
 
-class PagingPrefixCache(PrefixCache):
-    """A :class:`~pyllama_kv.prefixcache.cache.PrefixCache` with the engine's argument order: ``cache_ram_mib``
-    MiB of host memory for paged-out prefixes, and an optional ``cache_dir``."""
-
-    def __init__(self, ctx, max_sequences: int | None, cache_ram_mib: int,
-                 cache_dir: str | os.PathLike | None = None, cache_dir_mib: int = 1024):
-        super().__init__(ctx, max_sequences=max_sequences, cache_ram=cache_ram_mib, cache_dir=cache_dir,
-                         cache_dir_mib=cache_dir_mib)
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, new = _MOVED[name]
+    warnings.warn(f"{__name__}.{name} has moved to {module}.{new}; the old name works until the next release",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), new)

@@ -242,13 +242,7 @@ def build(
     """Build (or reuse) one variant for one backend; return its manifest. ``rpc``: with ggml's RPC
     backend and rpc-server (True), without (False), or as the existing build has it (None).
     ``fetch_cublas``: for --backend cuda without cuBLAS, download it from PyPI (harness.cuda)."""
-    if variant not in VARIANTS:
-        raise BuildError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
-    backend = backend or default_backend()
-    if backend == "metal" and platform.system() != "Darwin":
-        raise BuildError("--backend metal needs macOS (Apple's Metal framework); use --backend cpu or cuda here")
-    if not shutil.which("cmake"):
-        raise BuildError("cmake was not found on PATH: install CMake 3.14 or newer (e.g. `pip install cmake`)")
+    backend = _check_request(variant, backend)
     cuda_info = _find_cuda(fetch_cublas, log) if backend == "cuda" else None
     bdir = build_dir(variant, backend, root)
     if rpc is None:  # as the existing build has it
@@ -267,30 +261,12 @@ def build(
     log(f"{variant}-{backend}: building ({reason})")
     src = _prepare_source(variant, root, log)
     cmake_dir = bdir / "cmake"
-    bdir.mkdir(parents=True, exist_ok=True)
-    previous = read_manifest(bdir) or {}
-    (bdir / "manifest.json").unlink(missing_ok=True)
-    if cmake_dir.exists() and _needs_fresh_dir(reason, previous.get("cmake_flags", []), flags):
-        shutil.rmtree(cmake_dir)
+    previous = _open_build_dir(bdir, cmake_dir, reason, flags)
     log_path = bdir / "build.log"
-    jobs = jobs or os.cpu_count() or 2
-    targets = ["llama", *wanted["tools"]]
-    with open(log_path, "w") as lf:
-        cfg = ["cmake", "-S", str(src), "-B", str(cmake_dir), *flags]
-        log(f"  configure: {' '.join(flags)}")
-        rc = _run_logged(cfg, lf, f"{variant}-{backend}", log, progress=False)
-        if rc == 0:
-            bld = ["cmake", "--build", str(cmake_dir), "--config", "Release", "-j", str(jobs), "--target", *targets]
-            rc = _run_logged(bld, lf, f"{variant}-{backend}", log, progress=progress)
-    if rc != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise BuildError(f"{variant}-{backend}: the build failed (exit {rc}); last lines of {log_path}:\n{tail}")
-    lib = next((p for p in (cmake_dir / "bin" / lib_name(), cmake_dir / "src" / lib_name()) if p.is_file()), None)
-    for t in wanted["tools"]:
-        if not (cmake_dir / "bin" / t).is_file():
-            raise BuildError(f"{variant}-{backend}: the build finished but {t} is not in {cmake_dir}/bin")
-    if lib is None:
-        raise BuildError(f"{variant}-{backend}: the build finished but {lib_name()} is not in {cmake_dir}/bin")
+    label = f"{variant}-{backend}"
+    _compile(src, cmake_dir, flags, ["llama", *wanted["tools"]], jobs or os.cpu_count() or 2, log_path, label, log,
+             progress)
+    lib = _built_library(cmake_dir, wanted["tools"], label)
     manifest = dict(wanted)
     if reason == "tools not built":  # same sources and flags: earlier tools are still current
         manifest["tools"] = sorted(set(previous.get("tools", [])) | set(manifest["tools"]))
@@ -309,6 +285,57 @@ def build(
     register(manifest)
     log(f"{variant}-{backend}: built {lib} in {manifest['build_seconds']}s")
     return manifest
+
+
+def _open_build_dir(bdir: Path, cmake_dir: Path, reason: str, flags: list[str]) -> dict:
+    """Make ``bdir`` ready for a build: its manifest removed (returned, {} if none) until the build
+    succeeds, the CMake directory removed when it must be configured afresh."""
+    bdir.mkdir(parents=True, exist_ok=True)
+    previous = read_manifest(bdir) or {}
+    (bdir / "manifest.json").unlink(missing_ok=True)
+    if cmake_dir.exists() and _needs_fresh_dir(reason, previous.get("cmake_flags", []), flags):
+        shutil.rmtree(cmake_dir)
+    return previous
+
+
+def _check_request(variant: str, backend: str | None) -> str:
+    """The backend to build for (this machine's default when None), once the variant, the backend
+    and cmake are known to be usable here."""
+    if variant not in VARIANTS:
+        raise BuildError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+    backend = backend or default_backend()
+    if backend == "metal" and platform.system() != "Darwin":
+        raise BuildError("--backend metal needs macOS (Apple's Metal framework); use --backend cpu or cuda here")
+    if not shutil.which("cmake"):
+        raise BuildError("cmake was not found on PATH: install CMake 3.14 or newer (e.g. `pip install cmake`)")
+    return backend
+
+
+def _compile(src: Path, cmake_dir: Path, flags: list[str], targets: list[str], jobs: int, log_path: Path,
+             label: str, log: Log, progress: bool) -> None:
+    """Configure ``cmake_dir`` from ``src`` and build ``targets``, the output in ``log_path``;
+    BuildError with the log's last lines if either step fails."""
+    with open(log_path, "w") as lf:
+        cfg = ["cmake", "-S", str(src), "-B", str(cmake_dir), *flags]
+        log(f"  configure: {' '.join(flags)}")
+        rc = _run_logged(cfg, lf, label, log, progress=False)
+        if rc == 0:
+            bld = ["cmake", "--build", str(cmake_dir), "--config", "Release", "-j", str(jobs), "--target", *targets]
+            rc = _run_logged(bld, lf, label, log, progress=progress)
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise BuildError(f"{label}: the build failed (exit {rc}); last lines of {log_path}:\n{tail}")
+
+
+def _built_library(cmake_dir: Path, tools: list[str], label: str) -> Path:
+    """The libllama the build wrote; BuildError if it or one of ``tools`` is missing."""
+    lib = next((p for p in (cmake_dir / "bin" / lib_name(), cmake_dir / "src" / lib_name()) if p.is_file()), None)
+    for t in tools:
+        if not (cmake_dir / "bin" / t).is_file():
+            raise BuildError(f"{label}: the build finished but {t} is not in {cmake_dir}/bin")
+    if lib is None:
+        raise BuildError(f"{label}: the build finished but {lib_name()} is not in {cmake_dir}/bin")
+    return lib
 
 
 # ---------------------------------------------------------------------------------------------

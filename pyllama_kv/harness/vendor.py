@@ -174,48 +174,67 @@ def safe_extract(archive: Path, subdir: str, target: Path) -> int:
         tf = tarfile.open(archive, "r:*")
     except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
         raise VendorError(f"{archive} is not a readable tar archive: {exc}") from exc
-    n_files = 0
-    hardlinks: list[tuple[str, str]] = []
     with tf:
         try:
-            for m in tf:
-                rel = _member_rel(m.name, prefix)
-                if rel is None or rel == "" or _skip(rel):
-                    continue
-                _check_rel(rel, m.name)
-                out = target / rel
-                if m.isdir():
-                    out.mkdir(parents=True, exist_ok=True)
-                elif m.isfile():
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    src = tf.extractfile(m)
-                    assert src is not None
-                    with src, open(out, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                    os.chmod(out, 0o755 if m.mode & 0o111 else 0o644)
-                    n_files += 1
-                elif m.issym():
-                    _check_link(rel, m.linkname, m.name)
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    os.symlink(m.linkname, out)
-                elif m.islnk():
-                    link_rel = _member_rel(m.linkname, prefix)
-                    if link_rel is None:
-                        raise VendorError(f"unsafe link in archive: {m.name!r} -> {m.linkname!r} "
-                                          "points outside the tree")
-                    _check_rel(link_rel, m.linkname)
-                    hardlinks.append((rel, link_rel))
-                else:
-                    raise VendorError(f"unsupported member in archive: {m.name!r} (not a file, dir or link)")
+            n_files, hardlinks = _extract_members(tf, prefix, target)
         except (tarfile.TarError, EOFError, zlib.error) as exc:
             raise VendorError(f"{archive} is truncated or corrupt: {exc}") from exc
+    n_files += _copy_hardlinks(target, hardlinks)
+    _check_links_inside(target)
+    if n_files == 0:
+        raise VendorError(f"{archive} has no files under {prefix or '/'}")
+    return n_files
+
+
+def _extract_members(tf: tarfile.TarFile, prefix: str, target: Path) -> tuple[int, list[tuple[str, str]]]:
+    """Write the files, directories and symlinks under ``prefix`` into ``target``, each checked first;
+    return the file count and the hard links (path, target path), copied once everything is out."""
+    n_files = 0
+    hardlinks: list[tuple[str, str]] = []
+    for m in tf:
+        rel = _member_rel(m.name, prefix)
+        if rel is None or rel == "" or _skip(rel):
+            continue
+        _check_rel(rel, m.name)
+        out = target / rel
+        if m.isdir():
+            out.mkdir(parents=True, exist_ok=True)
+        elif m.isfile():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            src = tf.extractfile(m)
+            assert src is not None
+            with src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.chmod(out, 0o755 if m.mode & 0o111 else 0o644)
+            n_files += 1
+        elif m.issym():
+            _check_link(rel, m.linkname, m.name)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(m.linkname, out)
+        elif m.islnk():
+            link_rel = _member_rel(m.linkname, prefix)
+            if link_rel is None:
+                raise VendorError(f"unsafe link in archive: {m.name!r} -> {m.linkname!r} "
+                                  "points outside the tree")
+            _check_rel(link_rel, m.linkname)
+            hardlinks.append((rel, link_rel))
+        else:
+            raise VendorError(f"unsupported member in archive: {m.name!r} (not a file, dir or link)")
+    return n_files, hardlinks
+
+
+def _copy_hardlinks(target: Path, hardlinks: list[tuple[str, str]]) -> int:
+    """Each hard link as a copy of the file it names (which the archive must hold); return the count."""
     for rel, link_rel in hardlinks:
         link_src = target / link_rel
         if not link_src.is_file():
             raise VendorError(f"hard link {rel!r} -> {link_rel!r}: target is missing from the archive")
         shutil.copy2(link_src, target / rel)
-        n_files += 1
-    # no symlink may resolve outside the tree, even through another link
+    return len(hardlinks)
+
+
+def _check_links_inside(target: Path) -> None:
+    """No symlink may resolve outside the tree, even through another link."""
     real_target = target.resolve()
     for p in target.rglob("*"):
         if p.is_symlink():
@@ -224,9 +243,6 @@ def safe_extract(archive: Path, subdir: str, target: Path) -> int:
             except ValueError:
                 raise VendorError(f"unsafe link in archive: {p.relative_to(target)} "
                                   "resolves outside the tree") from None
-    if n_files == 0:
-        raise VendorError(f"{archive} has no files under {prefix or '/'}")
-    return n_files
 
 
 def _find_tree_prefix(archive: Path) -> str:

@@ -129,6 +129,9 @@ def read_gguf_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHead
         mm.close()
 
 
+# long: one reader that follows the file field by field in gguf_init_from_file's order (header, metadata,
+# tensor table, data offsets), each value checked where it is read; its helpers share the read offset,
+# and the string-array loop is inlined for speed (Qwen's 151k-token vocabulary and its merges)
 def _parse(path: Path, mm, size: int) -> GGUFHeader:
     unpack_from = struct.unpack_from
     off = 4

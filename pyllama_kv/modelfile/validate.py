@@ -358,6 +358,15 @@ def _check_vocab(c: _Checker) -> int:
     types = c.array(T + "token_type", (INT32, UINT32), n, required=False)
     if model == "gpt2":
         c.array(T + "merges", (STRING,), None, required=True)
+    _check_token_texts(c, model, tokens, types)
+    _check_special_ids(c, model, pre, n, add_bos_key, add_eos_key)
+    return n
+
+
+def _check_token_texts(c: _Checker, model: str, tokens: list, types) -> None:
+    """Token texts llama.cpp can load: all distinct, and SPM byte tokens spelled ``<0xXX>``."""
+    T = "tokenizer.ggml."
+    n = len(tokens)
     # llama.cpp maps token text -> id and aborts unless every text is unique (an empty text counts as
     # "[EMPTY_<id>]")
     texts = [t if t else b"[EMPTY_%d]" % i for i, t in enumerate(tokens)]
@@ -373,8 +382,13 @@ def _check_vocab(c: _Checker) -> int:
             if not _SPM_BYTE.match(tokens[i]):
                 raise c.error(f"{T}tokens: token {i} {tokens[i]!r} has the byte type but is not spelled <0xXX>")
 
-    # the special token ids llama.cpp ends up with: the tokenizer's defaults, replaced by a key's value
-    # if that is in range (an id out of range is ignored with a warning), must all be in range
+
+def _check_special_ids(c: _Checker, model: str, pre: str | None, n: int, add_bos_key: bool | None,
+                       add_eos_key: bool | None) -> None:
+    """The special token ids llama.cpp ends up with: the tokenizer's defaults, replaced by a key's
+    value if that is in range (an id out of range is ignored with a warning), must all be in range,
+    and a BOS or EOS that is added must exist."""
+    T = "tokenizer.ggml."
     if model == "llama":
         ids = {"bos": 1, "eos": 2, "unk": 0}
         add_bos, add_eos = True, False
@@ -404,7 +418,6 @@ def _check_vocab(c: _Checker) -> int:
         raise c.error(f"{T}add_bos_token is set but the vocabulary has no BOS token (llama.cpp aborts in tokenize)")
     if add_eos and ids.get("eos", NULL_TOKEN) == NULL_TOKEN:
         raise c.error(f"{T}add_eos_token is set but the vocabulary has no EOS token (llama.cpp aborts in tokenize)")
-    return n
 
 
 def _check_llama_tensors(c: _Checker, hp: dict, n_vocab: int) -> None:

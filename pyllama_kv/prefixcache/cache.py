@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -13,6 +12,7 @@ from ..config import int_param
 from ..core.context import Context
 from ..core.sequence import Sequence
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError
+from .eviction import IdlePrefixes
 from .tiers import SpanTrie, Tiers, TierStats, can_restore, context_layout, shared_prefix
 
 __all__ = ["PrefixCache", "PrefixCacheStats", "TierStats", "shared_prefix"]
@@ -39,14 +39,17 @@ class PrefixCache:
     sequence has next-token logits). The prompt is remembered as an idle cached sequence for later
     requests. ``release(seq)`` hands a finished sequence back to be cached too (or closed).
 
-    Eviction has one rule (:meth:`_evict`): the least recently used idle cached sequence goes, when
-    there are more than ``max_sequences`` of them, or when a sequence id or cells are needed. An
-    evicted sequence is paged out first (patched library): its cells not already stored are copied
-    to a token trie of spans in host memory of at most ``cache_ram`` MiB, a prefix shared by many
-    sequences stored once; spans leaving host memory go to files in ``cache_dir`` (at most
-    ``cache_dir_mib`` MiB) when one is given. See :mod:`pyllama_kv.prefixcache.tiers` and
-    :mod:`pyllama_kv.prefixcache.spanfile`. ``cache_ram=0`` without a ``cache_dir``: evicted sequences are
-    dropped.
+    The idle cached sequences and the one eviction rule are :mod:`pyllama_kv.prefixcache.eviction`'s
+    (:class:`~pyllama_kv.prefixcache.eviction.IdlePrefixes`, ``self.idle``; the engine's KV layer
+    holds a PrefixCache and evicts through :meth:`evict`): the least recently used idle cached
+    sequence goes, never the best match of the prompt being placed, when there are more than
+    ``max_sequences`` of them, or when a sequence id or cells are needed; the best match is found in
+    a token trie of the idle sequences. An evicted sequence is paged out first (patched library):
+    its cells not already stored are copied to a token trie of spans in host memory of at most
+    ``cache_ram`` MiB, a prefix shared by many sequences stored once; spans leaving host memory go
+    to files in ``cache_dir`` (at most ``cache_dir_mib`` MiB) when one is given. See
+    :mod:`pyllama_kv.prefixcache.tiers` and :mod:`pyllama_kv.prefixcache.spanfile`. ``cache_ram=0``
+    without a ``cache_dir``: evicted sequences are dropped.
 
     Every acquired sequence has ``reused_tokens`` (the tokens it did not evaluate; the last acquire's
     are ``last_reused_tokens``); ``stats`` sums them up, ``tier_info``
@@ -69,7 +72,6 @@ class PrefixCache:
             raise InvalidInputError(f"cache_dir must be a directory path or None, got {cache_dir!r}")
         self.ctx = ctx
         self.max_sequences = max_sequences
-        self._idle: OrderedDict[int, Sequence] = OrderedDict()  # seq id -> Sequence, LRU first
         self.stats = PrefixCacheStats()
         self.last_reused_tokens = 0
         self.tier_info = TierStats()   # live: the engine's stats hold this object
@@ -81,6 +83,8 @@ class PrefixCache:
                                          "prefixes are dropped, not paged out")
         else:
             self.tiers = Tiers(ctx, cache_ram << 20, self.tier_info, cache_dir, cache_dir_mib << 20)
+        #: the idle cached sequences and the one eviction rule (evicted ones paged out to the tiers)
+        self.idle: IdlePrefixes[Sequence] = IdlePrefixes(self._page_out)
         try:
             ly = context_layout(ctx)
             self._cell_bytes = ly.n_bytes(1) - ly.n_bytes(0)
@@ -88,12 +92,12 @@ class PrefixCache:
             self._cell_bytes = 0
 
     def __len__(self) -> int:
-        return len(self._idle)
+        return len(self.idle)
 
     @property
     def cached(self) -> list:
         """The idle cached sequences, least recently used first."""
-        return list(self._idle.values())
+        return list(self.idle)
 
     @property
     def tier(self) -> SpanTrie | None:
@@ -107,31 +111,25 @@ class PrefixCache:
     # -- internals ------------------------------------------------------------------------------
 
     def _best(self, toks):
-        best, best_n = None, 0
-        for s in self._idle.values():
-            if min(len(s), len(toks)) <= best_n:
-                continue
-            n = shared_prefix(s.tokens, toks)
-            if n > best_n:
-                best, best_n = s, n
-        return best, best_n
+        """The idle cached sequence with the longest common prefix with ``toks``, and its length."""
+        return self.idle.best(toks)
 
     def _resident_changed(self) -> None:
         st = self.tier_info
-        st.resident_sequences = len(self._idle)
-        st.resident_tokens = sum(len(s) for s in self._idle.values())
+        st.resident_sequences = len(self.idle)
+        st.resident_tokens = self.idle.n_tokens
         st.resident_bytes = st.resident_tokens * self._cell_bytes
 
-    def _evict(self, keep=None) -> bool:
-        """The one eviction rule: the least recently used idle cached sequence other than ``keep`` is
-        paged out (when the tiers are on) and closed. False when there is none to evict."""
-        victim = next((s for s in self._idle.values() if s is not keep), None)
-        if victim is None:
-            return False
+    def _page_out(self, seq) -> None:
         if self.tiers is not None:
-            self.tiers.page_out(victim)
-        del self._idle[victim.id]
-        victim.close()
+            self.tiers.page_out(seq)
+
+    def _evict(self, keep=None) -> bool:
+        """Evict one idle cached sequence by the one rule (:meth:`IdlePrefixes.evict
+        <pyllama_kv.prefixcache.eviction.IdlePrefixes.evict>`, never ``keep``), counted; False when
+        there is none to evict."""
+        if not self.idle.evict(keep):
+            return False
         self.stats.evictions += 1
         self._resident_changed()
         return True
@@ -151,18 +149,8 @@ class PrefixCache:
         if self.max_sequences == 0:
             s.close()
             return
-        toks = s.tokens
-        for sid, o in list(self._idle.items()):
-            if len(o) > len(toks):
-                continue
-            ot = o.tokens
-            if toks[:len(ot)] == ot:
-                del self._idle[sid]
-                o.close()
-        self._idle[s.id] = s
-        self._idle.move_to_end(s.id)
-        while len(self._idle) > self.max_sequences and self._evict():
-            pass
+        self.idle.add(s)
+        self.stats.evictions += self.idle.trim(self.max_sequences)
         self._resident_changed()
 
     # -- API ------------------------------------------------------------------------------------
@@ -186,7 +174,7 @@ class PrefixCache:
             best, n = self._best(toks)
             n = min(n, toks.size - 1)
             if best is not None:
-                self._idle.move_to_end(best.id)
+                self.idle.touch(best)
             seq = self._with_room(lambda: best.fork(n) if (best is not None and n > 0) else ctx.new_sequence(),
                                   best, full=LlamaError)
             n = len(seq)
@@ -268,7 +256,7 @@ class PrefixCache:
         """Give a finished sequence back: cached for later prefixes (``keep``) or closed."""
         with self.ctx.critical():
             self.ctx.check_sequence(seq)
-            if self._idle.get(seq.id) is seq:
+            if seq in self.idle:
                 raise InvalidInputError(f"sequence {seq.id} was already released to the prefix cache")
             if keep and len(seq) > 0:
                 self._remember(seq)
@@ -279,9 +267,7 @@ class PrefixCache:
         """Close every idle cached sequence and drop the spans in host memory (files in
         ``cache_dir`` stay: they outlive the process by design)."""
         with self.ctx.critical():
-            for s in list(self._idle.values()):
-                s.close()
-            self._idle.clear()
+            self.idle.clear()
             self._resident_changed()
             if self.tiers is not None:
                 self.tiers.clear()

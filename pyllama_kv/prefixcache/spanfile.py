@@ -63,8 +63,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..core import state as _state
-from ..core.span import Span, shared_prefix
+from ..core.span import Span
 from ..errors import InvalidInputError
+from .trie import Node, TokenTrie
 
 if TYPE_CHECKING:
     from .tiers import TierStats
@@ -210,136 +211,58 @@ class _File:
     size: int
 
 
-_NO_START = 1 << 62
+class _INode(Node):
+    """A node of the :class:`TokenIndex`: its items are files by name, ranked by their start."""
 
-
-class _INode:
-    __slots__ = ("start", "tokens", "children", "parent", "files", "min_start")
-
-    def __init__(self, start: int, tokens: np.ndarray, parent: _INode | None):
-        self.start = start
-        self.tokens = tokens
-        self.children: dict[int, _INode] = {}
-        self.parent = parent
-        self.files: dict[str, _File] = {}   # the files whose tokens end here
-        self.min_start = _NO_START          # the least start of the files in this subtree
+    __slots__ = ()
 
     @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
+    def files(self) -> dict[str, _File]:
+        return self.items
 
-    def recount(self) -> None:
-        """``min_start`` of this node and its ancestors, from their files and children."""
-        n: _INode | None = self
-        while n is not None:
-            n.min_start = min(min((f.start for f in n.files.values()), default=_NO_START),
-                              min((c.min_start for c in n.children.values()), default=_NO_START))
-            n = n.parent
+    @property
+    def min_start(self) -> int:
+        """The least start of the files in this subtree (``NO_RANK`` when none)."""
+        return self.least
 
 
-class TokenIndex:
-    """A token trie (radix tree over int32 token arrays) of the tokens ``[0, end)`` of files: a
-    file hangs at the node where its tokens end. A file shares with a prompt the tokens down to the
-    deepest node on the prompt's path that is its ancestor (or down to where the prompt leaves the
-    trie, for a file below that point); each node knows the least ``start`` of the files below it,
-    so a lookup visits only subtrees with a file that can continue the sequence."""
+class TokenIndex(TokenTrie[str, _File]):
+    """A token trie (:class:`~pyllama_kv.prefixcache.trie.TokenTrie`) of the tokens ``[0, end)`` of
+    files: a file hangs at the node where its tokens end. A file shares with a prompt the tokens down
+    to the deepest node on the prompt's path that is its ancestor (or down to where the prompt leaves
+    the trie, for a file below that point); each node knows the least ``start`` of the files below
+    it, so a lookup visits only subtrees with a file that can continue the sequence."""
+
+    node_class = _INode
 
     def __init__(self) -> None:
-        self.root = _INode(0, np.zeros(0, np.int32), None)
-        self._where: dict[str, _INode] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def __len__(self) -> int:
-        return len(self._where)
+        super().__init__(rank=lambda f: f.start)
 
     def files(self) -> Iterator[_File]:
-        for name, node in self._where.items():
-            yield node.files[name]
+        return self.values()
 
     def add(self, f: _File, tokens: np.ndarray) -> None:
         """Index ``f``, whose tokens of positions ``[0, f.end)`` are ``tokens``."""
-        if f.name in self._where:
-            self.remove(f.name)
-        tokens = np.asarray(tokens, dtype=np.int32)
         assert len(tokens) == f.end
-        node, depth, n = self.root, 0, len(tokens)
-        while depth < n:
-            child = node.children.get(int(tokens[depth]))
-            if child is None:
-                leaf = _INode(depth, tokens[depth:].copy(), node)
-                node.children[int(tokens[depth])] = leaf
-                node, depth = leaf, n
-                break
-            k = shared_prefix(child.tokens, tokens[depth:depth + len(child.tokens)])
-            if k < len(child.tokens):
-                child = self._split(child, depth + k)
-            node, depth = child, depth + k
-        node.files[f.name] = f
-        self._where[f.name] = node
-        node.recount()
-
-    def _split(self, node: _INode, at: int) -> _INode:
-        """Cut ``node`` at depth ``at`` (strictly inside it); returns the new head (``node``, now the
-        tail, keeps its files: they end where it ends)."""
-        assert node.parent is not None and node.start < at < node.end
-        k = at - node.start
-        head = _INode(node.start, node.tokens[:k].copy(), node.parent)
-        head.min_start = node.min_start
-        node.parent.children[int(head.tokens[0])] = head
-        node.start, node.tokens, node.parent = at, node.tokens[k:].copy(), head
-        head.children[int(node.tokens[0])] = node
-        return head
-
-    def remove(self, name: str) -> None:
-        """Forget the file ``name`` (nothing if it is not indexed); prunes and merges nodes left empty."""
-        node = self._where.pop(name, None)
-        if node is None:
-            return
-        del node.files[name]
-        while node.parent is not None and not node.files and not node.children:
-            parent = node.parent
-            del parent.children[int(node.tokens[0])]
-            node = parent
-        if node.parent is not None and not node.files and len(node.children) == 1:
-            (child,) = node.children.values()   # merge a node that only leads to one child into it
-            child.tokens = np.concatenate((node.tokens, child.tokens))
-            child.start, child.parent = node.start, node.parent
-            node.parent.children[int(child.tokens[0])] = child
-            node = child
-        node.recount()
+        self.insert(f.name, f, tokens)
 
     def candidates(self, tokens: Sequence[int] | np.ndarray, pos: int, limit: int) -> list[tuple[int, _File]]:
         """The best files to continue a sequence holding ``tokens[:pos]``: ``(k, file)`` with
         ``file.start <= pos < k``, ``k`` = min(the tokens the file shares with ``tokens``,
         ``limit``): it serves positions ``[pos, k)``. Only the files of the longest ``k``, the
         smallest first (the least to read)."""
-        n = len(tokens)
-        node, depth = self.root, 0
-        path: list[tuple[_INode, int]] = []   # (node, what the files below it and not below the next share)
-        while depth < n:
-            child = node.children.get(int(tokens[depth]))
-            if child is None:
-                break
-            k = shared_prefix(child.tokens, tokens[depth:depth + len(child.tokens)])
-            depth += k
-            path.append((child, depth))
-            if k < len(child.tokens):
-                break
-            node = child
         out: list[tuple[int, _File]] = []
-        done: _INode | None = None   # the subtree already visited (files that share more)
-        for m, shared in reversed(path):
+        done: Node | None = None   # the subtree already visited (files that share more)
+        for m, shared in reversed(self.path(tokens)):
             k = min(shared, limit)
             if k <= pos or (out and k < out[0][0]):
                 break
-            if m.min_start <= pos:
+            if m.least <= pos:
                 stack = [m]
                 while stack:
                     x = stack.pop()
-                    out.extend((k, f) for f in x.files.values() if f.start <= pos)
-                    stack.extend(c for c in x.children.values() if c is not done and c.min_start <= pos)
+                    out.extend((k, f) for f in x.items.values() if f.start <= pos)
+                    stack.extend(c for c in x.children.values() if c is not done and c.least <= pos)
             done = m
         out.sort(key=lambda x: (-x[0], x[1].end - x[1].start, x[1].name))
         return out

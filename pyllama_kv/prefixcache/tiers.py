@@ -272,16 +272,12 @@ class SpanTrie:
 
 def can_restore(ctx) -> bool:
     """Whether the context's library has llama_state_seq_add_data (patch 0014)."""
-    native = getattr(ctx, "_native", None)
-    return native is not None and getattr(native.L, "llama_state_seq_add_data", None) is not None
+    return bool(getattr(ctx, "can_restore", False))
 
 
 def context_layout(ctx) -> _state.Layout:
-    """The layout of the context's sequence states (cache types, row sizes, V layout), read from its
-    spare sequence, which holds no cells."""
-    with ctx.critical():
-        ctx.check_open()
-        return _state.context_layout(ctx._read_seq_state(ctx._spare_id), ctx.type_k, ctx.type_v)
+    """The layout of the context's sequence states (cache types, row sizes, V layout)."""
+    return ctx.cache_layout()
 
 
 class Tiers:

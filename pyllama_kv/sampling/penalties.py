@@ -50,7 +50,7 @@ class PenalizedSampler(Sampler):
         if plain is not None:
             plain.free()
         self.params = params
-        self._native = build_chain(ctx.model._lib, self._n_vocab, params, seed, max(0, int(last_n)))
+        self._native = build_chain(ctx.model.native_library, self._n_vocab, params, seed, max(0, int(last_n)))
 
     def _draw(self, logits: np.ndarray) -> int:
         native = self._native

@@ -61,7 +61,7 @@ class Sampler(_kv.CResource):
         self._n_vocab = ctx.model.n_vocab
         p = self.params
         self.temp, self.top_k, self.top_p, self.min_p, self.seed = p.temperature, p.top_k, p.top_p, p.min_p, p.seed
-        native = _kv.NativeSampler(ctx.model._lib, self._n_vocab)
+        native = _kv.NativeSampler(ctx.model.native_library, self._n_vocab)
         assert p.seed is not None   # always set above
         add_sampling_stages(native, p, p.seed)
         self._native = native
@@ -79,10 +79,8 @@ class Sampler(_kv.CResource):
             ctx.check_open()
             if self._native is None:
                 raise InvalidInputError("the sampler is closed")
-            logits = ctx._own(seq).logits   # read the context's record (it is the only writer)
-            if logits is None:
-                logits = ctx._next_logits(seq, copy=False)
-            return self._draw(logits)
+            # the context's record, lent (it is the only writer; recomputed when the sequence changed)
+            return self._draw(ctx.sequence_logits_lent(seq))
 
     def sample_logits(self, logits) -> int:
         """A token drawn from ``logits`` (n_vocab floats)."""

@@ -130,9 +130,12 @@ class Server:
             yield
         finally:
             self.shutting_down = True
-            await run_in_threadpool(self._close)
+            await run_in_threadpool(self.close)
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Close the engine (and its context), after a grace timer that may be stopping it: the app's
+        lifespan ends with it, and :func:`run` calls it again (a no-op then) for a server whose
+        lifespan never started."""
         if self._grace is not None:   # not two threads stopping the engine at once
             self._grace.cancel()
             self._grace.join()
@@ -475,25 +478,14 @@ class Server:
                     assert err is not None
                     yield _sse(err.body())
                     break
-                text = ev.text if parsers is None else (parsers[ev.index].feed(ev.text) or None)
-                if ev.logprobs:
-                    lp = protocol.logprobs_json(req, ev.logprobs, self._piece, offsets[ev.index])
-                    yield _sse(protocol.chunk(req, ev.index, text, logprobs=lp))
-                elif text:
-                    yield _sse(protocol.chunk(req, ev.index, text))
+                delta = self._delta_chunk(req, ev, parsers, offsets[ev.index])
+                if delta is not None:
+                    yield delta
                 offsets[ev.index] += len(ev.text)
                 if ev.finish_reason is not None:
                     open_ -= 1
-                    finish = ev.finish_reason
-                    if parsers is not None:
-                        rest, calls = parsers[ev.index].finish()
-                        if rest:
-                            yield _sse(protocol.chunk(req, ev.index, rest))
-                        for delta in protocol.tool_call_deltas(calls):
-                            yield _sse(protocol.chunk(req, ev.index, None, tool_calls=delta))
-                        if calls:
-                            finish = "tool_calls"
-                    yield _sse(protocol.chunk(req, ev.index, None if req.kind == "chat" else "", finish))
+                    for part in self._finish_chunks(req, ev, parsers):
+                        yield part
             else:
                 self._observe(handle, t0)
                 self._remember(req, handle.completions)
@@ -511,6 +503,34 @@ class Server:
         finally:
             if open_:
                 handle.cancel()
+
+    def _delta_chunk(self, req: GenRequest, ev, parsers: list | None, offset: int) -> str | None:
+        """The SSE chunk of an event's text (what a tool-call parser lets through) and log-probabilities
+        (``offset``: characters streamed before it), or None when there is nothing to send."""
+        text = ev.text if parsers is None else (parsers[ev.index].feed(ev.text) or None)
+        if ev.logprobs:
+            lp = protocol.logprobs_json(req, ev.logprobs, self._piece, offset)
+            return _sse(protocol.chunk(req, ev.index, text, logprobs=lp))
+        if text:
+            return _sse(protocol.chunk(req, ev.index, text))
+        return None
+
+    @staticmethod
+    def _finish_chunks(req: GenRequest, ev, parsers: list | None) -> list[str]:
+        """The SSE chunks that end a continuation: with tools, the text held back and the calls parsed
+        from it (then the finish reason is "tool_calls"); then the finish chunk."""
+        out = []
+        finish = ev.finish_reason
+        if parsers is not None:
+            rest, calls = parsers[ev.index].finish()
+            if rest:
+                out.append(_sse(protocol.chunk(req, ev.index, rest)))
+            for delta in protocol.tool_call_deltas(calls):
+                out.append(_sse(protocol.chunk(req, ev.index, None, tool_calls=delta)))
+            if calls:
+                finish = "tool_calls"
+        out.append(_sse(protocol.chunk(req, ev.index, None if req.kind == "chat" else "", finish)))
+        return out
 
 
 # -- running it ---------------------------------------------------------------------------------------
@@ -570,5 +590,5 @@ def run(server: Server, sock: socket.socket, debug: bool = False) -> bool:
         us.run(sockets=[sock])
     finally:
         server.shutting_down = True
-        server._close()
+        server.close()
     return bool(us.started)

@@ -57,73 +57,89 @@ class _EngineCollector:
     def collect(self):
         s: Snapshot = self.server.snapshot
         kv, st = s.kv, s.stats
-
-        def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
-            return GaugeMetricFamily(_P + name, doc, value=value)
-
-        def counter(name: str, doc: str, value) -> CounterMetricFamily:
-            return CounterMetricFamily(_P + name, doc, value=value)
-
         if kv:
-            yield gauge("kv_cells", "KV cache cells", kv["n_cells"])
-            yield gauge("kv_used_cells", "KV cache cells held by a sequence (running or cached prefixes)",
-                        kv["used_cells"])
-            yield gauge("kv_cached_cells", "KV cache cells held by idle cached prefixes (kept for reuse; evicted "
-                        "when a request needs the room)", kv["cached_cells"])
-            yield gauge("kv_request_cells", "KV cache cells held by running requests alone (0 when idle: nothing "
-                        "leaks)", kv["request_cells"])
-            yield gauge("kv_free_cells", "KV cache cells no sequence holds", kv["free_cells"])
-            yield gauge("kv_largest_free_block", "largest run of free cells (the biggest batch that fits without "
-                        "a defrag)", kv["largest_free_block"])
-            yield gauge("kv_fragmentation", "1 - largest free block / free cells (0: the free cells are contiguous)",
-                        kv["fragmentation"])
-            yield gauge("kv_holes", "runs of free cells followed by a used cell", kv["holes"])
-            for key, name, doc in (("defrags", "kv_defrags", "defrags the patched library ran"),
-                                   ("moves", "kv_defrag_moves", "block moves of those defrags"),
-                                   ("cells_moved", "kv_defrag_cells_moved", "cells moved by those defrags"),
-                                   ("slot_retries", "kv_slot_retries",
-                                    "batches the patched library placed after a defrag (a vanilla build fails them)"),
-                                   ("slot_failures", "kv_library_slot_failures",
-                                    "batches the patched library could not place")):
-                if kv.get(key) is not None:   # patched build only
-                    yield counter(name, doc, kv[key])
+            yield from _kv_metrics(kv)
         if st:
-            yield counter("slot_failures", "batches refused although the free cells sufficed (fragmentation; "
-                          "their prompts fail with an error)", st["slot_failures"])
-            fin = CounterMetricFamily(_P + "finished", "continuations finished, by reason (a request with n=3 "
-                                      "counts 3)", labels=["reason"])
-            for reason, v in st["finished"].items():
-                fin.add_metric([reason], v)
-            yield fin
-            yield counter("requests_submitted", "requests accepted by the engine", st["submitted"])
-            yield counter("requests_rejected", "requests refused because the queue was full (HTTP 429)",
-                          st["rejected"])
-            yield counter("preempted", "continuations put back in the queue because the cache was full",
-                          st["preempted"])
-            yield counter("prompt_tokens", "prompt tokens of admitted requests", st["prompt_tokens"])
-            yield counter("prompt_tokens_evaluated", "prompt tokens decoded", st["evaluated_tokens"])
-            yield counter("prompt_tokens_reused", "prompt tokens served from cached cells (not evaluated)",
-                          st["reused_tokens"])
-            yield counter("completion_tokens", "tokens generated", st["generated_tokens"])
-            yield counter("decode_calls", "llama_decode calls", st["decode_calls"])
+            yield from _engine_metrics(st)
             tier = st.get("prefix_tier") or {}
             if tier.get("enabled"):   # idle prefixes paged out (EngineConfig.cache_ram, cache_dir)
-                yield gauge("prefix_host_bytes", "K/V bytes of prefixes paged out to host memory",
-                            tier["host_bytes"])
-                yield gauge("prefix_host_budget_bytes", "the bound on those bytes (--cache-ram)", tier["budget_bytes"])
-                yield gauge("prefix_host_tokens", "tokens whose K/V is paged out to host memory", tier["host_tokens"])
-                yield counter("prefix_paged_out_tokens", "tokens paged out of the KV cache", tier["paged_out_tokens"])
-                yield counter("prefix_paged_out_bytes", "bytes paged out of the KV cache", tier["paged_out_bytes"])
-                yield counter("prefix_restores", "prompts that restored paged-out prefixes", tier["restores"])
-                yield counter("prefix_restored_tokens", "prompt tokens restored from host memory or disk "
-                              "(not evaluated)", tier["restored_tokens"])
-                yield counter("prefix_host_evicted_bytes", "paged-out bytes dropped for the host budget",
-                              tier["evicted_bytes"])
+                yield from _host_metrics(tier)
                 if tier.get("disk_budget_bytes"):   # and to files in --cache-dir
-                    yield from _disk_metrics(tier, gauge, counter)
-        yield gauge("requests_running", "requests generating or evaluating their prompt", s.running_requests)
-        yield gauge("sequences_running", "continuations holding a sequence", s.running_sequences)
-        yield gauge("requests_queued", "requests waiting for admission", s.waiting)
+                    yield from _disk_metrics(tier, _gauge, _counter)
+        yield _gauge("requests_running", "requests generating or evaluating their prompt", s.running_requests)
+        yield _gauge("sequences_running", "continuations holding a sequence", s.running_sequences)
+        yield _gauge("requests_queued", "requests waiting for admission", s.waiting)
+
+
+def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(_P + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value) -> CounterMetricFamily:
+    return CounterMetricFamily(_P + name, doc, value=value)
+
+
+def _kv_metrics(kv: dict):
+    """The KV cache's gauges, and the patched library's defrag counters (KVStats)."""
+    yield _gauge("kv_cells", "KV cache cells", kv["n_cells"])
+    yield _gauge("kv_used_cells", "KV cache cells held by a sequence (running or cached prefixes)",
+                 kv["used_cells"])
+    yield _gauge("kv_cached_cells", "KV cache cells held by idle cached prefixes (kept for reuse; evicted "
+                 "when a request needs the room)", kv["cached_cells"])
+    yield _gauge("kv_request_cells", "KV cache cells held by running requests alone (0 when idle: nothing "
+                 "leaks)", kv["request_cells"])
+    yield _gauge("kv_free_cells", "KV cache cells no sequence holds", kv["free_cells"])
+    yield _gauge("kv_largest_free_block", "largest run of free cells (the biggest batch that fits without "
+                 "a defrag)", kv["largest_free_block"])
+    yield _gauge("kv_fragmentation", "1 - largest free block / free cells (0: the free cells are contiguous)",
+                 kv["fragmentation"])
+    yield _gauge("kv_holes", "runs of free cells followed by a used cell", kv["holes"])
+    for key, name, doc in (("defrags", "kv_defrags", "defrags the patched library ran"),
+                           ("moves", "kv_defrag_moves", "block moves of those defrags"),
+                           ("cells_moved", "kv_defrag_cells_moved", "cells moved by those defrags"),
+                           ("slot_retries", "kv_slot_retries",
+                            "batches the patched library placed after a defrag (a vanilla build fails them)"),
+                           ("slot_failures", "kv_library_slot_failures",
+                            "batches the patched library could not place")):
+        if kv.get(key) is not None:   # patched build only
+            yield _counter(name, doc, kv[key])
+
+
+def _engine_metrics(st: dict):
+    """The engine's counters (EngineStats)."""
+    yield _counter("slot_failures", "batches refused although the free cells sufficed (fragmentation; "
+                   "their prompts fail with an error)", st["slot_failures"])
+    fin = CounterMetricFamily(_P + "finished", "continuations finished, by reason (a request with n=3 "
+                              "counts 3)", labels=["reason"])
+    for reason, v in st["finished"].items():
+        fin.add_metric([reason], v)
+    yield fin
+    yield _counter("requests_submitted", "requests accepted by the engine", st["submitted"])
+    yield _counter("requests_rejected", "requests refused because the queue was full (HTTP 429)",
+                   st["rejected"])
+    yield _counter("preempted", "continuations put back in the queue because the cache was full",
+                   st["preempted"])
+    yield _counter("prompt_tokens", "prompt tokens of admitted requests", st["prompt_tokens"])
+    yield _counter("prompt_tokens_evaluated", "prompt tokens decoded", st["evaluated_tokens"])
+    yield _counter("prompt_tokens_reused", "prompt tokens served from cached cells (not evaluated)",
+                   st["reused_tokens"])
+    yield _counter("completion_tokens", "tokens generated", st["generated_tokens"])
+    yield _counter("decode_calls", "llama_decode calls", st["decode_calls"])
+
+
+def _host_metrics(tier: dict):
+    """The host tier's gauges and counters (TierStats)."""
+    yield _gauge("prefix_host_bytes", "K/V bytes of prefixes paged out to host memory",
+                 tier["host_bytes"])
+    yield _gauge("prefix_host_budget_bytes", "the bound on those bytes (--cache-ram)", tier["budget_bytes"])
+    yield _gauge("prefix_host_tokens", "tokens whose K/V is paged out to host memory", tier["host_tokens"])
+    yield _counter("prefix_paged_out_tokens", "tokens paged out of the KV cache", tier["paged_out_tokens"])
+    yield _counter("prefix_paged_out_bytes", "bytes paged out of the KV cache", tier["paged_out_bytes"])
+    yield _counter("prefix_restores", "prompts that restored paged-out prefixes", tier["restores"])
+    yield _counter("prefix_restored_tokens", "prompt tokens restored from host memory or disk "
+                   "(not evaluated)", tier["restored_tokens"])
+    yield _counter("prefix_host_evicted_bytes", "paged-out bytes dropped for the host budget",
+                   tier["evicted_bytes"])
 
 
 def _disk_metrics(tier: dict, gauge, counter):

@@ -406,28 +406,8 @@ def _prompt(v) -> str | list[int]:
     raise bad("prompt", "prompt must be a non-empty string or a list of token ids (one prompt per request)")
 
 
-def parse(body, kind: str, *, parallel: int, max_tokens_cap: int,
-          check_tokens: Callable[[list[int], str], Any] | None = None) -> GenRequest:
-    """Check a request body of ``/v1/chat/completions`` (kind "chat") or ``/v1/completions``.
-    ``check_tokens``: the model's range check of token ids (:meth:`pyllama_kv.Model.check_tokens`),
-    applied to the ``logit_bias`` keys."""
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object", code="invalid_json")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "model is required (a string: see GET /v1/models)", code="missing_required_parameter")
-    if kind == "chat":
-        if "messages" not in body:
-            raise bad("messages", "messages is required", code="missing_required_parameter")
-        prompt: Any = _messages(body["messages"])
-    else:
-        if "prompt" not in body:
-            raise bad("prompt", "prompt is required", code="missing_required_parameter")
-        prompt = _prompt(body["prompt"])
-    _fields(body, kind)
-    max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap)
-    if kind == "chat" and max_tokens is None:
-        max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap)
+def _sampling(body: dict, check_tokens) -> dict[str, Any]:
+    """The SamplingParams fields a body sets (each checked against its bound), by name."""
     sp: dict[str, Any] = {}
     for name, lo, hi, lo_open in (("temperature", 0.0, OPENAI_TEMPERATURE_MAX, False), ("top_p", 0.0, 1.0, True),
                                   ("min_p", 0.0, 1.0, False)):
@@ -451,8 +431,11 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int,
     seed = _integer(body, "seed", -(2**63), 2**64 - 1)   # OpenAI's int64 (and uint64, as some clients send)
     if seed is not None:
         sp["seed"] = seed & UINT32_MAX   # the sampler's seeds are 32-bit
-    n = _integer(body, "n", 1, parallel)
-    stream = _bool(body, "stream")
+    return sp
+
+
+def _include_usage(body: dict) -> bool:
+    """``stream_options.include_usage`` (the only option besides include_obfuscation, which is ignored)."""
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "stream_options must be an object")
@@ -461,16 +444,48 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int,
             if k not in ("include_usage", "include_obfuscation"):
                 raise bad(f"stream_options.{k}", f"stream_options.{k} is not supported by this server",
                           code="unsupported_parameter")
-    include_usage = bool(opts and opts.get("include_usage") is True)
-    grammar, grammar_param = _grammar(body)
-    tools = None
+    return bool(opts and opts.get("include_usage") is True)
+
+
+def _tools(body: dict, grammar: Grammar | None, grammar_param: str | None) -> ToolSpec | None:
+    """A chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls``; active tools exclude an output grammar."""
+    try:
+        tools = toolcall.check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except ToolError as e:
+        raise bad(e.param, str(e)) from None
+    if tools is not None and tools.active and grammar is not None:
+        raise bad(grammar_param, f"{grammar_param} cannot be combined with tools (unless tool_choice is none)")
+    return tools
+
+
+def parse(body, kind: str, *, parallel: int, max_tokens_cap: int,
+          check_tokens: Callable[[list[int], str], Any] | None = None) -> GenRequest:
+    """Check a request body of ``/v1/chat/completions`` (kind "chat") or ``/v1/completions``.
+    ``check_tokens``: the model's range check of token ids (:meth:`pyllama_kv.Model.check_tokens`),
+    applied to the ``logit_bias`` keys."""
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required (a string: see GET /v1/models)", code="missing_required_parameter")
     if kind == "chat":
-        try:
-            tools = toolcall.check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
-        except ToolError as e:
-            raise bad(e.param, str(e)) from None
-        if tools is not None and tools.active and grammar is not None:
-            raise bad(grammar_param, f"{grammar_param} cannot be combined with tools (unless tool_choice is none)")
+        if "messages" not in body:
+            raise bad("messages", "messages is required", code="missing_required_parameter")
+        prompt: Any = _messages(body["messages"])
+    else:
+        if "prompt" not in body:
+            raise bad("prompt", "prompt is required", code="missing_required_parameter")
+        prompt = _prompt(body["prompt"])
+    _fields(body, kind)
+    max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap)
+    if kind == "chat" and max_tokens is None:
+        max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap)
+    sp = _sampling(body, check_tokens)
+    n = _integer(body, "n", 1, parallel)
+    stream = _bool(body, "stream")
+    include_usage = _include_usage(body)
+    grammar, grammar_param = _grammar(body)
+    tools = _tools(body, grammar, grammar_param) if kind == "chat" else None
     try:
         params = SamplingParams(**sp)
     except InvalidInputError as e:   # (each field was checked above: a bound of the library's own)

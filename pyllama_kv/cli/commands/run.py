@@ -247,33 +247,40 @@ def _serve(spec: RunSpec, model, session, toks: list[int], grammar) -> int:
         except Exception:
             if interrupted is None:   # after Ctrl-C mid-step, the summary matters more than the cleanup
                 raise
-    gen_total = sum(counts)
-    params = spec.params
-    summary = {
-        "model": str(spec.model),
-        "library": model.library.get("variant"),
-        "seed": getattr(params, "seed", None),
-        "parallel": n,
-        "threads": n_threads,
-        "prompt_tokens": len(toks),
-        "prompt_seconds": round(t_prompt, 4),
-        "prompt_tokens_per_s": round(len(toks) / t_prompt, 1) if t_prompt > 0 and prompt_done else None,
-        "generated_tokens": gen_total,
-        "generation_seconds": round(t_gen, 4),
-        "generation_tokens_per_s": round(gen_total / t_gen, 1) if t_gen > 0 else None,
-        "reused_tokens": len(toks) * (n - 1) if prompt_done else 0,
-        "context_shifts": h.usage.context_shifts,
-        "dropped_tokens": h.usage.dropped_tokens,
-        "interrupted": interrupted is not None,
-        "interrupted_while": interrupted,
-        "kv": st.as_dict(),
-    }
+    summary = _summary(spec, model, n_prompt=len(toks), n_threads=n_threads, prompt_done=prompt_done,
+                       t_prompt=t_prompt, gen_total=sum(counts), t_gen=t_gen, usage=h.usage, interrupted=interrupted,
+                       st=st)
     if spec.json:
         summary["outputs"] = [{"seq": i, "text": texts[i], "tokens": counts[i], "stop": stop[i]} for i in range(n)]
         print_json(summary)
     else:
         _print_summary(summary, st, stop)
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _summary(spec: RunSpec, model, *, n_prompt: int, n_threads: int, prompt_done: bool, t_prompt: float,
+             gen_total: int, t_gen: float, usage, interrupted: str | None, st) -> dict:
+    """The run's summary (printed, or the JSON document without its outputs)."""
+    n = spec.parallel
+    return {
+        "model": str(spec.model),
+        "library": model.library.get("variant"),
+        "seed": getattr(spec.params, "seed", None),
+        "parallel": n,
+        "threads": n_threads,
+        "prompt_tokens": n_prompt,
+        "prompt_seconds": round(t_prompt, 4),
+        "prompt_tokens_per_s": round(n_prompt / t_prompt, 1) if t_prompt > 0 and prompt_done else None,
+        "generated_tokens": gen_total,
+        "generation_seconds": round(t_gen, 4),
+        "generation_tokens_per_s": round(gen_total / t_gen, 1) if t_gen > 0 else None,
+        "reused_tokens": n_prompt * (n - 1) if prompt_done else 0,
+        "context_shifts": usage.context_shifts,
+        "dropped_tokens": usage.dropped_tokens,
+        "interrupted": interrupted is not None,
+        "interrupted_while": interrupted,
+        "kv": st.as_dict(),
+    }
 
 
 def _print_summary(s: dict, st, stop: list[str]) -> None:
