@@ -118,8 +118,9 @@ def test_the_exit_code_table():
 
 
 # the modules whose exception classes are public (raised to callers of the API, the harness or the CLI)
-_PUBLIC_ERROR_MODULES = ("errors", "gguf", "catalogue", "constrain", "tools.gguf", "tools.gguf_check",
-                         "harness.vendor", "harness.patch", "harness.build", "harness.cuda", "cli.common")
+_PUBLIC_ERROR_MODULES = ("errors", "modelfile.gguf", "modelfile.catalogue", "modelfile.validate", "sampling.grammar",
+                         "sampling.grammar_check", "chat.toolcall", "tools.gguf", "harness.vendor",
+                         "harness.patch", "harness.build", "harness.cuda", "cli.common")
 
 
 @pytest.mark.parametrize("name", _PUBLIC_ERROR_MODULES)

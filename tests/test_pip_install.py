@@ -174,7 +174,8 @@ def test_wheel_contains_the_libraries_the_data_and_the_licenses(wheel):
     assert {_build.lib_name(), "libggml.so", "libggml-base.so", "libggml-cpu.so", "build-info.json"} <= libs
     assert "pyllama_kv/_data/llama.cpp.pin.json" in names
     assert {f"pyllama_kv/_data/patches/{n}" for n in SERIES} <= names
-    assert {"pyllama_kv/py.typed", "pyllama_kv/catalogue.json", "pyllama_kv/_native/decl/llama_funcs.h"} <= names
+    assert {"pyllama_kv/py.typed", "pyllama_kv/modelfile/catalogue.json",
+            "pyllama_kv/_native/decl/llama_funcs.h"} <= names
     dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
     assert {f"{dist_info}/licenses/LICENSE", f"{dist_info}/licenses/LICENSE-llama.cpp"} <= names
     assert "-py3-none-" in wheel.name                             # shared libraries only: any Python 3

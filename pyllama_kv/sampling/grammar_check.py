@@ -28,14 +28,16 @@ import re
 from typing import Any
 from urllib.parse import unquote
 
+from ..errors import InvalidInputError
 from ..limits import GRAMMAR_MAX_CHARS, GRAMMAR_MAX_DEPTH, GRAMMAR_MAX_RULES
 
 #: the raw grammar kinds (``json_schema`` and ``json_object`` are schemas)
 SCHEMA_KINDS = ("json_schema", "json_object")
 
 
-class GrammarRefused(ValueError):
-    """A grammar past a bound, or one llguidance refuses: the message is one sentence for a client."""
+class GrammarRefused(InvalidInputError):
+    """A grammar past a bound, or one llguidance refuses: the message is one sentence for a client
+    (sampling.grammar raises it to callers as a GrammarError)."""
 
 
 # -- bounds -----------------------------------------------------------------------------------------
