@@ -103,7 +103,7 @@ def make_tiny_model(
     ``(uint8 bytes array, gguf.GGMLQuantizationType.X)`` for raw quantized data, or to None to drop it;
     new names are appended.
     """
-    import gguf
+    import gguf  # noqa: F401 (without the gguf package, fail before any check)
 
     if n_embd % n_head or n_head % n_head_kv:
         raise InvalidInputError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
@@ -114,50 +114,32 @@ def make_tiny_model(
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path.parent}: no such directory")
-    rng = np.random.default_rng(seed)
-    np_dtype = np.float32 if dtype == "f32" else np.float16
     head_dim = n_embd // n_head
-    n_embd_kv = head_dim * n_head_kv
+    vocab_meta = _tiny_vocab_meta(vocab, byte_tokens)
+    n_vocab = len(vocab_meta["tokenizer.ggml.tokens"][0])
+    meta = _tiny_meta(arch, dtype, vocab_meta, kv_overrides, n_ctx_train=n_ctx_train, n_embd=n_embd,
+                      n_layer=n_layer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, sliding_window=sliding_window)
+    tensors = _tiny_tensors(np.random.default_rng(seed), np.float32 if dtype == "f32" else np.float16, arch,
+                            n_layer=n_layer, n_embd=n_embd, n_embd_kv=head_dim * n_head_kv, head_dim=head_dim,
+                            n_ff=n_ff, n_vocab=n_vocab)
+    for name, t in (tensor_overrides or {}).items():
+        if t is None:
+            tensors.pop(name, None)
+        else:
+            tensors[name] = t
+    _write_gguf(path, arch, meta, tensors)
+    return path
+
+
+def _tiny_meta(arch: str, dtype: str, vocab_meta: dict, kv_overrides: dict | None, *, n_ctx_train: int,
+               n_embd: int, n_layer: int, n_ff: int, n_head: int, n_head_kv: int, sliding_window: int) -> dict:
+    """A tiny model's metadata, key -> (value, type, array element type) in the order written, with
+    ``kv_overrides`` applied (see make_tiny_model)."""
+    import gguf
+
     T = gguf.GGUFValueType
-    if vocab == "qwen":
-        from .qwen_vocab import CHAT_TEMPLATE, SPECIALS, qwen_vocab
-
-        tokens, types, merges = qwen_vocab()
-        first_special = len(tokens) - len(SPECIALS)
-        vocab_meta: dict = {
-            "tokenizer.ggml.model": ("gpt2", T.STRING, None),
-            "tokenizer.ggml.pre": ("qwen2", T.STRING, None),
-            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
-            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
-            "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING),
-            "tokenizer.ggml.eos_token_id": (first_special + 2, T.UINT32, None),       # <|im_end|>
-            "tokenizer.ggml.padding_token_id": (first_special, T.UINT32, None),   # <|endoftext|>
-            "tokenizer.ggml.bos_token_id": (first_special, T.UINT32, None),
-            "tokenizer.ggml.add_bos_token": (False, T.BOOL, None),
-            "tokenizer.chat_template": (CHAT_TEMPLATE, T.STRING, None),
-        }
-    else:
-        tokens, scores, types = tiny_vocab(byte_tokens)
-        vocab_meta = {
-            "tokenizer.ggml.model": ("llama", T.STRING, None),
-            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
-            "tokenizer.ggml.scores": (scores, T.ARRAY, T.FLOAT32),
-            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
-            "tokenizer.ggml.unknown_token_id": (0, T.UINT32, None),
-            "tokenizer.ggml.bos_token_id": (1, T.UINT32, None),
-            "tokenizer.ggml.eos_token_id": (2, T.UINT32, None),
-            "tokenizer.ggml.add_bos_token": (True, T.BOOL, None),
-            "tokenizer.ggml.add_eos_token": (False, T.BOOL, None),
-        }
-    n_vocab = len(tokens)
-
-    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np_dtype)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
-
     A = arch + "."
+    head_dim = n_embd // n_head
     meta: dict = {  # key -> (value, type, array element type), in the order written
         "general.architecture": (arch, T.STRING, None),
         "general.name": (f"pyllama-kv tiny random {arch}", T.STRING, None),
@@ -187,6 +169,54 @@ def make_tiny_model(
             meta[key] = (v, meta[key][1], meta[key][2])
         else:
             meta[key] = (v, T.get_type(v), None)
+    return meta
+
+
+def _tiny_vocab_meta(vocab: str, byte_tokens: bool) -> dict:
+    """The tokenizer's metadata of a tiny model: key -> (value, type, array element type)."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    if vocab == "qwen":
+        from .qwen_vocab import CHAT_TEMPLATE, SPECIALS, qwen_vocab
+
+        tokens, types, merges = qwen_vocab()
+        first_special = len(tokens) - len(SPECIALS)
+        return {
+            "tokenizer.ggml.model": ("gpt2", T.STRING, None),
+            "tokenizer.ggml.pre": ("qwen2", T.STRING, None),
+            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+            "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING),
+            "tokenizer.ggml.eos_token_id": (first_special + 2, T.UINT32, None),       # <|im_end|>
+            "tokenizer.ggml.padding_token_id": (first_special, T.UINT32, None),   # <|endoftext|>
+            "tokenizer.ggml.bos_token_id": (first_special, T.UINT32, None),
+            "tokenizer.ggml.add_bos_token": (False, T.BOOL, None),
+            "tokenizer.chat_template": (CHAT_TEMPLATE, T.STRING, None),
+        }
+    tokens, scores, types = tiny_vocab(byte_tokens)
+    return {
+        "tokenizer.ggml.model": ("llama", T.STRING, None),
+        "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+        "tokenizer.ggml.scores": (scores, T.ARRAY, T.FLOAT32),
+        "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+        "tokenizer.ggml.unknown_token_id": (0, T.UINT32, None),
+        "tokenizer.ggml.bos_token_id": (1, T.UINT32, None),
+        "tokenizer.ggml.eos_token_id": (2, T.UINT32, None),
+        "tokenizer.ggml.add_bos_token": (True, T.BOOL, None),
+        "tokenizer.ggml.add_eos_token": (False, T.BOOL, None),
+    }
+
+
+def _tiny_tensors(rng: np.random.Generator, np_dtype, arch: str, *, n_layer: int, n_embd: int, n_embd_kv: int,
+                  head_dim: int, n_ff: int, n_vocab: int) -> dict:
+    """The random weights of a tiny model, name -> array in the order written (drawn from ``rng``
+    in that order), scaled so that the next-token logits depend on the whole context."""
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np_dtype)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
     s_in = 1.0 / np.sqrt(n_embd)
     tensors: dict = {"token_embd.weight": mat(n_vocab, n_embd, 1.0)}
@@ -211,11 +241,13 @@ def make_tiny_model(
     tensors["output_norm.weight"] = norm(n_embd)
     if arch == "llama":   # qwen2 and gemma3 models tie the output to token_embd, as the real ones do
         tensors["output.weight"] = mat(n_vocab, n_embd, 2.0 * s_in)
-    for name, t in (tensor_overrides or {}).items():
-        if t is None:
-            tensors.pop(name, None)
-        else:
-            tensors[name] = t
+    return tensors
+
+
+def _write_gguf(path: Path, arch: str, meta: dict, tensors: dict) -> None:
+    """Write ``meta`` and ``tensors``, in their order, to a temporary file renamed to ``path`` when
+    complete (removed on any error)."""
+    import gguf
 
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -236,7 +268,6 @@ def make_tiny_model(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
