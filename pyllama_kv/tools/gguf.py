@@ -323,45 +323,13 @@ def make_f32_copy(src: str | os.PathLike, dst: str | os.PathLike,
     tmp = Path(tmp_name)
     try:
         w = gguf.GGUFWriter(tmp, arch.contents())
-        w.kv_data[0].clear()  # the writer adds general.architecture itself: copy the fields in their order
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF."):  # the reader's view of the header, not metadata
-                continue
-            value = _field_value(field)
-            if field.name == gguf.Keys.General.FILE_TYPE:
-                value = int(gguf.LlamaFileType.ALL_F32)
-            elif field.name == gguf.Keys.General.ALIGNMENT:
-                w.data_alignment = int(value)
-            sub = field.types[-1] if field.types[0] == T.ARRAY else None
-            w.add_key_value(field.name, value, field.types[0], sub_type=sub)
-        total = 0
-        for t in reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            if t.tensor_type in keep:
-                w.add_tensor_info(t.name, shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-            else:
-                w.add_tensor_info(t.name, shape, np.dtype(np.float32), t.n_elements * 4, Q.F32)
-            total += t.n_elements * 4
+        _copy_fields(reader, w)
+        total = _add_f32_tensor_infos(reader, w, keep)
         say(f"writing an F32 copy of {src.name}: {len(reader.tensors)} tensors, {total / 2**20:.0f} MiB")
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        done, shown = 0, 0
-        for t in reader.tensors:
-            if t.tensor_type in keep:
-                data = t.data
-            else:
-                try:
-                    data = gguf.quants.dequantize(t.data, t.tensor_type)
-                except NotImplementedError as exc:
-                    raise GGUFFileError(f"{src}: tensor {t.name}: {exc}") from None
-                data = np.ascontiguousarray(data, dtype=np.float32)
-            w.write_tensor_data(data)
-            done += t.n_elements * 4
-            if done * 10 // max(total, 1) > shown:
-                shown = done * 10 // max(total, 1)
-                say(f"  {shown * 10}% ({done / 2**20:.0f} of {total / 2**20:.0f} MiB)")
-            del data
+        _write_f32_tensors(reader, w, keep, total, src, say)
         w.close()
         os.replace(tmp, dst)
     except BaseException:
@@ -369,6 +337,62 @@ def make_f32_copy(src: str | os.PathLike, dst: str | os.PathLike,
         raise
     say(f"wrote {dst}")
     return dst
+
+
+def _copy_fields(reader, w) -> None:
+    """Every metadata field of ``reader`` into ``w``, in order, general.file_type as ALL_F32."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    w.kv_data[0].clear()  # the writer adds general.architecture itself: copy the fields in their order
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF."):  # the reader's view of the header, not metadata
+            continue
+        value = _field_value(field)
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = int(gguf.LlamaFileType.ALL_F32)
+        elif field.name == gguf.Keys.General.ALIGNMENT:
+            w.data_alignment = int(value)
+        sub = field.types[-1] if field.types[0] == T.ARRAY else None
+        w.add_key_value(field.name, value, field.types[0], sub_type=sub)
+
+
+def _add_f32_tensor_infos(reader, w, keep: set) -> int:
+    """The tensor table of the copy: the types in ``keep`` as they are, every other tensor as F32;
+    returns the bytes the F32 tensors take, as the progress lines count them."""
+    import gguf
+
+    total = 0
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if t.tensor_type in keep:
+            w.add_tensor_info(t.name, shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        else:
+            w.add_tensor_info(t.name, shape, np.dtype(np.float32), t.n_elements * 4, gguf.GGMLQuantizationType.F32)
+        total += t.n_elements * 4
+    return total
+
+
+def _write_f32_tensors(reader, w, keep: set, total: int, src: Path, say: Callable[[str], None]) -> None:
+    """The tensor data of the copy, one tensor in memory at a time, a progress line every 10%."""
+    import gguf
+
+    done, shown = 0, 0
+    for t in reader.tensors:
+        if t.tensor_type in keep:
+            data = t.data
+        else:
+            try:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as exc:
+                raise GGUFFileError(f"{src}: tensor {t.name}: {exc}") from None
+            data = np.ascontiguousarray(data, dtype=np.float32)
+        w.write_tensor_data(data)
+        done += t.n_elements * 4
+        if done * 10 // max(total, 1) > shown:
+            shown = done * 10 // max(total, 1)
+            say(f"  {shown * 10}% ({done / 2**20:.0f} of {total / 2**20:.0f} MiB)")
+        del data
 
 
 # ---------------------------------------------------------------------------------------------
