@@ -121,12 +121,7 @@ def make_tiny_model(
                       n_layer=n_layer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, sliding_window=sliding_window)
     tensors = _tiny_tensors(np.random.default_rng(seed), np.float32 if dtype == "f32" else np.float16, arch,
                             n_layer=n_layer, n_embd=n_embd, n_embd_kv=head_dim * n_head_kv, head_dim=head_dim,
-                            n_ff=n_ff, n_vocab=n_vocab)
-    for name, t in (tensor_overrides or {}).items():
-        if t is None:
-            tensors.pop(name, None)
-        else:
-            tensors[name] = t
+                            n_ff=n_ff, n_vocab=n_vocab, overrides=tensor_overrides)
     _write_gguf(path, arch, meta, tensors)
     return path
 
@@ -209,9 +204,10 @@ def _tiny_vocab_meta(vocab: str, byte_tokens: bool) -> dict:
 
 
 def _tiny_tensors(rng: np.random.Generator, np_dtype, arch: str, *, n_layer: int, n_embd: int, n_embd_kv: int,
-                  head_dim: int, n_ff: int, n_vocab: int) -> dict:
+                  head_dim: int, n_ff: int, n_vocab: int, overrides: dict | None) -> dict:
     """The random weights of a tiny model, name -> array in the order written (drawn from ``rng``
-    in that order), scaled so that the next-token logits depend on the whole context."""
+    in that order), scaled so that the next-token logits depend on the whole context; then the
+    ``overrides`` (tensor_overrides of make_tiny_model)."""
     def mat(rows: int, cols: int, scale: float) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np_dtype)
 
@@ -241,6 +237,11 @@ def _tiny_tensors(rng: np.random.Generator, np_dtype, arch: str, *, n_layer: int
     tensors["output_norm.weight"] = norm(n_embd)
     if arch == "llama":   # qwen2 and gemma3 models tie the output to token_embd, as the real ones do
         tensors["output.weight"] = mat(n_vocab, n_embd, 2.0 * s_in)
+    for name, t in (overrides or {}).items():
+        if t is None:
+            tensors.pop(name, None)
+        else:
+            tensors[name] = t
     return tensors
 
 
@@ -472,7 +473,35 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
     header = read_gguf_header(path)
     arch_kv = header.kv.get("general.architecture")
     arch = arch_kv.value if arch_kv is not None and arch_kv.type == _STRING else "?"
+    shape = _shape(header, arch)
+    validation = _validation(header, path)
+    swa = _hparam(header, f"{arch}.attention.sliding_window")
+    template = header.kv.get("tokenizer.chat_template")
+    can_shift, shift_why = _can_shift(arch, type_k)
+    out = {
+        "path": str(path),
+        "file_bytes": header.file_size,
+        "gguf_version": header.version,
+        "architecture": arch,
+        "name": _metadata(header, "general.name"),
+        **shape,
+        "sliding_window": swa,
+        "chat_template": template is not None and template.type == _STRING and bool(template.value),
+        "can_shift": can_shift,
+        "can_shift_why": shift_why,
+        "tensors": _tensor_summary(header),
+        "vocab": _vocab_summary(header),
+        "validation": validation,
+    }
+    kv_cache = _kv_cache(shape, n_ctx, parallel, type_k, type_v)
+    if kv_cache is not None:
+        out["kv_cache"] = kv_cache
+    return out
 
+
+def _shape(header, arch: str) -> dict:
+    """The hyperparameters inspect reports, in its order (head sizes from the head count when the
+    file gives none; per-layer head counts as their largest)."""
     def hp(key: str):
         return _hparam(header, f"{arch}.{key}")
 
@@ -490,11 +519,13 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
     n_ctx_train = hp("context_length")
     rope_dim = hp("rope.dimension_count")
     head_dim = (n_embd // n_head) if (isinstance(n_embd, int) and isinstance(n_head, int) and n_head > 0) else None
-    n_embd_k = (key_len or head_dim or 0) * (n_head_kv or 0)
-    n_embd_v = (val_len or head_dim or 0) * (n_head_kv or 0)
-    tokens = header.kv.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.value) if tokens is not None and tokens.type == _ARRAY else None
+    return {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "n_head_kv": n_head_kv, "n_ff": n_ff,
+            "n_ctx_train": n_ctx_train, "rope_dim": rope_dim, "head_dim_k": key_len or head_dim,
+            "head_dim_v": val_len or head_dim}
 
+
+def _tensor_summary(header) -> dict:
+    """The tensor count, the count per ggml type, the parameters and the bytes of the weights."""
     types: dict[str, int] = {}
     n_params = 0
     n_bytes = 0
@@ -503,6 +534,21 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
         types[tn] = types.get(tn, 0) + 1
         n_params += t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
         n_bytes += t.nbytes
+    return {"count": len(header.tensors), "types": types, "params": n_params, "bytes": n_bytes}
+
+
+def _vocab_summary(header) -> dict:
+    tokens = header.kv.get("tokenizer.ggml.tokens")
+    return {
+        "model": _metadata(header, "tokenizer.ggml.model"),
+        "size": len(tokens.value) if tokens is not None and tokens.type == _ARRAY else None,
+        "bos": _metadata(header, "tokenizer.ggml.bos_token_id"),
+        "eos": _metadata(header, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _validation(header, path: Path) -> dict:
+    """How Model(path) checks the file: see inspect_gguf's ``validation``."""
     try:
         complete = check_gguf_header(header)
         validation: dict[str, Any] = {"ok": True, "error": None, "level": "static" if complete else "vetting"}
@@ -510,56 +556,33 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
             validation["vetted"] = _vetted(path)
     except ModelLoadError as exc:
         validation = {"ok": False, "error": str(exc), "level": "static"}
-    swa = hp("attention.sliding_window")
-    template = header.kv.get("tokenizer.chat_template")
-    can_shift, shift_why = _can_shift(arch, type_k)
+    return validation
 
-    out = {
-        "path": str(path),
-        "file_bytes": header.file_size,
-        "gguf_version": header.version,
-        "architecture": arch,
-        "name": _metadata(header, "general.name"),
-        "n_layer": n_layer,
-        "n_embd": n_embd,
-        "n_head": n_head,
-        "n_head_kv": n_head_kv,
-        "n_ff": n_ff,
-        "n_ctx_train": n_ctx_train,
-        "rope_dim": rope_dim,
-        "head_dim_k": key_len or head_dim,
-        "head_dim_v": val_len or head_dim,
-        "sliding_window": swa,
-        "chat_template": template is not None and template.type == _STRING and bool(template.value),
-        "can_shift": can_shift,
-        "can_shift_why": shift_why,
-        "tensors": {"count": len(header.tensors), "types": types, "params": n_params, "bytes": n_bytes},
-        "vocab": {
-            "model": _metadata(header, "tokenizer.ggml.model"),
-            "size": n_vocab,
-            "bos": _metadata(header, "tokenizer.ggml.bos_token_id"),
-            "eos": _metadata(header, "tokenizer.ggml.eos_token_id"),
-        },
-        "validation": validation,
+
+def _kv_cache(shape: dict, n_ctx: int | None, parallel: int, type_k: str, type_v: str) -> dict | None:
+    """The KV cache's cost for ``n_ctx`` cells (the training context when None); None when the
+    header does not give the sizes."""
+    n_layer, n_ctx_train = shape["n_layer"], shape["n_ctx_train"]
+    n_embd_k = (shape["head_dim_k"] or 0) * (shape["n_head_kv"] or 0)
+    n_embd_v = (shape["head_dim_v"] or 0) * (shape["n_head_kv"] or 0)
+    if not (isinstance(n_layer, int) and n_layer > 0 and n_embd_k > 0):
+        return None
+    sk, sv = kv_type_size(type_k), kv_type_size(type_v)
+    per_token = n_layer * (n_embd_k * sk + n_embd_v * sv)
+    ctx = n_ctx or (n_ctx_train if isinstance(n_ctx_train, int) else 0) or 0
+    return {
+        "n_ctx": ctx,
+        "parallel": parallel,
+        "type_k": type_k,
+        "type_v": type_v,
+        "n_embd_k_gqa": n_embd_k,
+        "n_embd_v_gqa": n_embd_v,
+        "bytes_per_token": per_token,
+        "bytes_per_token_k": n_layer * n_embd_k * sk,
+        "bytes_per_token_v": n_layer * n_embd_v * sv,
+        "bytes_total": per_token * ctx,
+        "cells_per_seq": ctx // max(1, parallel),
     }
-    if isinstance(n_layer, int) and n_layer > 0 and n_embd_k > 0:
-        sk, sv = kv_type_size(type_k), kv_type_size(type_v)
-        per_token = n_layer * (n_embd_k * sk + n_embd_v * sv)
-        ctx = n_ctx or (n_ctx_train if isinstance(n_ctx_train, int) else 0) or 0
-        out["kv_cache"] = {
-            "n_ctx": ctx,
-            "parallel": parallel,
-            "type_k": type_k,
-            "type_v": type_v,
-            "n_embd_k_gqa": n_embd_k,
-            "n_embd_v_gqa": n_embd_v,
-            "bytes_per_token": per_token,
-            "bytes_per_token_k": n_layer * n_embd_k * sk,
-            "bytes_per_token_v": n_layer * n_embd_v * sv,
-            "bytes_total": per_token * ctx,
-            "cells_per_seq": ctx // max(1, parallel),
-        }
-    return out
 
 
 def _vetted(path: Path) -> bool | None:
