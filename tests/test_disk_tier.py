@@ -539,7 +539,7 @@ _CHILD = r"""
 import json, os, signal, sys
 import numpy as np
 import pyllama_kv as pk
-from pyllama_kv import spanfile
+from pyllama_kv.prefixcache import spanfile
 
 model_path, cache_dir, convs_path, kill_at, rounds, mib = sys.argv[1:7]
 kill_at, rounds, mib = int(kill_at), int(rounds), int(mib)

@@ -192,7 +192,7 @@ _PRELUDE = textwrap.dedent('''
     import dataclasses, json, struct, sys, resource
     import numpy as np
     import pyllama_kv as pk
-    from pyllama_kv import state as S
+    from pyllama_kv.core import state as S
 
     m = pk.Model(sys.argv[1])
     ctx = m.context(n_ctx=256, n_seq_max=4, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32")

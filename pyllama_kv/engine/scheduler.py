@@ -60,11 +60,11 @@ import numpy as np
 from ..config import EngineConfig, SamplingParams
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefixcache.cache import shared_prefix
+from ..prefixcache.tiers import TierStats
 from .admission import Limits, admit, drop_range
 from .detok import TextStream
 from .kv import KVCache, context_kv
 from .request import FINISH_REASONS, GRAMMAR_ERROR, Event, Request, RequestHandle
-from .tier import TierStats
 
 if TYPE_CHECKING:
     from ..core.context import Context

@@ -192,7 +192,7 @@ def _fields(body: dict, kind: str) -> None:
         if name in UNSUPPORTED[kind]:
             raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
         raise bad(name, f"{name} is not a field of {'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}"
-                        " (see the README for the fields this server takes)", code="unknown_parameter")
+                        " (see docs/serving.md for the fields this server takes)", code="unknown_parameter")
     if body.get("store") not in (None, False):
         raise bad("store", "store: true is not supported by this server (nothing is stored)",
                   code="unsupported_parameter")

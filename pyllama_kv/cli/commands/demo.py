@@ -1,9 +1,11 @@
 """`pyllama-kv demo`: the main job (`make demo`).
 
 On the catalogue's real model (pulled on first use): the seeded server-like workload on the vanilla
-and the patched build side by side, then 4 chat answers to one question (the prompt evaluated once,
-forked 3 times, the answers decoded together), then the KV stats. ``--tiny`` runs the same on the
-built-in random-weight tiny model (offline), ending with a `run --parallel 4` of raw continuations.
+and the patched build side by side (first what a user cares about: requests completed and failed,
+completed requests and generated tokens per second; then the detail: tokens/s and the KV counters),
+then 4 chat answers to one question (the prompt evaluated once, forked 3 times, the answers decoded
+together), then the KV stats. ``--tiny`` runs the same on the built-in random-weight tiny model
+(offline), ending with a `run --parallel 4` of raw continuations.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import textwrap
 from ...limits import DEFAULT_N_CTX
 from .. import options
 from ..common import EXIT_INTERRUPTED, open_model, phase, set_phase, setup_logging
-from ..render import log, print_json, stress_table
+from ..render import log, print_json, stress_table, table
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France, and what is it famous for?"
@@ -60,6 +62,59 @@ def _workload(model_path: str, steps: int, n_ctx: int, args) -> tuple[list[tuple
     return results, False
 
 
+def _rate(n: float, seconds: float, digits: int) -> float | None:
+    return round(n / seconds, digits) if seconds > 0 else None
+
+
+def summary(d: dict) -> dict:
+    """What a user of the server cares about, from one workload result (StressResult.as_dict()): requests
+    completed and failed, and work done per second (completed requests, generated tokens). tokens/s, the
+    evaluated prompt tokens plus the generated ones, is detail: a build that reuses more cached prefixes
+    evaluates fewer tokens for the same work."""
+    req, secs = d["requests"], d["seconds"]
+    return {
+        "requests_arrived": req.get("arrived"),
+        "requests_completed": req["completed"],
+        "requests_failed": d["failed_requests"],
+        "completed_per_s": _rate(req["completed"], secs, 3),
+        "gen_tokens_per_s": _rate(d["gen_tokens"], secs, 1),
+        "seconds": round(secs, 2),
+        "tokens_per_s": d["tokens_per_s"],
+        "reused_tokens": d["reused_tokens"],
+    }
+
+
+def _ratio(p, v) -> str:
+    return f"{p / v:.2f}x" if p is not None and v else ""
+
+
+def headline(van: dict, pat: dict) -> str:
+    """The first screen: requests completed and failed, and work per second, vanilla beside patched."""
+    sv, sp = summary(van), summary(pat)
+
+    def fmt(v, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    rows = [
+        ("requests completed", [sv["requests_completed"], sp["requests_completed"],
+                                _ratio(sp["requests_completed"], sv["requests_completed"])]),
+        ("requests failed", [sv["requests_failed"], sp["requests_failed"], ""]),
+        ("completed requests/s", [fmt(sv["completed_per_s"], ".2f"), fmt(sp["completed_per_s"], ".2f"),
+                                  _ratio(sp["completed_per_s"], sv["completed_per_s"])]),
+        ("generated tokens/s", [fmt(sv["gen_tokens_per_s"], ".1f"), fmt(sp["gen_tokens_per_s"], ".1f"),
+                                _ratio(sp["gen_tokens_per_s"], sv["gen_tokens_per_s"])]),
+        ("wall time", [f"{sv['seconds']:.1f} s", f"{sp['seconds']:.1f} s", ""]),
+    ]
+    return "\n".join(ln.rstrip() for ln in table(["vanilla", "patched", "patched/vanilla"], rows).splitlines())
+
+
+def _details_note(van: dict, pat: dict) -> str:
+    note = ("The same requests arrive at the same steps on both builds. In detail (tokens/s counts the prompt tokens "
+            f"evaluated and the tokens generated, not the prompt tokens served from cached prefixes: "
+            f"{pat['reused_tokens']:,} patched, {van['reused_tokens']:,} vanilla; so it is not the work done):")
+    return textwrap.fill(note, width=104)
+
+
 def _compare(van: dict, pat: dict) -> str:
     lines = []
     if van["slot_failures"]:
@@ -71,9 +126,18 @@ def _compare(van: dict, pat: dict) -> str:
     kv = pat["kv"]
     lines.append(f"patched: {pat['slot_failures']} refused, {pat['failed_requests']} failed, "
                  f"{pat['requests']['completed']} completed; {kv.get('slot_retries')} slot searches recovered by a "
-                 f"full defrag ({kv.get('moves')} block moves, {kv.get('defrag_share', 0):.1%} of the run); "
-                 f"{pat['tokens']:,} tokens processed vs {van['tokens']:,}.")
+                 f"full defrag ({kv.get('moves')} block moves, {kv.get('defrag_share', 0):.1%} of the run).")
     return "\n".join(lines)
+
+
+def _print_workload(van: dict, pat: dict, results: list[tuple[str, dict]]) -> None:
+    print(headline(van, pat))   # after the header line and its blank line
+    print()
+    print(_details_note(van, pat))
+    print()
+    print(stress_table(results))
+    print()
+    print(_compare(van, pat), flush=True)
 
 
 def _chat_answers(model_path: str, args) -> dict:
@@ -164,13 +228,11 @@ def run(args) -> int:
         return _interrupted(results, args)
     van, pat = results[0][1], results[1][1]
     if not args.json:
-        print()
-        print(stress_table(results))
-        print()
-        print(_compare(van, pat), flush=True)
+        _print_workload(van, pat, results)
     chat = _chat_answers(model_path, args)
     if args.json:
-        print_json({"model": model_path, "stress": dict(results), "chat": chat})
+        print_json({"model": model_path, "summary": {lib: summary(d) for lib, d in results}, "stress": dict(results),
+                    "chat": chat})
     else:
         _print_answers(chat)
     return 0
@@ -206,12 +268,9 @@ def _tiny(args) -> int:
     if interrupted:
         return _interrupted(results, args)
     if args.json:
-        print_json({"model": str(mpath), "stress": dict(results)})
+        print_json({"model": str(mpath), "summary": {lib: summary(d) for lib, d in results}, "stress": dict(results)})
         return 0
-    print()
-    print(stress_table(results))
-    print()
-    print(_compare(results[0][1], results[1][1]))
+    _print_workload(results[0][1], results[1][1], results)
     print("\nNow 4 continuations of one prompt: evaluated once, forked 3 times, decoded together:\n", flush=True)
     params = SamplingParams(seed=args.seed if args.seed >= 0 else None)
     return generate(RunSpec(model=str(mpath), prompt=TINY_PROMPT, params=params, n_predict=24, parallel=4,
