@@ -1,6 +1,7 @@
 """The folders are the layers (docs/architecture.md): each imports only the folders it may, no import
-cycle exists (lazy imports included, TYPE_CHECKING ones not), and objects reach into each other's
-private names only where architecture.md says why."""
+cycle exists (lazy imports included, TYPE_CHECKING ones not), objects reach into each other's
+private names only where architecture.md says why, and no function runs over 60 lines without a
+``# long: `` comment above it saying why."""
 from __future__ import annotations
 
 import ast
@@ -151,3 +152,33 @@ def test_objects_do_not_reach_into_each_others_private_names():
     total = sum(len(v) for v in found.values())
     assert total <= 10, f"{total} cross-object private accesses (at most 10):\n" + "\n".join(
         line for v in found.values() for line in v)
+
+
+#: issue 31: a function longer than this says why, in a ``# long: `` comment just above it
+MAX_FUNCTION_LINES = 60
+
+
+def _reason_above(lines: list[str], first: int) -> bool:
+    """Whether the comment block ending on the line above line ``first`` (1-based: the def, or its
+    first decorator) starts with ``# long: ``."""
+    i = first - 2
+    while i >= 0 and lines[i].strip().startswith("#"):
+        if lines[i].strip().startswith("# long: "):
+            return True
+        i -= 1
+    return False
+
+
+def test_no_function_over_60_lines_without_a_reason():
+    missing = []
+    for p in sorted(PKG.rglob("*.py")):
+        lines = p.read_text().splitlines()
+        for n in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            length = (n.end_lineno or n.lineno) - n.lineno
+            first = min([n.lineno] + [d.lineno for d in n.decorator_list])
+            if length > MAX_FUNCTION_LINES and not _reason_above(lines, first):
+                missing.append(f"{p.relative_to(ROOT)}:{n.lineno}: {n.name} ({length} lines)")
+    assert not missing, (f"functions over {MAX_FUNCTION_LINES} lines with no '# long: <why>' comment just above "
+                         "their def (or decorators): split them, or say why\n" + "\n".join(missing))

@@ -179,10 +179,10 @@ class Model(_kv.CResource):
     can still abort). ``"off"`` (or False): llama.cpp reads the file unchecked.
     """
 
+    # long: the checks in the order loading needs them, then every public attribute a Model has,
+    # declared here in one place
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, *, lib=None,
                  use_mmap: bool = True, validate: bool | str = "full", rpc=None):
-        # ~60 lines: the checks in the order loading needs them, then every public attribute a Model
-        # has, declared here in one place
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"the model path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)

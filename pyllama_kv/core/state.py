@@ -131,6 +131,8 @@ class _Reader:
         return struct.unpack_from(fmt, self.data, off)[0]
 
 
+# long: one reader that follows the bytes in the order llama.cpp writes them (state_write_data: cells,
+# V layout, K per layer, V per layer), each field checked where it is read
 def parse(data: bytes, max_cells: int, expect: Layout | None = None) -> ParsedState:
     """Read a sequence state completely, bounds-checking every field before it is used.
 
@@ -139,8 +141,6 @@ def parse(data: bytes, max_cells: int, expect: Layout | None = None) -> ParsedSt
     InvalidInputError names the first problem: truncation, trailing bytes, a count over the bound,
     a cell holding sequence ids, or a header that differs from ``expect``.
     """
-    # over 60 lines on purpose: one reader that follows the bytes in the order llama.cpp writes them
-    # (state_write_data: cells, V layout, K per layer, V per layer), each field checked where it is read
     r = _Reader(data)
     cell_count = r.scalar("=I", "the cell count")
     if cell_count > max_cells:

@@ -103,7 +103,7 @@ def make_tiny_model(
     ``(uint8 bytes array, gguf.GGMLQuantizationType.X)`` for raw quantized data, or to None to drop it;
     new names are appended.
     """
-    import gguf
+    import gguf  # noqa: F401 (without the gguf package, fail before any check)
 
     if n_embd % n_head or n_head % n_head_kv:
         raise InvalidInputError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
@@ -114,50 +114,27 @@ def make_tiny_model(
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path.parent}: no such directory")
-    rng = np.random.default_rng(seed)
-    np_dtype = np.float32 if dtype == "f32" else np.float16
     head_dim = n_embd // n_head
-    n_embd_kv = head_dim * n_head_kv
+    vocab_meta = _tiny_vocab_meta(vocab, byte_tokens)
+    n_vocab = len(vocab_meta["tokenizer.ggml.tokens"][0])
+    meta = _tiny_meta(arch, dtype, vocab_meta, kv_overrides, n_ctx_train=n_ctx_train, n_embd=n_embd,
+                      n_layer=n_layer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, sliding_window=sliding_window)
+    tensors = _tiny_tensors(np.random.default_rng(seed), np.float32 if dtype == "f32" else np.float16, arch,
+                            n_layer=n_layer, n_embd=n_embd, n_embd_kv=head_dim * n_head_kv, head_dim=head_dim,
+                            n_ff=n_ff, n_vocab=n_vocab, overrides=tensor_overrides)
+    _write_gguf(path, arch, meta, tensors)
+    return path
+
+
+def _tiny_meta(arch: str, dtype: str, vocab_meta: dict, kv_overrides: dict | None, *, n_ctx_train: int,
+               n_embd: int, n_layer: int, n_ff: int, n_head: int, n_head_kv: int, sliding_window: int) -> dict:
+    """A tiny model's metadata, key -> (value, type, array element type) in the order written, with
+    ``kv_overrides`` applied (see make_tiny_model)."""
+    import gguf
+
     T = gguf.GGUFValueType
-    if vocab == "qwen":
-        from .qwen_vocab import CHAT_TEMPLATE, SPECIALS, qwen_vocab
-
-        tokens, types, merges = qwen_vocab()
-        first_special = len(tokens) - len(SPECIALS)
-        vocab_meta: dict = {
-            "tokenizer.ggml.model": ("gpt2", T.STRING, None),
-            "tokenizer.ggml.pre": ("qwen2", T.STRING, None),
-            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
-            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
-            "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING),
-            "tokenizer.ggml.eos_token_id": (first_special + 2, T.UINT32, None),       # <|im_end|>
-            "tokenizer.ggml.padding_token_id": (first_special, T.UINT32, None),   # <|endoftext|>
-            "tokenizer.ggml.bos_token_id": (first_special, T.UINT32, None),
-            "tokenizer.ggml.add_bos_token": (False, T.BOOL, None),
-            "tokenizer.chat_template": (CHAT_TEMPLATE, T.STRING, None),
-        }
-    else:
-        tokens, scores, types = tiny_vocab(byte_tokens)
-        vocab_meta = {
-            "tokenizer.ggml.model": ("llama", T.STRING, None),
-            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
-            "tokenizer.ggml.scores": (scores, T.ARRAY, T.FLOAT32),
-            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
-            "tokenizer.ggml.unknown_token_id": (0, T.UINT32, None),
-            "tokenizer.ggml.bos_token_id": (1, T.UINT32, None),
-            "tokenizer.ggml.eos_token_id": (2, T.UINT32, None),
-            "tokenizer.ggml.add_bos_token": (True, T.BOOL, None),
-            "tokenizer.ggml.add_eos_token": (False, T.BOOL, None),
-        }
-    n_vocab = len(tokens)
-
-    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np_dtype)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
-
     A = arch + "."
+    head_dim = n_embd // n_head
     meta: dict = {  # key -> (value, type, array element type), in the order written
         "general.architecture": (arch, T.STRING, None),
         "general.name": (f"pyllama-kv tiny random {arch}", T.STRING, None),
@@ -187,6 +164,55 @@ def make_tiny_model(
             meta[key] = (v, meta[key][1], meta[key][2])
         else:
             meta[key] = (v, T.get_type(v), None)
+    return meta
+
+
+def _tiny_vocab_meta(vocab: str, byte_tokens: bool) -> dict:
+    """The tokenizer's metadata of a tiny model: key -> (value, type, array element type)."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    if vocab == "qwen":
+        from .qwen_vocab import CHAT_TEMPLATE, SPECIALS, qwen_vocab
+
+        tokens, types, merges = qwen_vocab()
+        first_special = len(tokens) - len(SPECIALS)
+        return {
+            "tokenizer.ggml.model": ("gpt2", T.STRING, None),
+            "tokenizer.ggml.pre": ("qwen2", T.STRING, None),
+            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+            "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING),
+            "tokenizer.ggml.eos_token_id": (first_special + 2, T.UINT32, None),       # <|im_end|>
+            "tokenizer.ggml.padding_token_id": (first_special, T.UINT32, None),   # <|endoftext|>
+            "tokenizer.ggml.bos_token_id": (first_special, T.UINT32, None),
+            "tokenizer.ggml.add_bos_token": (False, T.BOOL, None),
+            "tokenizer.chat_template": (CHAT_TEMPLATE, T.STRING, None),
+        }
+    tokens, scores, types = tiny_vocab(byte_tokens)
+    return {
+        "tokenizer.ggml.model": ("llama", T.STRING, None),
+        "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+        "tokenizer.ggml.scores": (scores, T.ARRAY, T.FLOAT32),
+        "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+        "tokenizer.ggml.unknown_token_id": (0, T.UINT32, None),
+        "tokenizer.ggml.bos_token_id": (1, T.UINT32, None),
+        "tokenizer.ggml.eos_token_id": (2, T.UINT32, None),
+        "tokenizer.ggml.add_bos_token": (True, T.BOOL, None),
+        "tokenizer.ggml.add_eos_token": (False, T.BOOL, None),
+    }
+
+
+def _tiny_tensors(rng: np.random.Generator, np_dtype, arch: str, *, n_layer: int, n_embd: int, n_embd_kv: int,
+                  head_dim: int, n_ff: int, n_vocab: int, overrides: dict | None) -> dict:
+    """The random weights of a tiny model, name -> array in the order written (drawn from ``rng``
+    in that order), scaled so that the next-token logits depend on the whole context; then the
+    ``overrides`` (tensor_overrides of make_tiny_model)."""
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np_dtype)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
     s_in = 1.0 / np.sqrt(n_embd)
     tensors: dict = {"token_embd.weight": mat(n_vocab, n_embd, 1.0)}
@@ -211,11 +237,18 @@ def make_tiny_model(
     tensors["output_norm.weight"] = norm(n_embd)
     if arch == "llama":   # qwen2 and gemma3 models tie the output to token_embd, as the real ones do
         tensors["output.weight"] = mat(n_vocab, n_embd, 2.0 * s_in)
-    for name, t in (tensor_overrides or {}).items():
+    for name, t in (overrides or {}).items():
         if t is None:
             tensors.pop(name, None)
         else:
             tensors[name] = t
+    return tensors
+
+
+def _write_gguf(path: Path, arch: str, meta: dict, tensors: dict) -> None:
+    """Write ``meta`` and ``tensors``, in their order, to a temporary file renamed to ``path`` when
+    complete (removed on any error)."""
+    import gguf
 
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -236,7 +269,6 @@ def make_tiny_model(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,45 +324,13 @@ def make_f32_copy(src: str | os.PathLike, dst: str | os.PathLike,
     tmp = Path(tmp_name)
     try:
         w = gguf.GGUFWriter(tmp, arch.contents())
-        w.kv_data[0].clear()  # the writer adds general.architecture itself: copy the fields in their order
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF."):  # the reader's view of the header, not metadata
-                continue
-            value = _field_value(field)
-            if field.name == gguf.Keys.General.FILE_TYPE:
-                value = int(gguf.LlamaFileType.ALL_F32)
-            elif field.name == gguf.Keys.General.ALIGNMENT:
-                w.data_alignment = int(value)
-            sub = field.types[-1] if field.types[0] == T.ARRAY else None
-            w.add_key_value(field.name, value, field.types[0], sub_type=sub)
-        total = 0
-        for t in reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            if t.tensor_type in keep:
-                w.add_tensor_info(t.name, shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-            else:
-                w.add_tensor_info(t.name, shape, np.dtype(np.float32), t.n_elements * 4, Q.F32)
-            total += t.n_elements * 4
+        _copy_fields(reader, w)
+        total = _add_f32_tensor_infos(reader, w, keep)
         say(f"writing an F32 copy of {src.name}: {len(reader.tensors)} tensors, {total / 2**20:.0f} MiB")
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        done, shown = 0, 0
-        for t in reader.tensors:
-            if t.tensor_type in keep:
-                data = t.data
-            else:
-                try:
-                    data = gguf.quants.dequantize(t.data, t.tensor_type)
-                except NotImplementedError as exc:
-                    raise GGUFFileError(f"{src}: tensor {t.name}: {exc}") from None
-                data = np.ascontiguousarray(data, dtype=np.float32)
-            w.write_tensor_data(data)
-            done += t.n_elements * 4
-            if done * 10 // max(total, 1) > shown:
-                shown = done * 10 // max(total, 1)
-                say(f"  {shown * 10}% ({done / 2**20:.0f} of {total / 2**20:.0f} MiB)")
-            del data
+        _write_f32_tensors(reader, w, keep, total, src, say)
         w.close()
         os.replace(tmp, dst)
     except BaseException:
@@ -338,6 +338,62 @@ def make_f32_copy(src: str | os.PathLike, dst: str | os.PathLike,
         raise
     say(f"wrote {dst}")
     return dst
+
+
+def _copy_fields(reader, w) -> None:
+    """Every metadata field of ``reader`` into ``w``, in order, general.file_type as ALL_F32."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    w.kv_data[0].clear()  # the writer adds general.architecture itself: copy the fields in their order
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF."):  # the reader's view of the header, not metadata
+            continue
+        value = _field_value(field)
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = int(gguf.LlamaFileType.ALL_F32)
+        elif field.name == gguf.Keys.General.ALIGNMENT:
+            w.data_alignment = int(value)
+        sub = field.types[-1] if field.types[0] == T.ARRAY else None
+        w.add_key_value(field.name, value, field.types[0], sub_type=sub)
+
+
+def _add_f32_tensor_infos(reader, w, keep: set) -> int:
+    """The tensor table of the copy: the types in ``keep`` as they are, every other tensor as F32;
+    returns the bytes the F32 tensors take, as the progress lines count them."""
+    import gguf
+
+    total = 0
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if t.tensor_type in keep:
+            w.add_tensor_info(t.name, shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        else:
+            w.add_tensor_info(t.name, shape, np.dtype(np.float32), t.n_elements * 4, gguf.GGMLQuantizationType.F32)
+        total += t.n_elements * 4
+    return total
+
+
+def _write_f32_tensors(reader, w, keep: set, total: int, src: Path, say: Callable[[str], None]) -> None:
+    """The tensor data of the copy, one tensor in memory at a time, a progress line every 10%."""
+    import gguf
+
+    done, shown = 0, 0
+    for t in reader.tensors:
+        if t.tensor_type in keep:
+            data = t.data
+        else:
+            try:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as exc:
+                raise GGUFFileError(f"{src}: tensor {t.name}: {exc}") from None
+            data = np.ascontiguousarray(data, dtype=np.float32)
+        w.write_tensor_data(data)
+        done += t.n_elements * 4
+        if done * 10 // max(total, 1) > shown:
+            shown = done * 10 // max(total, 1)
+            say(f"  {shown * 10}% ({done / 2**20:.0f} of {total / 2**20:.0f} MiB)")
+        del data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +473,35 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
     header = read_gguf_header(path)
     arch_kv = header.kv.get("general.architecture")
     arch = arch_kv.value if arch_kv is not None and arch_kv.type == _STRING else "?"
+    shape = _shape(header, arch)
+    validation = _validation(header, path)
+    swa = _hparam(header, f"{arch}.attention.sliding_window")
+    template = header.kv.get("tokenizer.chat_template")
+    can_shift, shift_why = _can_shift(arch, type_k)
+    out = {
+        "path": str(path),
+        "file_bytes": header.file_size,
+        "gguf_version": header.version,
+        "architecture": arch,
+        "name": _metadata(header, "general.name"),
+        **shape,
+        "sliding_window": swa,
+        "chat_template": template is not None and template.type == _STRING and bool(template.value),
+        "can_shift": can_shift,
+        "can_shift_why": shift_why,
+        "tensors": _tensor_summary(header),
+        "vocab": _vocab_summary(header),
+        "validation": validation,
+    }
+    kv_cache = _kv_cache(shape, n_ctx, parallel, type_k, type_v)
+    if kv_cache is not None:
+        out["kv_cache"] = kv_cache
+    return out
 
+
+def _shape(header, arch: str) -> dict:
+    """The hyperparameters inspect reports, in its order (head sizes from the head count when the
+    file gives none; per-layer head counts as their largest)."""
     def hp(key: str):
         return _hparam(header, f"{arch}.{key}")
 
@@ -435,11 +519,13 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
     n_ctx_train = hp("context_length")
     rope_dim = hp("rope.dimension_count")
     head_dim = (n_embd // n_head) if (isinstance(n_embd, int) and isinstance(n_head, int) and n_head > 0) else None
-    n_embd_k = (key_len or head_dim or 0) * (n_head_kv or 0)
-    n_embd_v = (val_len or head_dim or 0) * (n_head_kv or 0)
-    tokens = header.kv.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.value) if tokens is not None and tokens.type == _ARRAY else None
+    return {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "n_head_kv": n_head_kv, "n_ff": n_ff,
+            "n_ctx_train": n_ctx_train, "rope_dim": rope_dim, "head_dim_k": key_len or head_dim,
+            "head_dim_v": val_len or head_dim}
 
+
+def _tensor_summary(header) -> dict:
+    """The tensor count, the count per ggml type, the parameters and the bytes of the weights."""
     types: dict[str, int] = {}
     n_params = 0
     n_bytes = 0
@@ -448,6 +534,21 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
         types[tn] = types.get(tn, 0) + 1
         n_params += t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
         n_bytes += t.nbytes
+    return {"count": len(header.tensors), "types": types, "params": n_params, "bytes": n_bytes}
+
+
+def _vocab_summary(header) -> dict:
+    tokens = header.kv.get("tokenizer.ggml.tokens")
+    return {
+        "model": _metadata(header, "tokenizer.ggml.model"),
+        "size": len(tokens.value) if tokens is not None and tokens.type == _ARRAY else None,
+        "bos": _metadata(header, "tokenizer.ggml.bos_token_id"),
+        "eos": _metadata(header, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _validation(header, path: Path) -> dict:
+    """How Model(path) checks the file: see inspect_gguf's ``validation``."""
     try:
         complete = check_gguf_header(header)
         validation: dict[str, Any] = {"ok": True, "error": None, "level": "static" if complete else "vetting"}
@@ -455,56 +556,33 @@ def inspect_gguf(path: str | os.PathLike, n_ctx: int | None = None, parallel: in
             validation["vetted"] = _vetted(path)
     except ModelLoadError as exc:
         validation = {"ok": False, "error": str(exc), "level": "static"}
-    swa = hp("attention.sliding_window")
-    template = header.kv.get("tokenizer.chat_template")
-    can_shift, shift_why = _can_shift(arch, type_k)
+    return validation
 
-    out = {
-        "path": str(path),
-        "file_bytes": header.file_size,
-        "gguf_version": header.version,
-        "architecture": arch,
-        "name": _metadata(header, "general.name"),
-        "n_layer": n_layer,
-        "n_embd": n_embd,
-        "n_head": n_head,
-        "n_head_kv": n_head_kv,
-        "n_ff": n_ff,
-        "n_ctx_train": n_ctx_train,
-        "rope_dim": rope_dim,
-        "head_dim_k": key_len or head_dim,
-        "head_dim_v": val_len or head_dim,
-        "sliding_window": swa,
-        "chat_template": template is not None and template.type == _STRING and bool(template.value),
-        "can_shift": can_shift,
-        "can_shift_why": shift_why,
-        "tensors": {"count": len(header.tensors), "types": types, "params": n_params, "bytes": n_bytes},
-        "vocab": {
-            "model": _metadata(header, "tokenizer.ggml.model"),
-            "size": n_vocab,
-            "bos": _metadata(header, "tokenizer.ggml.bos_token_id"),
-            "eos": _metadata(header, "tokenizer.ggml.eos_token_id"),
-        },
-        "validation": validation,
+
+def _kv_cache(shape: dict, n_ctx: int | None, parallel: int, type_k: str, type_v: str) -> dict | None:
+    """The KV cache's cost for ``n_ctx`` cells (the training context when None); None when the
+    header does not give the sizes."""
+    n_layer, n_ctx_train = shape["n_layer"], shape["n_ctx_train"]
+    n_embd_k = (shape["head_dim_k"] or 0) * (shape["n_head_kv"] or 0)
+    n_embd_v = (shape["head_dim_v"] or 0) * (shape["n_head_kv"] or 0)
+    if not (isinstance(n_layer, int) and n_layer > 0 and n_embd_k > 0):
+        return None
+    sk, sv = kv_type_size(type_k), kv_type_size(type_v)
+    per_token = n_layer * (n_embd_k * sk + n_embd_v * sv)
+    ctx = n_ctx or (n_ctx_train if isinstance(n_ctx_train, int) else 0) or 0
+    return {
+        "n_ctx": ctx,
+        "parallel": parallel,
+        "type_k": type_k,
+        "type_v": type_v,
+        "n_embd_k_gqa": n_embd_k,
+        "n_embd_v_gqa": n_embd_v,
+        "bytes_per_token": per_token,
+        "bytes_per_token_k": n_layer * n_embd_k * sk,
+        "bytes_per_token_v": n_layer * n_embd_v * sv,
+        "bytes_total": per_token * ctx,
+        "cells_per_seq": ctx // max(1, parallel),
     }
-    if isinstance(n_layer, int) and n_layer > 0 and n_embd_k > 0:
-        sk, sv = kv_type_size(type_k), kv_type_size(type_v)
-        per_token = n_layer * (n_embd_k * sk + n_embd_v * sv)
-        ctx = n_ctx or (n_ctx_train if isinstance(n_ctx_train, int) else 0) or 0
-        out["kv_cache"] = {
-            "n_ctx": ctx,
-            "parallel": parallel,
-            "type_k": type_k,
-            "type_v": type_v,
-            "n_embd_k_gqa": n_embd_k,
-            "n_embd_v_gqa": n_embd_v,
-            "bytes_per_token": per_token,
-            "bytes_per_token_k": n_layer * n_embd_k * sk,
-            "bytes_per_token_v": n_layer * n_embd_v * sv,
-            "bytes_total": per_token * ctx,
-            "cells_per_seq": ctx // max(1, parallel),
-        }
-    return out
 
 
 def _vetted(path: Path) -> bool | None:

@@ -135,7 +135,7 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     frags: list[float] = []
     fail_free: list[float] = []
     maps: list[np.ndarray] | None = [] if cfg.record_map else None
-    handles = []
+    handles: list = []
     nxt = 0
     eng = Engine(model, ecfg)
     ctx = eng.context
@@ -146,15 +146,7 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
             if should_stop is not None and should_stop():
                 res.interrupted = True
                 break
-            # arrivals of this step (all of them at once in sequential mode: one is served at a time)
-            while nxt < len(reqs) and (cfg.sequential or reqs[nxt].arrival <= step):
-                r = reqs[nxt]
-                nxt += 1
-                prompt = (prefixes[r.prefix] if r.prefix is not None else []) + r.suffix
-                prompt = prompt[:cfg.n_ctx - 2]
-                handles.append(eng.submit(prompt, _GREEDY_FULL_LENGTH, max_tokens=r.gen_len))
-                if cfg.sequential and eng.waiting > 2:
-                    break
+            nxt = _submit_arrivals(eng, cfg, prefixes, reqs, nxt, step, handles)
             failures = eng.stats.slot_failures
             free_before = ctx.free_cells()
             eng.step()
@@ -171,18 +163,38 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     except KeyboardInterrupt:
         res.interrupted = True
     finally:
-        _fill(res, eng, handles, t0)
-        st = ctx.kv_stats()
-        keep = ("defrags", "moves", "cells_moved", "graphs", "slot_retries", "slot_failures", "defrag_seconds")
-        res.kv = {k: v for k, v in st.as_dict().items() if k in keep}
-        if st.defrag_seconds is not None and res.seconds > 0:
-            res.kv["defrag_share"] = round(st.defrag_seconds / res.seconds, 4)
-        res.peak_fragmentation = round(max(frags), 4) if frags else 0.0
-        res.mean_fragmentation = round(float(np.mean(frags)), 4) if frags else 0.0
-        res.free_at_failures = round(float(np.mean(fail_free)), 4) if fail_free else None
-        eng.close()
+        _finish(res, eng, ctx, handles, t0, frags, fail_free)
     occupancy = np.stack(maps) if maps else None
     return res, occupancy
+
+
+def _submit_arrivals(eng, cfg: StressConfig, prefixes: list[list[int]], reqs: list[WorkItem], nxt: int, step: int,
+                     handles: list) -> int:
+    """Submit the requests from ``reqs[nxt]`` that arrive by ``step`` (all of them at once in
+    sequential mode, where one is served at a time, up to 3 waiting); return the next one's index."""
+    while nxt < len(reqs) and (cfg.sequential or reqs[nxt].arrival <= step):
+        r = reqs[nxt]
+        nxt += 1
+        prompt = (prefixes[r.prefix] if r.prefix is not None else []) + r.suffix
+        prompt = prompt[:cfg.n_ctx - 2]
+        handles.append(eng.submit(prompt, _GREEDY_FULL_LENGTH, max_tokens=r.gen_len))
+        if cfg.sequential and eng.waiting > 2:
+            break
+    return nxt
+
+
+def _finish(res: StressResult, eng, ctx, handles: list, t0: float, frags: list[float], fail_free: list[float]) -> None:
+    """The result's final counts, cache statistics and fragmentation; then the engine is closed."""
+    _fill(res, eng, handles, t0)
+    st = ctx.kv_stats()
+    keep = ("defrags", "moves", "cells_moved", "graphs", "slot_retries", "slot_failures", "defrag_seconds")
+    res.kv = {k: v for k, v in st.as_dict().items() if k in keep}
+    if st.defrag_seconds is not None and res.seconds > 0:
+        res.kv["defrag_share"] = round(st.defrag_seconds / res.seconds, 4)
+    res.peak_fragmentation = round(max(frags), 4) if frags else 0.0
+    res.mean_fragmentation = round(float(np.mean(frags)), 4) if frags else 0.0
+    res.free_at_failures = round(float(np.mean(fail_free)), 4) if fail_free else None
+    eng.close()
 
 
 def _fill(res: StressResult, eng, handles: list, t0: float) -> None:
