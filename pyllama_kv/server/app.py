@@ -117,6 +117,9 @@ class Server:
             Route("/v1/models/{model:path}", self._endpoint(self.model_info), methods=["GET"]),
             Route("/health", self._endpoint(self.health, auth=False), methods=["GET"]),
             Route("/metrics", self._endpoint(self.metrics_text), methods=["GET"]),
+            Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
+            Route("/apply-template", self._endpoint(self.apply_template), methods=["POST"]),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan,
                              exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
@@ -240,6 +243,47 @@ class Server:
     async def metrics_text(self, request: HTTPRequest) -> Response:
         self.snapshot = await Snapshot.ask(self.engine)   # taken by the engine between two steps
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+    # -- llama-server's utility endpoints (its request and answer shapes) ------------------------
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        """``{"content", "add_special", "parse_special", "with_pieces"}`` -> ``{"tokens": [...]}`` (with
+        pieces: ``[{"id", "piece"}]``, a piece that is not whole UTF-8 as its list of bytes)."""
+        content, add_special, parse_special, with_pieces = protocol.parse_tokenize(await self._body(request))
+        m = self.model
+        toks = await run_in_threadpool(m.tokenize, content, add_bos=add_special, special=parse_special)
+        if not with_pieces:
+            return JSONResponse({"tokens": list(toks)})
+        out = []
+        for t in toks:
+            b = m.token_to_piece(int(t), special=True)
+            try:
+                piece: str | list[int] = b.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(b)
+            out.append({"id": int(t), "piece": piece})
+        return JSONResponse({"tokens": out})
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        """``{"tokens": [...]}`` -> ``{"content": text}`` (control tokens as their text, as llama-server
+        renders them); a 400 naming ``tokens`` for an id out of range."""
+        raw = protocol.parse_detokenize(await self._body(request))
+        try:
+            toks = self.model.check_tokens(raw).tolist()
+        except InvalidInputError as e:
+            raise protocol.bad("tokens", str(e)) from None
+        text = await run_in_threadpool(functools.partial(self.model.detokenize, toks, special=True))
+        return JSONResponse({"content": text})
+
+    async def apply_template(self, request: HTTPRequest) -> Response:
+        """``{"messages": [...]}`` -> ``{"prompt": text}``: the chat template applied (in its sandbox), with
+        the generation prompt, as a chat completion would see it."""
+        msgs = protocol.parse_apply_template(await self._body(request))
+        try:
+            text = await run_in_threadpool(self.model.apply_chat_template, msgs)
+        except InvalidInputError as e:
+            raise protocol.bad("messages", str(e)) from None
+        return JSONResponse({"prompt": str(text)})
 
     async def chat(self, request: HTTPRequest) -> Response:
         return await self._generate(request, "chat")

@@ -591,3 +591,52 @@ def tool_call_deltas(calls: list[dict]) -> list[list[dict]]:
                      "function": {"name": c["function"]["name"], "arguments": ""}}])
         out.append([{"index": j, "function": {"arguments": c["function"]["arguments"]}}])
     return out
+
+
+# -- llama-server's utility endpoints: /tokenize, /detokenize, /apply-template ---------------------------
+
+
+def _only(body, allowed: tuple[str, ...]) -> dict:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object", code="invalid_json")
+    for k in body:
+        if k not in allowed:
+            raise bad(k, f"{k} is not a field of this endpoint (it takes {', '.join(allowed)})",
+                      code="unknown_parameter")
+    return body
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be true or false")
+    return v
+
+
+def parse_tokenize(body) -> tuple[str, bool, bool, bool]:
+    """llama-server's ``/tokenize``: ``content`` (a string), ``add_special`` (BOS, default false),
+    ``parse_special`` (control tokens spelled in the text, default true), ``with_pieces``."""
+    body = _only(body, ("content", "add_special", "parse_special", "with_pieces"))
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise bad("content", "content is required (a string)", code="missing_required_parameter")
+    return (content, _flag(body, "add_special", False), _flag(body, "parse_special", True),
+            _flag(body, "with_pieces", False))
+
+
+def parse_detokenize(body) -> list:
+    """llama-server's ``/detokenize``: ``tokens`` (a list of token ids; checked against the model by
+    the caller)."""
+    body = _only(body, ("tokens",))
+    toks = body.get("tokens")
+    if not isinstance(toks, list):
+        raise bad("tokens", "tokens is required (a list of token ids)", code="missing_required_parameter")
+    return toks
+
+
+def parse_apply_template(body) -> list[dict]:
+    """llama-server's ``/apply-template``: ``messages`` as in a chat completion."""
+    body = _only(body, ("messages",))
+    if "messages" not in body:
+        raise bad("messages", "messages is required", code="missing_required_parameter")
+    return _messages(body["messages"])
