@@ -413,78 +413,6 @@ def test_an_engine_restores_the_system_prompt_of_a_paged_out_conversation(model,
         assert got == want
 
 
-class _Server:
-    """`pyllama-kv serve MODEL ARGS --port 0` on 127.0.0.1 in a subprocess (the OS picks a free port,
-    the startup line says which): waited for with bounded loops, stopped by :meth:`stop`."""
-
-    def __init__(self, model, *args: str, timeout: float = 120.0):
-        import re
-        import subprocess
-        import sys
-        import threading
-        import time
-
-        import httpx
-
-        from conftest import ENTRY_POINT, ROOT
-
-        cmd = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "pyllama_kv.cli.main"]
-        env = dict(os.environ, GGML_NO_BACKTRACE="1")
-        env.pop("PYLLAMA_KV_API_KEY", None)
-        self.proc = subprocess.Popen([*cmd, "serve", str(model), "--host", "127.0.0.1", "--port", "0", "-t", "2",
-                                      *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=env, cwd=ROOT)
-        self.lines: list[str] = []
-        self.root = ""
-        found = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stderr is not None
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
-                if m and not found.is_set():
-                    self.root = m.group(1)
-                    found.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        try:
-            assert found.wait(timeout), "the server printed no URL:\n" + "".join(self.lines)
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    if httpx.get(self.root + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline and self.proc.poll() is None, \
-                    "the server did not become healthy:\n" + "".join(self.lines)
-                time.sleep(0.2)
-        except BaseException:
-            self.stop()
-            raise
-
-    def metrics(self) -> dict[str, float]:
-        import httpx
-
-        r = httpx.get(self.root + "/metrics", timeout=10)
-        assert r.status_code == 200, r.text
-        return {name: float(v) for name, v in (line.rsplit(" ", 1) for line in r.text.splitlines()
-                                                if line and not line.startswith("#"))}
-
-    def stop(self) -> None:
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 def test_metrics_show_the_disk_counters_after_a_disk_hit(tiny_model, model, tmp_path):
     """Through the HTTP server: a completion whose prompt shares the first 90 tokens of a span file
     restores them (cached_tokens), and /metrics says so in pyllama_kv_prefix_disk_*."""
@@ -493,8 +421,10 @@ def test_metrics_show_the_disk_counters_after_a_disk_hit(tiny_model, model, tmp_
     a = toks(160, seed=41)
     page_to_disk(model, tmp_path, a)
     size = files(tmp_path)[0].stat().st_size
-    server = _Server(tiny_model, "--type-k", "f32", "--type-v", "f32", "--ctx", "512", "--cache-ram", "0",
-                     "--cache-dir", str(tmp_path), "--cache-dir-mib", "8")
+    from test_server import ServerProc
+
+    server = ServerProc(tiny_model, "--type-k", "f32", "--type-v", "f32", "--ctx", "512", "--cache-ram", "0",
+                        "--cache-dir", str(tmp_path), "--cache-dir-mib", "8", key=None)
     try:
         m = server.metrics()
         assert m["pyllama_kv_prefix_disk_files"] == 1 and m["pyllama_kv_prefix_disk_bytes"] == size
