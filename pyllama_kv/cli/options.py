@@ -121,6 +121,8 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "prompt (default {default})", metavar="N"),
     # the model: how its file is checked (pk.Model(..., validate=...)) and where its layers run
     Flag(None, "validate", ("--validate",), "", str, metavar="LEVEL", choices=("full", "static", "off")),
+    Flag(None, "n_gpu_layers", ("-ngl", "--n-gpu-layers"), "layers offloaded to the GPU; -1: all (default: all "
+         "when the library has a GPU backend and finds a GPU, else 0)", int, metavar="N"),
     Flag(None, "rpc", ("--rpc",), "offload every layer to the rpc-server processes at these endpoints (ggml's RPC "
          "backend, a library built with `pyllama-kv build --rpc`); never expose rpc-server to an untrusted "
          "network", _rpc_endpoints, metavar="HOST:PORT[,HOST:PORT...]"),

@@ -163,6 +163,10 @@ class Model(_kv.CResource):
     (``$PYLLAMA_KV_LIB``, else the patched build). Close with :meth:`close` or ``with``; contexts made
     from a model keep it alive until they close.
 
+    ``n_gpu_layers``: the last N layers (and, past the layer count, the output) go to the GPU;
+    -1 for all. The default (None) is all of them on a library built with a GPU backend
+    (``pyllama-kv build --backend cuda|metal``) that finds a GPU, else 0 (CPU).
+
     ``rpc``: ``["host:port", ...]`` of ``rpc-server`` processes (ggml's RPC backend; a library built
     with ``pyllama-kv build --rpc``) to offload layers to: the last ``n_gpu_layers`` layers (default:
     all of them) are split over those servers, the rest run on this machine's CPU (a local GPU is
@@ -198,11 +202,12 @@ class Model(_kv.CResource):
 
         level = validate_level(validate)
         endpoints = parse_rpc(rpc) if rpc is not None else []
-        if n_gpu_layers is None:
-            n_gpu_layers = -1 if endpoints else 0
-        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
+        if n_gpu_layers is not None and (isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int)
+                                         or not -1 <= n_gpu_layers <= INT32_MAX):
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
         self._lib = _kv.load_library(lib)
+        if n_gpu_layers is None:   # every layer where they can go: rpc servers, else a GPU of this library
+            n_gpu_layers = -1 if endpoints or self._lib.gpu_devices() else 0
         fd = None
         load_path: Path = self.path
         if level != "off":

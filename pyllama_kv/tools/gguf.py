@@ -19,7 +19,8 @@ from ..errors import GGUFFileError, InvalidInputError, ModelLoadError
 from ..modelfile.gguf import _INTEGER_TYPES, ARRAY as _ARRAY, STRING as _STRING, ggml_type_name, read_gguf_header
 from ..modelfile.validate import check_gguf_header
 
-__all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_f32_copy", "make_tiny_model", "tiny_vocab"]
+__all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_f32_copy", "make_timing_model", "make_tiny_model",
+           "tiny_vocab"]
 
 # a small SPM-style vocabulary: specials, the 256 byte tokens (without them llama.cpp aborts on text
 # it cannot tokenize), then printable characters and a few words so that text is not all bytes
@@ -269,6 +270,84 @@ def _write_gguf(path: Path, arch: str, meta: dict, tensors: dict) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# a timing model: a real model's shapes, random quantized weights
+
+#: the shapes of models people run, for timing (n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab)
+TIMING_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "llama3-8b": (32, 4096, 32, 8, 14336, 128256),
+    "llama3-1b": (16, 2048, 32, 8, 8192, 128256),
+}
+
+
+#: ChatML, which llama-server recognizes without --jinja
+_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+           "'<|im_end|>' + '\\n'}}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def make_timing_model(path: str | os.PathLike, shape: str = "llama3-8b", *, n_layer: int | None = None,
+                      seed: int = 0) -> Path:
+    """Write a llama GGUF with the shapes of ``shape`` (:data:`TIMING_SHAPES`; ``n_layer`` overrides
+    its depth) and random Q4_0 weights (every block's f16 scale a small valid number), in seconds.
+
+    Speed depends on shapes, not values, so this is a fair model for timing the binding, the engine
+    and the server on a GPU with no download; its text is noise. The vocabulary is the tiny SPM one
+    padded with plain tokens to the shape's size. A Llama-3-8B shape is a 4.3 GiB file."""
+    import gguf
+
+    if shape not in TIMING_SHAPES:
+        raise InvalidInputError(f"shape must be one of {', '.join(TIMING_SHAPES)}")
+    layers, n_embd, n_head, n_head_kv, n_ff, n_vocab = TIMING_SHAPES[shape]
+    layers = n_layer if n_layer is not None else layers
+    path = Path(path)
+    T = gguf.GGUFValueType
+    vocab_meta = _tiny_vocab_meta("spm", True)
+    tokens, scores, types = (list(vocab_meta[k][0]) for k in
+                             ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"))
+    pad = n_vocab - len(tokens)
+    tokens += [f"<pad{i}>" for i in range(pad)]
+    scores += [-1e4] * pad
+    types += [TOKEN_TYPE_NORMAL] * pad
+    vocab_meta["tokenizer.ggml.tokens"] = (tokens, T.ARRAY, T.STRING)
+    vocab_meta["tokenizer.ggml.scores"] = (scores, T.ARRAY, T.FLOAT32)
+    vocab_meta["tokenizer.ggml.token_type"] = (types, T.ARRAY, T.INT32)
+    vocab_meta["tokenizer.chat_template"] = (_CHATML, T.STRING, None)   # for servers under a chat load
+    meta = _tiny_meta("llama", "f16", vocab_meta, {"general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_0),
+                                                   "general.name": f"pyllama-kv timing model ({shape} shapes)"},
+                      n_ctx_train=131072, n_embd=n_embd, n_layer=layers, n_ff=n_ff, n_head=n_head,
+                      n_head_kv=n_head_kv, sliding_window=0)
+    rng = np.random.default_rng(seed)
+    # one random megabyte of Q4_0 blocks (18 bytes: an f16 scale, 16 bytes of 4-bit weights), repeated
+    blocks = rng.integers(0, 256, (1 << 20) // 18 * 18, dtype=np.uint8).reshape(-1, 18)
+    blocks[:, :2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    block = blocks.reshape(-1)
+
+    def q4(rows: int, cols: int) -> tuple:
+        data = np.resize(block, rows * (cols // 32) * 18).reshape(rows, cols // 32 * 18)
+        return data, gguf.GGMLQuantizationType.Q4_0
+
+    def norm(n: int) -> np.ndarray:
+        return np.ones(n, np.float32)
+
+    n_embd_kv = n_embd // n_head * n_head_kv
+    tensors: dict = {"token_embd.weight": q4(n_vocab, n_embd)}
+    for i in range(layers):
+        tensors[f"blk.{i}.attn_norm.weight"] = norm(n_embd)
+        tensors[f"blk.{i}.attn_q.weight"] = q4(n_embd, n_embd)
+        tensors[f"blk.{i}.attn_k.weight"] = q4(n_embd_kv, n_embd)
+        tensors[f"blk.{i}.attn_v.weight"] = q4(n_embd_kv, n_embd)
+        tensors[f"blk.{i}.attn_output.weight"] = q4(n_embd, n_embd)
+        tensors[f"blk.{i}.ffn_norm.weight"] = norm(n_embd)
+        tensors[f"blk.{i}.ffn_gate.weight"] = q4(n_ff, n_embd)
+        tensors[f"blk.{i}.ffn_up.weight"] = q4(n_ff, n_embd)
+        tensors[f"blk.{i}.ffn_down.weight"] = q4(n_embd, n_ff)
+    tensors["output_norm.weight"] = norm(n_embd)
+    tensors["output.weight"] = q4(n_vocab, n_embd)
+    _write_gguf(path, "llama", meta, tensors)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------

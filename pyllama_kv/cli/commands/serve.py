@@ -51,7 +51,7 @@ def register(subparsers) -> None:
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "cache_ram", "cache_dir", "cache_dir_mib",
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
-                "rpc", "validate",
+                "n_gpu_layers", "rpc", "validate",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
                        "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
@@ -86,7 +86,7 @@ def run(args) -> int:
             from None
     set_phase("loading the model")
     path = Path(resolve_model(args.model))
-    model = open_model(str(path), args.lib, args.rpc, args.validate)
+    model = open_model(str(path), args.lib, args.rpc, args.validate, args.n_gpu_layers)
     try:
         n_ctx = context_size(model, args.n_ctx)
         ecfg = options.from_args(EngineConfig, args, n_ctx=n_ctx)
