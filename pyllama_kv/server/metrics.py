@@ -196,9 +196,10 @@ class Metrics:
         self.client_disconnects = Counter(_P + "client_disconnects", "requests whose client went away before "
                                           "its answer, by stage (body: while sending its request body; "
                                           "preparing: while its grammar was compiled; "
-                                          "generating: while it was being answered)", ["stage"],
+                                          "generating: while it was being answered; embedding: while its "
+                                          "inputs were waiting or embedded)", ["stage"],
                                           registry=self.registry)
-        for stage in ("body", "preparing", "generating"):
+        for stage in ("body", "preparing", "generating", "embedding"):
             self.client_disconnects.labels(stage)
         self.internal_errors = Counter(_P + "internal_errors", "requests answered 500 because of an unexpected "
                                        "error (its traceback is in the server's log)", registry=self.registry)

@@ -114,18 +114,7 @@ def make_tiny_model(
     """
     import gguf  # noqa: F401 (without the gguf package, fail before any check)
 
-    if n_embd % n_head or n_head % n_head_kv:
-        raise InvalidInputError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
-    if dtype not in ("f32", "f16"):
-        raise InvalidInputError("dtype must be 'f32' or 'f16'")
-    if arch not in ("llama", "qwen2", "gemma3", "bert") or vocab not in ("spm", "qwen"):
-        raise InvalidInputError("arch must be 'llama', 'qwen2', 'gemma3' or 'bert', vocab 'spm' or 'qwen'")
-    if pooling is not None and (pooling not in limits.POOLING_TYPES or pooling == "none"):
-        raise InvalidInputError(f"pooling must be one of mean, cls, last, rank, got {pooling!r}")
-    if pooling == "rank" and arch != "bert":
-        raise InvalidInputError("pooling='rank' needs arch='bert' (llama.cpp loads the classification head for bert)")
-    if arch == "bert" and pooling is None:
-        pooling = "mean"
+    pooling = _check_tiny_args(n_embd, n_head, n_head_kv, dtype, arch, vocab, pooling)
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path.parent}: no such directory")
@@ -148,6 +137,22 @@ def make_tiny_model(
                                 head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, overrides=tensor_overrides)
     _write_gguf(path, arch, meta, tensors)
     return path
+
+
+def _check_tiny_args(n_embd: int, n_head: int, n_head_kv: int, dtype: str, arch: str, vocab: str,
+                     pooling: str | None) -> str | None:
+    """InvalidInputError for arguments make_tiny_model cannot write; the pooling to write."""
+    if n_embd % n_head or n_head % n_head_kv:
+        raise InvalidInputError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
+    if dtype not in ("f32", "f16"):
+        raise InvalidInputError("dtype must be 'f32' or 'f16'")
+    if arch not in ("llama", "qwen2", "gemma3", "bert") or vocab not in ("spm", "qwen"):
+        raise InvalidInputError("arch must be 'llama', 'qwen2', 'gemma3' or 'bert', vocab 'spm' or 'qwen'")
+    if pooling is not None and (pooling not in limits.POOLING_TYPES or pooling == "none"):
+        raise InvalidInputError(f"pooling must be one of mean, cls, last, rank, got {pooling!r}")
+    if pooling == "rank" and arch != "bert":
+        raise InvalidInputError("pooling='rank' needs arch='bert' (llama.cpp loads the classification head for bert)")
+    return "mean" if arch == "bert" and pooling is None else pooling
 
 
 def _tiny_meta(arch: str, dtype: str, vocab_meta: dict, kv_overrides: dict | None, *, n_ctx_train: int,
