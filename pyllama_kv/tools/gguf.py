@@ -96,13 +96,8 @@ def make_tiny_model(
     The weights are scaled so that the next-token logits depend on the whole context (attention
     matters), which is what the KV-cache tests need. ``dtype`` is ``"f32"`` or ``"f16"``.
 
-    ``arch="bert"``: a BERT encoder as llama.cpp's ``bert`` loads it (token type and learned position
-    embeddings, layer norms with biases, non-causal attention, GELU feed-forward; no output head),
-    for the embedding tests; its SPM vocabulary adds ``<s>`` before and ``</s>`` after a text (as BERT's
-    [CLS] ... [SEP]), and ``</s>`` is its separator too. ``pooling`` writes ``{arch}.pooling_type``
-    (``"mean"``, ``"cls"``, ``"last"``, ``"rank"``; bert and qwen2 read it; bert defaults to mean):
-    ``"rank"`` makes a reranker, with the classification head (``cls`` and ``cls.output``) that
-    llama.cpp's rank pooling runs.
+    ``arch="bert"``: a BERT encoder (``<s>``, ``</s>`` as [CLS], [SEP]); ``pooling`` writes ``{arch}.pooling_type``
+    (bert's default: mean; ``"rank"`` adds a reranker's head, ``cls`` and ``cls.output``).
 
     ``kv_overrides`` and ``tensor_overrides`` write deliberately broken variants (the validation
     tests use them). ``kv_overrides`` maps a metadata key to: a value (written with the key's GGUF
@@ -121,20 +116,14 @@ def make_tiny_model(
     head_dim = n_embd // n_head
     vocab_meta = _tiny_vocab_meta(vocab, byte_tokens)
     n_vocab = len(vocab_meta["tokenizer.ggml.tokens"][0])
-    if arch == "bert":
-        vocab_meta = _bert_vocab_meta(vocab_meta)
     meta = _tiny_meta(arch, dtype, vocab_meta, kv_overrides, n_ctx_train=n_ctx_train, n_embd=n_embd,
                       n_layer=n_layer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, sliding_window=sliding_window,
                       pooling=pooling)
-    rng = np.random.default_rng(seed)
-    np_dtype = np.float32 if dtype == "f32" else np.float16
-    if arch == "bert":
-        tensors = _bert_tensors(rng, np_dtype, n_layer=n_layer, n_embd=n_embd, n_embd_kv=head_dim * n_head_kv,
-                                n_ff=n_ff, n_vocab=n_vocab, n_ctx_train=n_ctx_train, rank=pooling == "rank",
-                                overrides=tensor_overrides)
-    else:
-        tensors = _tiny_tensors(rng, np_dtype, arch, n_layer=n_layer, n_embd=n_embd, n_embd_kv=head_dim * n_head_kv,
-                                head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, overrides=tensor_overrides)
+    np_dtype, rng = np.float32 if dtype == "f32" else np.float16, np.random.default_rng(seed)
+    shape = dict(n_layer=n_layer, n_embd=n_embd, n_embd_kv=head_dim * n_head_kv, n_ff=n_ff, n_vocab=n_vocab)
+    tensors = _bert_tensors(rng, np_dtype, **shape, n_ctx_train=n_ctx_train, rank=pooling == "rank",
+                            overrides=tensor_overrides) if arch == "bert" else \
+        _tiny_tensors(rng, np_dtype, arch, **shape, head_dim=head_dim, overrides=tensor_overrides)
     _write_gguf(path, arch, meta, tensors)
     return path
 
@@ -165,6 +154,8 @@ def _tiny_meta(arch: str, dtype: str, vocab_meta: dict, kv_overrides: dict | Non
     T = gguf.GGUFValueType
     A = arch + "."
     head_dim = n_embd // n_head
+    if arch == "bert":
+        vocab_meta = _bert_vocab_meta(vocab_meta)
     meta: dict = {  # key -> (value, type, array element type), in the order written
         "general.architecture": (arch, T.STRING, None),
         "general.name": (f"pyllama-kv tiny random {arch}", T.STRING, None),

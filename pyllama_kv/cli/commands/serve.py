@@ -43,7 +43,8 @@ def register(subparsers) -> None:
         "serve",
         description="Serve MODEL over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, "
                     "/v1/embeddings), llama-server's /v1/rerank (a reranker GGUF), /tokenize, /detokenize and "
-                    "/apply-template, Ollama's /api/embed, plus /health and Prometheus /metrics. Requests are batched together over one KV cache: "
+                    "/apply-template, Ollama's /api/embed, plus /health and Prometheus /metrics. "
+                    "Requests are batched together over one KV cache: "
                     "prompts are evaluated in chunks between generation steps, shared prefixes (system prompts, "
                     "conversations) are forked instead of evaluated again, and requests that do not fit wait "
                     "in a bounded queue (HTTP 429 when it is full). Listens on 127.0.0.1 unless --host says "
