@@ -34,7 +34,7 @@ import numpy as np
 from .._native import kv as _kv
 from ..config import default_threads
 from ..errors import DecodeError, InvalidInputError
-from ..limits import INT32_MAX, MAX_EMBED_INPUTS, MAX_SEQUENCES, POOLING_TYPES
+from ..limits import INT32_MAX, KV_CACHE_TYPES, MAX_EMBED_INPUTS, MAX_SEQUENCES, POOLING_TYPES
 
 if TYPE_CHECKING:
     from .model import Model
@@ -163,12 +163,17 @@ class Embedder(_kv.CResource):
     ...     vecs = emb.embed([model.tokenize("a cache"), model.tokenize("a model")])
 
     ``n_batch``: the most tokens one decode takes, and so the longest input (brought down to the
-    model's n_ctx_train); ``n_seqs``: the most inputs one decode takes.
+    model's n_ctx_train); ``n_seqs``: the most inputs one decode takes; ``type_k``/``type_v``: the cache
+    types of a decoder's cells within one decode (f16, llama.cpp's default; f32 for exactness checks).
     """
 
     def __init__(self, model: Model, pooling: str | None = None, *, n_batch: int = 2048,
-                 n_seqs: int = DEFAULT_SEQS, n_threads: int | None = None):
+                 n_seqs: int = DEFAULT_SEQS, n_threads: int | None = None, type_k: str = "f16",
+                 type_v: str = "f16"):
         model.check_open()
+        for name, t in (("type_k", type_k), ("type_v", type_v)):
+            if t not in ("f32", "f16", "bf16"):   # (a quantized cache needs flash attention and block sizes)
+                raise InvalidInputError(f"{name} must be f32, f16 or bf16 for embeddings, got {t!r}")
         for name, v, hi in (("n_batch", n_batch, INT32_MAX), ("n_seqs", n_seqs, MAX_SEQUENCES),
                             ("n_threads", 1 if n_threads is None else n_threads, 512)):
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
@@ -186,8 +191,9 @@ class Embedder(_kv.CResource):
         # n_ubatch == n_batch: one decode is one graph (whole sequences for pooling; a non-causal
         # encoder must see its batch at once); the cells hold one decode
         model.open_native_context(self, self._adopt, n_ctx=self.n_batch, n_batch=self.n_batch,
-                                  n_ubatch=self.n_batch, n_seq_max=self.n_seqs, flash_attn=False, type_k=1,
-                                  type_v=1, n_threads=self.n_threads, defrag_thold=None, embeddings=True,
+                                  n_ubatch=self.n_batch, n_seq_max=self.n_seqs, flash_attn=False,
+                                  type_k=KV_CACHE_TYPES[type_k], type_v=KV_CACHE_TYPES[type_v],
+                                  n_threads=self.n_threads, defrag_thold=None, embeddings=True,
                                   pooling_type=POOLING_TYPES[self.pooling])
         assert self._native is not None
         got = _NAMES.get(self._native.pooling_type())

@@ -52,11 +52,14 @@ class EmbeddingQueue:
     thread). ``pooling``: the server's override (None: the model's); ``n_batch``: tokens per
     embedding decode, so the longest input."""
 
-    def __init__(self, model, pooling: str | None, n_batch: int, n_threads: int | None, max_queue: int):
+    def __init__(self, model, pooling: str | None, n_batch: int, n_threads: int | None, max_queue: int,
+                 type_k: str = "f16", type_v: str = "f16"):
         self.model = model
         self.pooling = model_pooling(model, pooling)
         self.n_batch = max(1, min(n_batch, model.n_ctx_train))
         self.n_threads = n_threads
+        # the engine's cache types where an embeddings context can take them (no quantized cells)
+        self.cache_types = tuple(t if t in ("f32", "f16", "bf16") else "f16" for t in (type_k, type_v))
         self.max_queue = max_queue
         self.stats = EmbeddingStats()
         self._jobs: deque[_Job] = deque()
@@ -115,7 +118,8 @@ class EmbeddingQueue:
             return 0
         if self._embedder is None or self._embedder.closed:
             try:
-                self._embedder = Embedder(self.model, self.pooling, n_batch=self.n_batch, n_threads=self.n_threads)
+                self._embedder = Embedder(self.model, self.pooling, n_batch=self.n_batch, n_threads=self.n_threads,
+                                          type_k=self.cache_types[0], type_v=self.cache_types[1])
             except Exception as exc:   # (checked at submit: should not happen) every waiting request learns it
                 self._fail([(j, 0) for j in list(self._jobs)], exc)
                 return 0

@@ -291,7 +291,8 @@ class Engine:
         with self._embeddings_lock:
             if self._embeddings is None:
                 cfg = self.config
-                self._embeddings = EmbeddingQueue(self.model, cfg.pooling, cfg.n_batch, cfg.n_threads, cfg.max_queue)
+                self._embeddings = EmbeddingQueue(self.model, cfg.pooling, cfg.n_batch, cfg.n_threads, cfg.max_queue,
+                                                  cfg.type_k, cfg.type_v)
             return self._embeddings
 
     def embedding_stats(self) -> dict | None:
