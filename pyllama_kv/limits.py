@@ -55,6 +55,14 @@ def kv_type_size(name: str) -> float:
     return size / block
 
 
+#: llama.cpp's pooling types (llama.h's ``enum llama_pooling_type``), by the names llama-server's
+#: ``--pooling`` takes: how an embeddings context turns a sequence's token vectors into one vector
+#: (``rank``: a reranker's classification head on the first token; ``none``: one vector per token)
+POOLING_TYPES: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+#: inputs of one embedding call or request (OpenAI's bound on /v1/embeddings' ``input`` array), and
+#: documents of one rerank request
+MAX_EMBED_INPUTS = 2048
+
 # -- a request ----------------------------------------------------------------------------------
 
 #: temperature: the library takes [0, TEMPERATURE_MAX] (llama.cpp takes any; past a few the draw is

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -46,6 +47,7 @@ from .._worker import Cancelled
 from ..chat import toolcall
 from ..chat.conversation import Transcripts
 from ..chat.templates import chat_template
+from ..core.embedding import embed_inputs, rerank_tokens
 from ..engine.request import GRAMMAR_ERROR
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from ..limits import prompt_too_long
@@ -110,6 +112,7 @@ class Server:
         self._grammar_threads = anyio.CapacityLimiter(GRAMMAR_THREADS)
         # chats come back whole: their earlier answers are tokenized as the cache holds them
         self.transcripts = Transcripts(model)
+        self.can_generate = model.can_generate   # False: an encoder (BERT family), embeddings only
         routes = [
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
@@ -120,6 +123,11 @@ class Server:
             Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
             Route("/apply-template", self._endpoint(self.apply_template), methods=["POST"]),
+            # embeddings and rerank (issue 33: the section "embeddings and rerank" below)
+            Route("/v1/embeddings", self._endpoint(self.embeddings), methods=["POST"]),
+            Route("/api/embed", self._endpoint(self.ollama_embed), methods=["POST"]),
+            Route("/v1/rerank", self._endpoint(self.rerank), methods=["POST"]),
+            Route("/rerank", self._endpoint(self.rerank), methods=["POST"]),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan,
                              exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
@@ -285,6 +293,126 @@ class Server:
             raise protocol.bad("messages", str(e)) from None
         return JSONResponse({"prompt": str(text)})
 
+    # -- embeddings and rerank (the engine's loop runs them: engine/embeddings.py) ---------------
+
+    async def embeddings(self, request: HTTPRequest) -> Response:
+        """OpenAI's ``POST /v1/embeddings``."""
+        return await self._embeddings(request, "openai")
+
+    async def ollama_embed(self, request: HTTPRequest) -> Response:
+        """Ollama's ``POST /api/embed``."""
+        return await self._embeddings(request, "ollama")
+
+    async def _embeddings(self, request: HTTPRequest, kind: str) -> Response:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        req = protocol.parse_embeddings(await self._body(request), kind)
+        if req.model is not None:
+            self._check_model(req.model)
+        pooling = self.engine.embeddings.pooling
+        if pooling in ("rank", "none"):
+            why = "it is a reranker: its scores are served at /v1/rerank" if pooling == "rank" else \
+                "its pooling is none (one vector per token): start the server with --pooling mean, cls or last"
+            raise APIError(400, f"{self.model_id} does not serve embeddings of whole inputs: {why}",
+                           code="model_not_supported")
+        if req.dimensions is not None and req.dimensions != self.model.n_embd:
+            raise protocol.bad("dimensions", f"dimensions={req.dimensions}: this model's embeddings have "
+                               f"{self.model.n_embd} dimensions (other sizes are not supported)",
+                               code="unsupported_parameter")
+        toks = await run_in_threadpool(self._embedding_tokens, req.inputs, req.truncate)
+        vectors = await self._embed(request, toks, normalize=True)
+        if vectors is None:
+            return Response(status_code=499)
+        n = sum(len(t) for t in toks)
+        return JSONResponse(protocol.embeddings_response(req, self.model_id, vectors, n))
+
+    def _fit(self, toks, name: str, truncate: bool = False):
+        """``toks`` within the embedding batch (cut when ``truncate``), else a 400 naming ``name``."""
+        limit = self.engine.embeddings.n_batch
+        if len(toks) <= limit:
+            return toks
+        if truncate:
+            return toks[:limit]
+        raise protocol.bad(name, f"{name} has {len(toks)} tokens; this server embeds at most {limit} tokens per "
+                           "input (its batch: serve --batch, within the model's n_ctx_train)",
+                           code="context_length_exceeded")
+
+    def _embedding_tokens(self, inputs: list, truncate: bool) -> list:
+        """Each input's tokens (text with the model's special tokens, as llama-server), checked."""
+        out = []
+        for i, x in enumerate(inputs):
+            try:
+                toks = embed_inputs(self.model, [x])[0][0]
+            except InvalidInputError as e:
+                raise protocol.bad("input", f"input[{i}]: {e}") from None
+            out.append(self._fit(toks, f"input[{i}]", truncate))
+        return out
+
+    async def rerank(self, request: HTTPRequest) -> Response:
+        """llama-server's ``POST /v1/rerank`` (and ``/rerank``): a reranker's relevance of each document to
+        the query, most relevant first."""
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        req = protocol.parse_rerank(await self._body(request))
+        if req.model is not None:
+            self._check_model(req.model)
+        pooling = self.engine.embeddings.pooling
+        if pooling != "rank":
+            raise APIError(400, f"{self.model_id} is not a reranker (its pooling is {pooling}): /v1/rerank needs a "
+                           "reranker GGUF (pooling rank)", code="model_not_supported")
+        toks = await run_in_threadpool(self._rerank_tokens, req)
+        scores = await self._embed(request, toks, normalize=False)
+        if scores is None:
+            return Response(status_code=499)
+        n = sum(len(t) for t in toks)
+        return JSONResponse(protocol.rerank_response(req, self.model_id, [float(v[0]) for v in scores], n))
+
+    def _rerank_tokens(self, req) -> list:
+        m = self.model
+        try:
+            q = m.tokenize(req.query, add_bos=False, special=True)
+            out = []
+            for i, d in enumerate(req.inputs):
+                toks = rerank_tokens(m, q, m.tokenize(d, add_bos=False, special=True))
+                out.append(np.asarray(self._fit(toks, f"documents[{i}]"), dtype=np.int32))
+            return out
+        except InvalidInputError as e:
+            raise protocol.bad(None, str(e)) from None
+
+    async def _embed(self, request: HTTPRequest, toks: list, normalize: bool) -> list | None:
+        """Submit to the engine and await the results; None when the client went away first (the request
+        is dropped from the engine's queue)."""
+        try:
+            fut = self.engine.submit_embedding(toks, normalize)
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        except InvalidInputError as e:
+            raise protocol.bad(None, str(e)) from None
+        waiting = asyncio.wrap_future(fut)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not waiting.done():
+            fut.cancel()
+            self.metrics.client_disconnects.labels("embedding").inc()
+            return None
+        if waiting.cancelled():   # the engine stopped (shutdown)
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        exc = waiting.exception()
+        if isinstance(exc, InvalidInputError):
+            raise protocol.bad(None, str(exc)) from None
+        if exc is not None:
+            raise APIError(500, f"the embedding failed: {type(exc).__name__}: {exc}", "server_error",
+                           code="engine_error")
+        return waiting.result()
+
     async def chat(self, request: HTTPRequest) -> Response:
         return await self._generate(request, "chat")
 
@@ -417,6 +545,10 @@ class Server:
         t0 = time.perf_counter()
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        if not self.can_generate:
+            raise APIError(400, f"{self.model_id} is an embedding model (no language-model head): it serves "
+                           "/v1/embeddings (and /v1/rerank for a reranker), not completions",
+                           code="model_not_supported")
         body = await self._body(request)
         cfg = self.engine.config
         req = protocol.parse(body, kind, parallel=cfg.parallel, max_tokens_cap=cfg.max_tokens,

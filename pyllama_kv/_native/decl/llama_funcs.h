@@ -93,3 +93,11 @@ void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
+
+/* embeddings and rerank (issue 33): a context made with embeddings = true and a pooling_type */
+enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
+void llama_set_embeddings(struct llama_context * ctx, bool embeddings);
+float * llama_get_embeddings(struct llama_context * ctx);
+float * llama_get_embeddings_ith(struct llama_context * ctx, int32_t i);
+float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+llama_token llama_vocab_sep(const struct llama_vocab * vocab);
