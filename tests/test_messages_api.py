@@ -7,6 +7,7 @@ naming the field. Small models answer poorly: the protocol is tested, not the an
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -219,3 +220,16 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(server, client):
     _wait_for(lambda: server.metrics()[key] >= base[key] + 1)
     after = server.idle_metrics()
     assert after["pyllama_kv_kv_request_cells"] == 0 and after["pyllama_kv_internal_errors_total"] == 0
+
+
+def test_the_readme_example_runs(server, tmp_path):
+    """README's Messages example, against this server (its URL and key)."""
+    from conftest import ROOT, run_py
+
+    readme = (ROOT / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "messages.create" in b]
+    script = tmp_path / "messages_example.py"
+    script.write_text(code.replace("http://127.0.0.1:8080", server.root).replace('"unused"', repr(KEY)))
+    r = run_py([str(script)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "end_turn" in r.stdout or "max_tokens" in r.stdout

@@ -8,6 +8,7 @@ tested, not the answers."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -238,3 +239,16 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(server, client):
     assert after["pyllama_kv_kv_request_cells"] == 0 and after["pyllama_kv_internal_errors_total"] == 0
     cancelled = 'pyllama_kv_finished_total{reason="cancelled"}'
     assert after[cancelled] >= base[cancelled] + 1
+
+
+def test_the_readme_example_runs(server, tmp_path):
+    """README's Responses example, against this server (its URL and key)."""
+    from conftest import ROOT, run_py
+
+    readme = (ROOT / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "client.responses" in b]
+    script = tmp_path / "responses_example.py"
+    script.write_text(code.replace("http://127.0.0.1:8080", server.root).replace('"unused"', repr(server.key)))
+    r = run_py([str(script)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split()[-1]) > 0   # cached_tokens

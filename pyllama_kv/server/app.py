@@ -4,6 +4,12 @@ Ollama's runner model: the engine's thread owns the context and runs the one loo
 parses and tokenizes the request, submits it, and relays the engine's events, which the engine
 thread hands to the asyncio loop (``call_soon_threadsafe`` into a queue per request).
 
+Every generating endpoint takes the same path (:meth:`Server._serve`): its wire format is a
+:class:`~pyllama_kv.server.relay.Dialect` (chat and completions: protocol.py; the Responses API:
+responses.py; Anthropic's Messages API: messages.py), which checks the body into a chat or completion
+request and writes the answer, the stream and the errors; limits, cancellation and metrics are here,
+once.
+
 * Prefix reuse: requests are submitted with the engine's ``keep_finished`` (on by default): a prompt
   is remembered as an idle cached sequence as soon as it is evaluated, and a finished request's
   prompt + answer replaces it, so a later request forks the longest cached prefix (a shared system
@@ -206,7 +212,8 @@ class Server:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return _error(APIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
+        errors = messages.error_response if request.url.path.startswith("/v1/messages") else _error
+        return errors(APIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
 
     async def _internal_error(self, request: HTTPRequest, exc: Exception) -> Response:
         log.error("error while serving %s %s", request.method, request.url.path, exc_info=exc)
