@@ -49,9 +49,9 @@ def test_text_input_instructions_and_usage(client):
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     assert r.status in ("completed", "incomplete") and r.instructions == "Answer in one word."
     assert r.metadata == {"run": "1"} and r.store is True and r.temperature == 0
-    if r.status == "incomplete":
-        assert r.incomplete_details.reason == "max_output_tokens"
     (msg,) = r.output
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens" and msg.status == "incomplete"
     assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
     assert msg.content[0].type == "output_text" and r.output_text == msg.content[0].text
     u = r.usage
@@ -108,6 +108,8 @@ def test_stream_events_in_the_official_order(client):
     final = events[-1].response
     assert events[-4].text == deltas == final.output_text and final.id == events[0].response.id
     assert events[0].response.status == "in_progress" and final.usage.output_tokens <= 24
+    assert events[-2].item.status == final.output[0].status == ("incomplete" if final.status == "incomplete"
+                                                                else "completed")
 
 
 def test_json_schema_text_format_streamed_with_the_helper(client):

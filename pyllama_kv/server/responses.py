@@ -388,7 +388,8 @@ class ResponsesDialect(Dialect):
     def finished(self, req: ResponsesRequest, content: str | None, calls: list[dict], finish: str | None,
                  usage) -> dict:
         """The final response object of an answer (``content`` and parsed ``calls``), stored when asked."""
-        output = [_message_item(req, content or "", "completed")] if content is not None or not calls else []
+        done = "incomplete" if finish == "length" else "completed"   # (the message item's status too)
+        output = [_message_item(req, content or "", done)] if content is not None or not calls else []
         output += [_call_item(req, k, c, "completed") for k, c in enumerate(calls)]
         resp = self.response(req, "incomplete" if finish == "length" else "completed", output, usage)
         if req.store:
@@ -444,14 +445,15 @@ class ResponsesStream:
                                    content_index=0, delta=delta, logprobs=[]))
         return out
 
-    def _close(self) -> list[str]:
+    def _close(self, finish: str | None) -> list[str]:
         req, text = self.req, self.text or ""
+        done = "incomplete" if finish == "length" else "completed"
         ids = {"item_id": f"msg_{req.id}", "output_index": 0, "content_index": 0}
         return [self._event("response.output_text.done", **ids, text=text, logprobs=[]),
                 self._event("response.content_part.done", **ids,
                             part={"type": "output_text", "text": text, "annotations": []}),
                 self._event("response.output_item.done", output_index=0,
-                            item=_message_item(req, text, "completed"))]
+                            item=_message_item(req, text, done))]
 
     def _call(self, k: int, call: dict) -> list[str]:
         i = k + (self.text is not None)
@@ -468,7 +470,7 @@ class ResponsesStream:
         out = self._text(p.text) if p.text or (p.end and not p.calls) else []
         if p.end:
             if self.text is not None:
-                out += self._close()
+                out += self._close(p.finish)
             for k, call in enumerate(p.calls):
                 out += self._call(k, call)
             self.calls, self.finish = p.calls, p.finish
