@@ -100,3 +100,10 @@ def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:
         return None
     return (f"the prompt has {n_prompt} tokens; the context holds {n_ctx} (and at least one more is needed "
             "to generate)")
+
+# -- the server's stored responses (POST /v1/responses with store: true) ---------------------------------
+
+#: responses kept for ``previous_response_id`` (least recently used first out) and the JSON bytes they
+#: may hold together (their conversations and answers); a response over the bytes is not kept
+RESPONSES_STORED = 1024
+RESPONSES_STORED_BYTES = 64 << 20

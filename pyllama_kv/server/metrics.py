@@ -201,6 +201,9 @@ class Metrics:
                                           registry=self.registry)
         for stage in ("body", "preparing", "generating", "embedding"):
             self.client_disconnects.labels(stage)
+        self.http_requests = Counter(_P + "http_requests", "HTTP requests answered, by endpoint (its path) and "
+                                     "status (a stream counts its 200 when it starts)", ["endpoint", "status"],
+                                     registry=self.registry)
         self.internal_errors = Counter(_P + "internal_errors", "requests answered 500 because of an unexpected "
                                        "error (its traceback is in the server's log)", registry=self.registry)
 

@@ -113,6 +113,10 @@ class GenRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def param(self, name: str) -> str:
+        """A field of the chat request as the client's endpoint names it (the Responses and Messages
+        dialects translate their bodies into chat requests; their requests rename)."""
+        return name
 
     def engine_options(self) -> dict:
         """The extension fields the request set, as keyword arguments of ``Engine.submit``."""
