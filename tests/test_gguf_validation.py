@@ -67,7 +67,7 @@ HOSTILE = {
     "dim_0": (dict(tensor_overrides={"blk.0.attn_q.weight": np.zeros((0, 64), np.float32)}),
               r"tensor blk\.0\.attn_q\.weight has shape \[64, 0\]: dimension 1 is 0, expected >= 1"),
     "bert": (dict(kv_overrides={"tokenizer.ggml.model": "bert"}),
-             r"tokenizer\.ggml\.model = 'bert': pyllama_kv runs the 'llama' .* and 'gpt2'"),
+             r"byte token in a 'bert' \(WordPiece\) vocabulary"),
     "kv_heads_3": (dict(kv_overrides={"llama.attention.head_count_kv": 3},
                         tensor_overrides=_per_layer("blk.{i}.attn_{x}.weight", _mat(48, 64), "kv")),
                    r"head_count = 4 is not a multiple of llama\.attention\.head_count_kv = 3"),
@@ -380,7 +380,7 @@ def test_valid_models_are_accepted_and_run(tmp_path, name):
     assert logits.shape == (m.n_vocab,) and np.isfinite(logits).all()
 
 
-def _graft_vocab(src: Path, out: Path, pre: str | None = None) -> Path:
+def _graft_vocab(src: Path, out: Path, pre: str | None = None, extra: dict | None = None) -> Path:
     """The tiny model with a real vocabulary (every tokenizer.* key of ``src``), tied f16 embeddings."""
     h = read_gguf_header(src)
     kv: dict = {k: None for k in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type",
@@ -394,19 +394,22 @@ def _graft_vocab(src: Path, out: Path, pre: str | None = None) -> Path:
                 kv[k] = (v.value, T(v.type))
     if pre is not None:
         kv["tokenizer.ggml.pre"] = (pre, T.STRING)
+    kv.update(extra or {})
     n = len(h.kv["tokenizer.ggml.tokens"].value)
     return make_tiny_model(out, kv_overrides=kv, tensor_overrides={"token_embd.weight": _mat(n, 64, np.float16),
                                                                    "output.weight": None})
 
 
 @pytest.mark.parametrize("vocab,pre", [("starcoder", "smollm"),      # SmolLM2's kind: 49152-token BPE
-                                       ("llama-spm", None), ("deepseek-coder", None)])
+                                       ("llama-spm", None), ("deepseek-coder", None),
+                                       ("bert-bge", None)])            # WordPiece: BGE embedding models
 def test_real_vocabularies_are_accepted_and_run(tmp_path, vocab, pre):
     path = _graft_vocab(ROOT / "vendor/llama.cpp/models" / f"ggml-vocab-{vocab}.gguf", tmp_path / "m.gguf", pre)
     assert validate_gguf(path) is True
     with pk.Model(path) as m:
         toks = m.tokenize("Hello world, the KV cache")
-        assert len(toks) >= 3 and m.detokenize(toks).strip().endswith("the KV cache")
+        # WordPiece lowercases
+        assert len(toks) >= 3 and m.detokenize(toks).strip().lower().endswith("the kv cache")
         with m.context(n_ctx=64, n_seq_max=1) as ctx:
             assert np.isfinite(ctx.new_sequence().extend(toks)).all()
 
@@ -520,3 +523,17 @@ def test_header_reader_reads_what_the_writer_wrote(tiny_model):
     t = {x.name: x for x in h.tensors}
     assert t["token_embd.weight"].shape == (64, N_TOK) and t["blk.0.attn_k.weight"].shape == (64, 32)
     assert h.data_offset + t["output.weight"].offset + t["output.weight"].nbytes <= h.file_size
+
+
+def test_a_wordpiece_vocabulary_with_a_byte_token_is_refused(tmp_path):
+    """llama.cpp's WPM tokenizer aborts on a byte token (token_to_byte): refused before loading."""
+    import gguf
+
+    src = ROOT / "vendor/llama.cpp/models/ggml-vocab-bert-bge.gguf"
+    n = len(read_gguf_header(src).kv["tokenizer.ggml.tokens"].value)
+    types = [1] * n
+    types[500] = 6
+    bad = _graft_vocab(src, tmp_path / "bad.gguf", None,
+                       {"tokenizer.ggml.token_type": (types, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)})
+    with pytest.raises(pk.ModelLoadError, match=r"byte token in a 'bert'"):
+        check_gguf_header(read_gguf_header(bad))

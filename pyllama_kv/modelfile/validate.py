@@ -337,12 +337,11 @@ _BPE_PRE_ADD_BOS = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "te
 def _check_vocab(c: _Checker) -> int:
     T = "tokenizer.ggml."
     model = c.string(T + "model", required=True)
-    if model not in ("llama", "gpt2"):
-        why = {"bert": "llama.cpp's WPM tokenizer aborts on byte tokens",
-               "no_vocab": "without a vocabulary llama.cpp aborts in tokenize and detokenize",
+    if model not in ("llama", "gpt2", "bert"):
+        why = {"no_vocab": "without a vocabulary llama.cpp aborts in tokenize and detokenize",
                "none": "without a vocabulary llama.cpp aborts in tokenize and detokenize"}.get(model)
-        raise c.error(f"{T}model = {model!r}: pyllama_kv runs the 'llama' (SentencePiece) and 'gpt2' (BPE) "
-                      f"tokenizers, for every architecture" + (f" ({why})" if why else ""))
+        raise c.error(f"{T}model = {model!r}: pyllama_kv runs the 'llama' (SentencePiece), 'gpt2' (BPE) and "
+                      f"'bert' (WordPiece) tokenizers, for every architecture" + (f" ({why})" if why else ""))
     pre = c.string(T + "pre")
     c.u32(T + "token_type_count")
     for k in ("add_space_prefix", "remove_extra_whitespaces"):
@@ -377,6 +376,10 @@ def _check_token_texts(c: _Checker, model: str, tokens: list, types) -> None:
                 raise c.error(f"{T}tokens: token {i} {t!r} repeats token {seen[t]}: token texts must be unique "
                               "(llama.cpp aborts on duplicates)")
             seen[t] = i
+    if model == "bert" and types is not None and (types == TOKEN_TYPE_BYTE).any():
+        i = int(np.flatnonzero(types == TOKEN_TYPE_BYTE)[0])
+        raise c.error(f"{T}token_type[{i}] is a byte token in a 'bert' (WordPiece) vocabulary: llama.cpp's WPM "
+                      "tokenizer aborts on byte tokens")
     if model == "llama" and types is not None:
         for i in np.flatnonzero(types == TOKEN_TYPE_BYTE).tolist():
             if not _SPM_BYTE.match(tokens[i]):
@@ -391,6 +394,9 @@ def _check_special_ids(c: _Checker, model: str, pre: str | None, n: int, add_bos
     T = "tokenizer.ggml."
     if model == "llama":
         ids = {"bos": 1, "eos": 2, "unk": 0}
+        add_bos, add_eos = True, False
+    elif model == "bert":   # WPM: tokenizing with specials always adds [CLS] (bos) and [SEP]
+        ids = {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103}
         add_bos, add_eos = True, False
     else:
         ids = {"bos": 11, "eos": 11}
