@@ -39,7 +39,7 @@ def builds() -> dict:
 def _lib(variant: str) -> str:
     b = _builds().get((variant, "cpu"))
     if b is None:
-        flag = " --vanilla" if variant == "vanilla" else ""
+        flag = {"patched": "", "vanilla": " --vanilla", "current": " --pin current"}[variant]
         pytest.fail(f"no up-to-date {variant}-cpu build: run `make setup` (pyllama-kv build{flag})")
     return b["lib"]
 
@@ -52,6 +52,12 @@ def patched_lib() -> str:
 @pytest.fixture(scope="session")
 def vanilla_lib() -> str:
     return _lib("vanilla")
+
+
+@pytest.fixture(scope="session")
+def current_lib() -> str:
+    """The current llama.cpp's CPU library (the second pin: `pyllama-kv build --pin current`)."""
+    return _lib("current")
 
 
 @pytest.fixture(scope="session")
