@@ -310,3 +310,23 @@ def test_cli_patch_pin_current_with_zero_and_one_patch(tmp_path):
     assert r.returncode == 1 and "conflict at 0001-throwaway.patch" in r.stdout
     r = cli()
     assert r.returncode != 0 and "0001-throwaway.patch" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_peer_builds_from_the_current_tree_without_its_series(tmp_path, monkeypatch):
+    """`build --peer` uses the current pin's tree itself while it holds none of the series, and an
+    unpatched copy once it holds some: the peer is never patched."""
+    from pyllama_kv.harness import peer
+
+    root = _current_root(tmp_path)
+    tree = root / "vendor" / "llama.cpp-current"
+    (tree / V.MARKER).write_text('{"revision": "0c1e57098"}')
+    monkeypatch.setenv("PYLLAMA_KV_CACHE", str(tmp_path / "cache"))
+    assert peer._pristine_tree(CURRENT, root, log=lambda m: None) == tree
+    _throwaway_patch(tree, root / "patches" / "current")
+    series = P.series(root / "patches" / "current")
+    pristine = (tree / "include" / "llama.h").read_bytes()
+    P.apply(tree, series)
+    copy = peer._pristine_tree(CURRENT, root, log=lambda m: None)
+    assert copy == tmp_path / "cache" / "peer" / "0c1e57098" / "src"
+    assert P.state(copy, series).n_applied == 0 and P.state(tree, series).complete
+    assert (copy / "include" / "llama.h").read_bytes() == pristine
