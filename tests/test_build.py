@@ -244,7 +244,8 @@ def test_the_current_build_is_listed_with_its_pin(current_lib):
     m = B.read_manifest(Path(b["dir"]))
     assert (m["variant"], m["pin"], m["revision"]) == ("current", "current", "0c1e57098")
     assert m["cmake_flags"][: len(B.PIN_FLAGS["current"])] == B.PIN_FLAGS["current"]
-    assert Path(m["source_dir"]) == _paths.vendor_dir(pin="current").resolve() and Path(m["log"]).is_file()
+    # (built from a checkout's vendor/llama.cpp-current: the build dir may be shared between checkouts)
+    assert Path(m["source_dir"]).name == "llama.cpp-current" and Path(m["log"]).is_file()
     r = run_cli(["status"])
     assert r.returncode == 0 and any("current-cpu" in ln and "current pin" in ln for ln in r.stdout.splitlines())
     r = run_cli(["build", "--pin", "current", "--json"])
