@@ -13,6 +13,11 @@ Two ways to run:
   package (``pyllama_kv/_data/``), and the source tree and the builds made by ``pyllama-kv vendor``
   and ``pyllama-kv build`` go to the cache (``<cache>/src/llama.cpp``, ``<cache>/builds/``).
 
+Two pins (``PINS``): ``mission`` (the default: ``vendor/llama.cpp.pin.json``, ``vendor/llama.cpp``,
+``patches/0*.patch``) and ``current`` (the current llama.cpp: ``vendor/current.pin.json``,
+``vendor/llama.cpp-current``, ``patches/current/``); ``pin_path``, ``vendor_dir`` and ``patches_dir``
+take the pin's name.
+
 Environment overrides:
   PYLLAMA_KV_ROOT   the project checkout (holds vendor/, patches/, build/)
   PYLLAMA_KV_CACHE  the download cache; default ~/.cache/pyllama-kv (or $XDG_CACHE_HOME/pyllama-kv)

@@ -305,3 +305,15 @@ def test_lib_flags_name_the_current_library():
 def test_vanilla_is_a_mission_build_only():
     r = run_cli(["build", "--pin", "current", "--vanilla"])
     assert r.returncode == 1 and "--vanilla" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_status_without_the_second_pin_file(tmp_path):
+    """A package installed before the second pin has no current.pin.json: status still answers."""
+    root = tmp_path / "proj"
+    (root / "vendor").mkdir(parents=True)
+    (root / "patches").mkdir()
+    (root / "vendor" / "llama.cpp.pin.json").write_bytes(_paths.pin_path().read_bytes())
+    st = B.status(root)
+    assert st["pins"]["current"]["vendor"]["state"] == "no pin file" and "current.pin.json" in st["pins"]["current"][
+        "error"]
+    assert st["vendor"]["state"] == "missing" and st["builds"] == []

@@ -435,11 +435,24 @@ def pin_status(pin_name: str, root: Path | None = None) -> dict:
     }
 
 
+def _pin_status_or_none(pin_name: str, root: Path | None) -> dict:
+    """``pin_status``; for a second pin whose file is missing (a package installed before it existed),
+    what can be said without it."""
+    try:
+        return pin_status(pin_name, root)
+    except _vendor.VendorError as exc:
+        if pin_name == _paths.DEFAULT_PIN:
+            raise
+        return {"name": pin_name, "revision": None, "error": str(exc), "source": None, "filename": None,
+                "sha256": None, "cached": False, "patches": [], "patches_dir": None,
+                "vendor": {"path": str(_paths.vendor_dir(root, pin_name)), "present": False, "state": "no pin file"}}
+
+
 def status(root: Path | None = None) -> dict:
     """Both pins (revision, vendor tree state, patches applied) and the builds (for `pyllama-kv status`).
     The top-level ``revision``, ``pin``, ``vendor`` and ``patches`` are the mission pin's; ``pins`` has
     both."""
-    pins = {name: pin_status(name, root) for name in _paths.PINS}
+    pins = {name: _pin_status_or_none(name, root) for name in _paths.PINS}
     mission = pins[_paths.DEFAULT_PIN]
     out: dict = {
         "revision": mission["revision"],

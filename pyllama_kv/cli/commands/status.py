@@ -30,6 +30,9 @@ def run(args) -> int:
         return 0
     for name, pin in st["pins"].items():
         v = pin["vendor"]
+        if pin.get("error"):
+            print(f"llama.cpp {name:<9} unknown: {pin['error']}")
+            continue
         print(f"llama.cpp {name:<9} {pin['revision']}  ({pin['source']}, cached: {'yes' if pin['cached'] else 'no'})")
         print(f"  vendor tree       {v['path']}: {v['state']}")
         if not pin["patches"]:
