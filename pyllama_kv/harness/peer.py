@@ -9,8 +9,9 @@ current``, run here when it is missing: fetched with pip, hash-checked, cached i
 series (``patches/current/``) it is used as it is; once it holds some, a copy with the series reversed
 in ``~/.cache/pyllama-kv/peer/<revision>/src`` is. Only ``llama-server`` is built, in
 ``~/.cache/pyllama-kv/peer/<revision>/build``, statically linked (``BUILD_SHARED_LIBS=OFF``: it never
-loads our libllama), CPU only, no OpenSSL, no web UI download, with ggml's default CPU flags (as our
-builds).
+loads our libllama), CPU only, no OpenSSL, with ggml's default CPU flags (as our builds). Its flags are
+those it was measured with (a change would rebuild every peer build made so far: 18 minutes);
+``build.PIN_FLAGS["current"]`` turns off the app binary and the web UI download as well.
 
 The result is recorded in ``~/.cache/pyllama-kv/peer/<revision>/manifest.json`` (pin, sha256, flags,
 binary path) and reused while the pin and flags are the same, so a second ``make`` or benchmark run
@@ -43,8 +44,6 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_UI=OFF",
-    "-DLLAMA_USE_PREBUILT_UI=OFF",
-    "-DLLAMA_BUILD_APP=OFF",
     "-DGGML_CUDA=OFF",
     "-DGGML_METAL=OFF",
 ]
