@@ -23,6 +23,7 @@ from .limits import (
     MAX_SEQUENCES,
     MAX_THREADS,
     PENALTY_MAX,
+    POOLING_TYPES,
     QUANTIZED_KV_TYPES,
     REPEAT_PENALTY_MAX,
     TEMPERATURE_MAX,
@@ -258,9 +259,12 @@ class EngineConfig(CacheConfig):
     context_shift: bool = True   # a full sequence drops half its tokens after n_keep and goes on
     n_keep: int = 4              # tokens a context shift or truncation keeps at the start (-1: the prompt)
     truncate: bool = False       # cut a prompt that does not fit the context (else it is refused)
+    pooling: str | None = None   # embeddings: llama.cpp's pooling (limits.POOLING_TYPES; None: the model's)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.pooling is not None and (not isinstance(self.pooling, str) or self.pooling not in POOLING_TYPES):
+            raise InvalidInputError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         object.__setattr__(self, "parallel", _int("parallel", self.parallel, 1, MAX_SEQUENCES))
         for name in ("context_shift", "truncate"):
             if not isinstance(getattr(self, name), bool):

@@ -55,6 +55,14 @@ def kv_type_size(name: str) -> float:
     return size / block
 
 
+#: llama.cpp's pooling types (llama.h's ``enum llama_pooling_type``), by the names llama-server's
+#: ``--pooling`` takes: how an embeddings context turns a sequence's token vectors into one vector
+#: (``rank``: a reranker's classification head on the first token; ``none``: one vector per token)
+POOLING_TYPES: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+#: inputs of one embedding call or request (OpenAI's bound on /v1/embeddings' ``input`` array), and
+#: documents of one rerank request
+MAX_EMBED_INPUTS = 2048
+
 # -- a request ----------------------------------------------------------------------------------
 
 #: temperature: the library takes [0, TEMPERATURE_MAX] (llama.cpp takes any; past a few the draw is
@@ -92,3 +100,10 @@ def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:
         return None
     return (f"the prompt has {n_prompt} tokens; the context holds {n_ctx} (and at least one more is needed "
             "to generate)")
+
+# -- the server's stored responses (POST /v1/responses with store: true) ---------------------------------
+
+#: responses kept for ``previous_response_id`` (least recently used first out) and the JSON bytes they
+#: may hold together (their conversations and answers); a response over the bytes is not kept
+RESPONSES_STORED = 1024
+RESPONSES_STORED_BYTES = 64 << 20

@@ -40,10 +40,10 @@ def batched_bench_path() -> Path:
 
 
 def run_cpp(exe: Path, model: Path, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
-            threads: int) -> dict[int, dict]:
+            threads: int, ngl: int = 0, flash_attn: bool = False) -> dict[int, dict]:
     cmd = [str(exe), "-m", str(model), "-c", str(n_ctx), "-b", str(n_batch), "-ub", str(n_ubatch),
            "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, npl)), "-t", str(threads), "-tb", str(threads),
-           "--output-format", "jsonl", "-ngl", "0"]
+           "--output-format", "jsonl", "-ngl", str(999 if ngl < 0 else ngl)] + (["-fa"] if flash_attn else [])
     env = dict(os.environ, LLAMA_ARG_THREADS=str(threads))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -58,7 +58,13 @@ def run_cpp(exe: Path, model: Path, n_ctx: int, n_batch: int, n_ubatch: int, pp:
 
 
 class _TimedLib:
-    """Delegates to the cffi library, timing llama_decode: the rest of a Python step is the binding's."""
+    """Delegates to the cffi library, timing llama.cpp's compute: llama_decode, and the wait for the
+    device before outputs are read (on a GPU llama_decode returns before the graph has run; the
+    first read of logits synchronizes). The rest of a Python step is the binding's own cost."""
+
+    # the calls that read a decode's outputs, and where their context argument is
+    _READS = {"llama_get_logits": 0, "llama_get_logits_ith": 0, "llama_get_embeddings_ith": 0,
+              "llama_get_embeddings_seq": 0, "llama_sampler_sample": 1}
 
     def __init__(self, lib):
         self._lib = lib
@@ -72,13 +78,24 @@ class _TimedLib:
             self.in_decode += time.perf_counter() - t
 
     def __getattr__(self, name):
-        return getattr(self._lib, name)
+        fn = getattr(self._lib, name)
+        if name not in self._READS:
+            return fn
+        where = self._READS[name]
+
+        def read(*args):
+            t = time.perf_counter()
+            self._lib.llama_synchronize(args[where])
+            self.in_decode += time.perf_counter() - t
+            return fn(*args)
+        return read
 
 
 def run_py(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
-           threads: int) -> dict[int, dict]:
+           threads: int, flash_attn: bool = False) -> dict[int, dict]:
     rows = {}
-    with model.context(n_ctx=n_ctx, n_seq_max=max(npl), n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads) as ctx:
+    with model.context(n_ctx=n_ctx, n_seq_max=max(npl), n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
+                       flash_attn=flash_attn) as ctx:
         timed = _TimedLib(ctx._L)
         ctx._L = timed
         warm = ctx.new_sequence()
@@ -108,7 +125,7 @@ def run_py(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg
 
 
 def run_engine(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
-               threads: int) -> dict[int, dict]:
+               threads: int, flash_attn: bool = False) -> dict[int, dict]:
     """The same work through the generation engine: pl requests of a pp-token prompt, tg greedy tokens
     each (EOS ignored). Generation tokens/s is timed from the step after the last prompt went in."""
     from pyllama_kv.engine import Engine, EngineConfig, SamplingParams
@@ -119,7 +136,8 @@ def run_engine(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int
         if pl * (pp + tg) > n_ctx:
             continue
         cfg = EngineConfig(n_ctx=n_ctx, parallel=pl, prefix_cache=0, n_batch=n_batch, n_ubatch=n_ubatch,
-                           n_threads=threads, output_reserve=tg, max_tokens=max(tg, 1))
+                           n_threads=threads, output_reserve=tg, max_tokens=max(tg, 1),
+                           flash_attn=flash_attn)
         with Engine(model, cfg) as eng:
             ctx = eng.context
             assert ctx is not None
@@ -153,6 +171,14 @@ def main(argv=None) -> int:
     ap.add_argument("--embd", type=int, default=512)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeat", type=int, default=5, help="alternate C++ and Python runs this many times; best of each")
+    ap.add_argument("--model", default=None, metavar="GGUF",
+                    help="time this model file (e.g. from scripts/make_timing_model.py) instead of a "
+                         "random --layers x --embd f16 llama")
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                    help="layers on the GPU, for both programs (default: pk.Model's: all on a GPU library)")
+    ap.add_argument("--flash-attn", choices=("on", "off"), default="off", help="flash attention, both programs")
+    ap.add_argument("--batched-bench", default=None, metavar="PATH",
+                    help="the llama-batched-bench to compare with (default: the patched build's)")
     ap.add_argument("--quick", action="store_true", help="a small model and sizes, for the test suite")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
@@ -163,33 +189,41 @@ def main(argv=None) -> int:
     n_ctx = max(npl) * (pp + tg)
     n_ctx = (n_ctx + 255) // 256 * 256
     n_batch, n_ubatch = 2048, 512
-    exe = batched_bench_path()
+    exe = Path(args.batched_bench) if args.batched_bench else batched_bench_path()
+    fa = args.flash_attn == "on"
     out = {"benchmark": "binding", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
            "model": {"n_layer": layers, "n_embd": embd, "dtype": "f16"},
            "settings": {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "pp": pp, "tg": tg, "npl": npl,
-                        "threads": args.threads, "flash_attn": False, "repeat": repeat},
+                        "threads": args.threads, "flash_attn": fa, "repeat": repeat},
            "library": str(exe.parent / "libllama.so"), "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
-        mp = make_tiny_model(Path(tmp) / "bench.gguf", n_layer=layers, n_embd=embd, n_head=8, n_head_kv=8,
-                             n_ff=4 * embd, dtype="f16", n_ctx_train=max(4096, n_ctx))
+        if args.model:
+            mp = Path(args.model)
+        else:
+            mp = make_tiny_model(Path(tmp) / "bench.gguf", n_layer=layers, n_embd=embd, n_head=8, n_head_kv=8,
+                                 n_ff=4 * embd, dtype="f16", n_ctx_train=max(4096, n_ctx))
         best_cpp: dict[int, dict] = {}
         best_py: dict[int, dict] = {}
         best_eng: dict[int, dict] = {}
-        with pk.Model(mp) as model:
+        with pk.Model(mp, args.n_gpu_layers) as model:
+            ngl = model.n_gpu_layers
+            out["model"] = {"file": mp.name, "desc": model.desc, "n_layer": model.n_layer, "n_embd": model.n_embd,
+                            "n_gpu_layers": ngl, "gpus": model._lib.gpu_devices()}
             # interleaved row by row (C++ then Python for each parallel count, repeated), so that both
             # see the same machine state; the best of the repeats is kept for each
             for _ in range(repeat):
                 for one in npl:
-                    for pl, d in run_cpp(exe, mp, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads).items():
+                    cpp = run_cpp(exe, mp, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads, ngl, fa)
+                    for pl, d in cpp.items():
                         b = best_cpp.setdefault(pl, d)
                         b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
                         b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
-                    for pl, d in run_py(model, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads).items():
+                    for pl, d in run_py(model, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads, fa).items():
                         b = best_py.setdefault(pl, d)
                         b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
                         b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
                         b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])
-                    for pl, d in run_engine(model, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads).items():
+                    for pl, d in run_engine(model, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads, fa).items():
                         b = best_eng.setdefault(pl, d)
                         b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
                         b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])

@@ -143,10 +143,15 @@ def main(argv=None) -> int:
     ap.add_argument("--embd", type=int, default=256, help="model n_embd (default 256; KV heads are half the heads)")
     ap.add_argument("--type", default="f16", choices=sorted(TYPE_BYTES), help="KV cache type (default f16)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: the context's)")
+    ap.add_argument("--paths", default="gather,moves,host,vanilla",
+                    help="defrag paths to time (default gather,moves,host,vanilla; vanilla needs its build)")
     ap.add_argument("--quick", action="store_true", help="small sizes, for the test suite")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
     cells = [int(x) for x in args.cells.split(",")]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths or any(p not in PATHS and p != "vanilla" for p in paths):
+        ap.error(f"--paths takes a comma-separated list of {', '.join([*PATHS, 'vanilla'])}")
     layers, embd = args.layers, args.embd
     if args.quick:
         # small, but past vanilla's one graph of moves ((65536 - 2*64) / (6*64) = 170 moves at 64 layers;
@@ -163,14 +168,15 @@ def main(argv=None) -> int:
         for n in cells:
             for fa in (False, True):
                 rows = []
-                for lib, path in [(None, p) for p in PATHS] + [("vanilla", None)]:
+                for lib, path in [(None, p) for p in PATHS if p in paths] + [("vanilla", None)] * ("vanilla" in paths):
                     row = run_path(mp, lib, path, n, args.type, fa, args.threads, 256 if args.quick else 1024)
                     rows.append(row)
                     print(f"  {row['path']:8} {n:6} cells fa={int(fa)}: {row['ms']:9.1f} ms, "
                           f"{row['gb_per_s']:.3f} GB/s (copy {row['numpy_copy_ms']} ms), graphs {row['graphs']}, "
                           f"nodes {row['nodes']}, holes left {row['holes_after']}", file=sys.stderr)
                 out["rows"] += rows
-                out["ratios"].append(ratios(rows, layers))
+                if all(p in paths for p in PATHS):
+                    out["ratios"].append(ratios(rows, layers))
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 

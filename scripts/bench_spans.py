@@ -26,7 +26,7 @@ from pyllama_kv.modelfile import catalogue  # noqa: E402
 
 
 def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None) -> dict:
-    model = pk.Model(catalogue.resolve(name))
+    model = pk.Model(name if Path(name).is_file() else catalogue.resolve(name))
     rng = np.random.default_rng(0)
     toks = [int(t) for t in rng.integers(10, min(model.n_vocab, 30000), prefix + span)]
     evals, snaps, restores = [], [], []
@@ -36,6 +36,7 @@ def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None)
         for _ in range(repeat):
             t = time.perf_counter()
             s.extend(toks[prefix:])
+            s.logits()   # on a GPU, decode returns before the graph has run: wait for it
             evals.append(time.perf_counter() - t)
             t = time.perf_counter()
             sp = s.snapshot(prefix)

@@ -49,6 +49,11 @@ def snapshot(ctx):
 
 
 def test_library_info(patched_lib):
+    from conftest import DEVICE_RUN
+
+    if DEVICE_RUN:
+        pytest.skip("device run: scripts/gpu_check.sh builds with CMake directly, so no build manifest says "
+                    "the library's backend and revision")
     info = pk.library_info()
     assert info["path"] == patched_lib
     assert info["variant"] == "patched" and info["backend"] == "cpu"
@@ -720,3 +725,16 @@ def test_module_paths_of_before_the_folders_still_work_with_a_warning():
     from pyllama_kv.chat import apply_chat_template, chat_template  # noqa: F401
     from pyllama_kv.sampling import Sampler
     assert Sampler is pk.Sampler
+
+
+def test_default_gpu_layers_follow_the_library(tiny_model):
+    """n_gpu_layers=None means every layer on a library that finds a GPU, none on a CPU build; the
+    library names its GPUs (none here unless the suite runs on a GPU build, scripts/gpu_check.sh)."""
+    with pk.Model(tiny_model) as m:
+        gpus = m._lib.gpu_devices()
+        assert all(isinstance(g, str) and g for g in gpus)
+        assert m.n_gpu_layers == (-1 if gpus else 0)
+    with pk.Model(tiny_model, 0) as m:
+        assert m.n_gpu_layers == 0
+    with pytest.raises(pk.InvalidInputError, match="n_gpu_layers"):
+        pk.Model(tiny_model, -2)

@@ -186,3 +186,14 @@ def test_bench_grammar_flood():
     assert d["quiet"]["errors"] == 0 and d["flood_run"]["errors"] == 0, d
     assert set(d["flood_answers"]) == {"200", "400"} and sum(d["flood_answers"].values()) == d["flood"], d
     assert d["flood_run"]["completion"]["n"] >= 1 and all(v is not None for v in d["ratios"].values()), d
+
+
+def test_bench_embeddings():
+    """Ours against llama-server --embeddings on a tiny BERT: every text answered by both, the same vectors."""
+    d = _run("bench_embeddings.py")
+    _machine(d)
+    assert d["benchmark"] == "embeddings" and [r["server"] for r in d["rows"]] == ["pyllama-kv", "llama-server"]
+    for r in d["rows"]:
+        assert r["errors"] == 0 and r["texts_per_s"] > 0 and r["tokens_per_s"] > 0, r
+    assert d["ratio_ours_over_llama_server"] > 0
+    assert d["first_vector_max_abs_diff"] is not None and d["first_vector_max_abs_diff"] <= 1e-4

@@ -16,7 +16,11 @@ cache), so a wrong index or a race between its reads and writes shows up as chan
 K/V: the gather copies rows as raw 4-byte words, so q8_0 and q4_0 stay on it
 when a row is a multiple of 4 bytes (n_embd_k_gqa 64 here) and are exact by construction; with rows
 of 18 or 34 bytes (n_embd_k_gqa 32) the per-move graphs run instead. A cache on an RPC server (not in
-host memory) takes the gather graphs without being forced.
+host memory) takes the gather graphs without being forced, and so does a cache on a GPU.
+
+The models here run on the CPU (``n_gpu_layers=0``: a cache in host memory, where all three paths
+exist) also when the suite runs on a GPU build (scripts/gpu_check.sh); the last test puts the cache
+on the GPU when there is one.
 """
 from __future__ import annotations
 
@@ -129,13 +133,13 @@ def _check_paths(model: pk.Model, type_k: str, type_v: str, fa: bool, monkeypatc
 
 @pytest.mark.parametrize("type_k,type_v,fa", CONFIGS, ids=[f"{k}-{v}-fa{int(fa)}" for k, v, fa in CONFIGS])
 def test_defrag_paths_leave_the_same_bytes(wide_model, patched_lib, type_k, type_v, fa, monkeypatch):
-    with pk.Model(wide_model, lib=patched_lib) as m:
+    with pk.Model(wide_model, 0, lib=patched_lib) as m:
         _check_paths(m, type_k, type_v, fa, monkeypatch, gather=True)
 
 
 @pytest.mark.parametrize("type_kv", ["q8_0", "q4_0"])
 def test_quantized_rows_off_4_bytes_stay_on_the_per_move_graphs(narrow_model, patched_lib, type_kv, monkeypatch):
-    with pk.Model(narrow_model, lib=patched_lib) as m:
+    with pk.Model(narrow_model, 0, lib=patched_lib) as m:
         _check_paths(m, type_kv, type_kv, True, monkeypatch, gather=False)
 
 
@@ -149,7 +153,7 @@ def test_gather_chunked_by_cells(wide_model, patched_lib, fa, max_bytes, cells, 
     """A small memory bound splits the gather into graphs of a few cells (down to one): still exact, and
     every graph holds all the layers."""
     monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES", str(max_bytes))
-    with pk.Model(wide_model, lib=patched_lib) as m:
+    with pk.Model(wide_model, 0, lib=patched_lib) as m:
         g = _defrag(m, "f16", "f16", fa, "gather", monkeypatch)
         monkeypatch.delenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES")
         host = _defrag(m, "f16", "f16", fa, "host", monkeypatch)
@@ -165,7 +169,7 @@ def test_gather_graphs_start_at_aligned_cells(wide_model, patched_lib, monkeypat
     multiples of the alignment. Here the CPU is told to align to 10 cells; chunks of 16 round down to 10."""
     monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_ALIGN", "10")
     monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES", "64")  # 16 cells of indices
-    with pk.Model(wide_model, lib=patched_lib) as m:
+    with pk.Model(wide_model, 0, lib=patched_lib) as m:
         g = _defrag(m, "f16", "f16", True, "gather", monkeypatch, first_hole=13)
         host = _defrag(m, "f16", "f16", True, "host", monkeypatch, first_hole=13)
     np.testing.assert_array_equal(g["cells"], host["cells"])
@@ -180,7 +184,7 @@ def test_a_gather_graph_that_cannot_be_allocated_hands_over_to_the_per_move_grap
     moves, after the gather graphs that ran, and the bytes are the host path's."""
     monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_MAX_BYTES", "2600")  # 10 cells a graph
     monkeypatch.setenv("LLAMA_KV_DEFRAG_GATHER_TEST_FAIL", str(fail_at))
-    with pk.Model(wide_model, lib=patched_lib) as m:
+    with pk.Model(wide_model, 0, lib=patched_lib) as m:
         g = _defrag(m, "f16", "f16", False, "gather", monkeypatch)
         monkeypatch.delenv("LLAMA_KV_DEFRAG_GATHER_TEST_FAIL")
         host = _defrag(m, "f16", "f16", False, "host", monkeypatch)
@@ -194,7 +198,7 @@ def test_vanilla_keeps_its_graph_defrag(wide_model, vanilla_lib, monkeypatch):
     """The unpatched build ignores LLAMA_KV_DEFRAG_GRAPH and moves cells with its per-move graphs,
     which pack these few moves in one graph: the same bytes and the same cells as the patched paths."""
     monkeypatch.setenv("LLAMA_KV_DEFRAG_GRAPH", "1")
-    with pk.Model(wide_model, lib=vanilla_lib) as m:
+    with pk.Model(wide_model, 0, lib=vanilla_lib) as m:
         with m.context(n_ctx=N_CTX, n_seq_max=5, n_batch=64, n_ubatch=32, n_threads=1) as ctx:
             ids = _fragment(ctx)
             before = _states(ctx, ids)
@@ -219,3 +223,16 @@ def test_a_cache_on_an_rpc_server_takes_the_gather_graphs(wide_model, patched_li
     np.testing.assert_array_equal(g["cells"], mv["cells"])
     assert g["graphs"] == 1 and g["nodes"] == gather_nodes(m.n_layer, "f16", fa, on_cpu=False), g
     assert mv["nodes"] == 6 * m.n_layer * mv["moves"], mv
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["fa0", "fa1"])
+def test_a_cache_on_the_gpu_takes_the_gather_graphs(wide_model, patched_lib, fa, monkeypatch):
+    """On a GPU build with a GPU (every layer offloaded, the cache in device memory), the default path
+    is the gather graphs, exact, with the per-move graphs as the reference. Skipped without a GPU."""
+    with pk.Model(wide_model, lib=patched_lib) as m:
+        if not m._lib.gpu_devices():
+            pytest.skip("no GPU: the library found none (a CPU build, or a machine without one)")
+        g = _defrag(m, "f16", "f16", fa, None, monkeypatch)
+        mv = _defrag(m, "f16", "f16", fa, "moves", monkeypatch)
+    np.testing.assert_array_equal(g["cells"], mv["cells"])
+    assert g["graphs"] >= 1 and g["nodes"] == g["graphs"] * gather_nodes(m.n_layer, "f16", fa, on_cpu=False), g

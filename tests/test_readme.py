@@ -156,3 +156,16 @@ def test_tests_and_scripts_the_docs_name_exist():
     for path in DOCS:
         for name in set(re.findall(r"\b((?:tests|scripts)/[\w./-]+\.(?:py|sh))", path.read_text())):
             assert (ROOT / name).exists(), f"{path.name} names {name}, which does not exist"
+
+
+def test_readme_embeddings_example_runs(models, tmp_path):
+    from pyllama_kv.tools.gguf import make_tiny_model
+
+    bert = make_tiny_model(models / "readme-bert.gguf", arch="bert", n_ctx_train=512)
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if ".embed(" in b]
+    assert blocks, "the README has no embeddings example"
+    script = tmp_path / "embed_example.py"
+    script.write_text(blocks[0].replace('"embedder.gguf"', repr(str(bert))))
+    r = run_py([str(script)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("(3, 64) [1. ")

@@ -122,6 +122,16 @@ class Library:
         except AttributeError:
             return False
 
+    def gpu_devices(self) -> list[str]:
+        """The names of the GPU devices this library's backends found (CUDA, Metal, ...; RPC servers
+        are not among them until a model connects them): empty on a CPU build or a machine
+        without a GPU."""
+        L = self.lib
+        with self.lock:
+            devs = [L.ggml_backend_dev_get(i) for i in range(L.ggml_backend_dev_count())]
+            return [ffi.string(L.ggml_backend_dev_name(d)).decode("utf-8", "replace") for d in devs
+                    if L.ggml_backend_dev_type(d) == L.GGML_BACKEND_DEVICE_TYPE_GPU]
+
     def has(self, name: str) -> bool:
         """Whether the loaded library exports ``name`` (e.g. the patched-only stats API)."""
         if name not in self._has:

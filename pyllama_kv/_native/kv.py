@@ -142,6 +142,10 @@ class NativeModel:
                                     bool(unparse_special))
         return n, (ffi.unpack(out, n) if n >= 0 else b"")
 
+    def sep(self) -> int:
+        """llama_vocab_sep (-1: none)."""
+        return int(self.L.llama_vocab_sep(self.vocab))
+
     def is_eog(self, token: int) -> bool:
         """llama_vocab_is_eog."""
         return bool(self.L.llama_vocab_is_eog(self.vocab, token))
@@ -194,8 +198,10 @@ class NativeContext:
     @classmethod
     def create(cls, lib: Library, model: NativeModel, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
                flash_attn: bool, type_k: int, type_v: int, n_threads: int,
-               defrag_thold: float | None) -> tuple[NativeContext | None, str]:
-        """llama_init_from_model: (the context, "") or (None, llama.cpp's last error line)."""
+               defrag_thold: float | None, embeddings: bool = False,
+               pooling_type: int | None = None) -> tuple[NativeContext | None, str]:
+        """llama_init_from_model: (the context, "") or (None, llama.cpp's last error line).
+        ``embeddings``/``pooling_type``: an embeddings context (pooling None: the model's)."""
         L = lib.lib
         p = L.llama_context_default_params()
         p.n_ctx = n_ctx
@@ -210,6 +216,9 @@ class NativeContext:
         p.n_threads_batch = n_threads
         if defrag_thold is not None:
             p.defrag_thold = float(defrag_thold)
+        p.embeddings = bool(embeddings)
+        if pooling_type is not None:
+            p.pooling_type = pooling_type
         with lib.lock:
             lib.clear_errors()
             ptr = L.llama_init_from_model(model.ptr, p)
@@ -246,6 +255,28 @@ class NativeContext:
         ptr = self.L.llama_get_logits(self.ptr)
         rows = np.frombuffer(ffi.buffer(ptr, n_rows * n_vocab * 4), dtype=np.float32)
         return rows.reshape(n_rows, n_vocab).copy()
+
+    # -- embeddings (a context made with embeddings=True)
+
+    def pooling_type(self) -> int:
+        """llama_pooling_type: the pooling the context applies (llama.h's enum value)."""
+        return int(self.L.llama_pooling_type(self.ptr))
+
+    def embeddings_seq(self, seq_id: int, n: int) -> np.ndarray | None:
+        """A copy of llama_get_embeddings_seq's ``n`` floats for seq_id (None: NULL, no such sequence)."""
+        ptr = self.L.llama_get_embeddings_seq(self.ptr, seq_id)
+        if ptr == ffi.NULL:
+            return None
+        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
+
+    def embeddings_rows(self, n_rows: int, n_embd: int) -> np.ndarray | None:
+        """A copy of the first n_rows output rows of llama_get_embeddings (pooling none), float32
+        (n_rows, n_embd); None when NULL."""
+        ptr = self.L.llama_get_embeddings(self.ptr)
+        if ptr == ffi.NULL:
+            return None
+        rows = np.frombuffer(ffi.buffer(ptr, n_rows * n_embd * 4), dtype=np.float32)
+        return rows.reshape(n_rows, n_embd).copy()
 
     def set_abort_poll(self, poll: Callable[[Any], bool]) -> None:
         """Make ``poll(user_data)`` (never raising) the abort callback that enable_abort installs; a

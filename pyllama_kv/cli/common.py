@@ -61,13 +61,15 @@ def resolve_model(spec: str):
     return resolve(spec)
 
 
-def open_model(path: str, lib: str | None, rpc: list[str] | None = None, validate: str | None = None):
+def open_model(path: str, lib: str | None, rpc: list[str] | None = None, validate: str | None = None,
+               n_gpu_layers: int | None = None):
     """The model at ``path`` on library ``lib``; with ``rpc`` (the --rpc endpoints), every layer runs
-    on those rpc-server processes; ``validate`` is the --validate level (None: the default)."""
+    on those rpc-server processes; ``validate`` is the --validate level (None: the default);
+    ``n_gpu_layers`` is -ngl (None: pk.Model's default, every layer on a GPU library)."""
     from .. import Model
     from ..modelfile.vetting import DEFAULT_VALIDATE
 
-    return Model(path, lib=lib, rpc=rpc, validate=validate or DEFAULT_VALIDATE)
+    return Model(path, n_gpu_layers, lib=lib, rpc=rpc, validate=validate or DEFAULT_VALIDATE)
 
 
 def check_ctx(model, n_ctx: int | None, flag: str = "--ctx") -> None:

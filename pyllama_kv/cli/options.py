@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar
 
 from ..config import ContextConfig, EngineConfig, SamplingParams, default_threads, on_off
 from ..errors import InvalidInputError
-from ..limits import DEFAULT_N_CTX, KV_CACHE_TYPES
+from ..limits import DEFAULT_N_CTX, KV_CACHE_TYPES, POOLING_TYPES
 from .common import UsageError
 
 T = TypeVar("T")
@@ -117,10 +117,16 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     Flag(EngineConfig, "context_shift", ("--context-shift",), "at the end of the context, keep the first --keep "
          "tokens, drop half of the rest and go on (on), or stop the answer (off) (default: on)", on_off,
          metavar="on|off"),
+    Flag(EngineConfig, "pooling", ("--pooling",), "how embeddings pool a sequence's token vectors (llama-server's "
+         "--pooling): mean, cls (the first token), last, rank (a reranker's score, for /v1/rerank) or none (one "
+         "vector per token; /v1/embeddings refuses it) (default: the model's GGUF says; none if it says nothing)",
+         str, metavar="TYPE", choices=tuple(POOLING_TYPES)),
     Flag(EngineConfig, "n_keep", ("--keep",), "tokens at the start that a context shift never drops; -1: the whole "
          "prompt (default {default})", metavar="N"),
     # the model: how its file is checked (pk.Model(..., validate=...)) and where its layers run
     Flag(None, "validate", ("--validate",), "", str, metavar="LEVEL", choices=("full", "static", "off")),
+    Flag(None, "n_gpu_layers", ("-ngl", "--n-gpu-layers"), "layers offloaded to the GPU; -1: all (default: all "
+         "when the library has a GPU backend and finds a GPU, else 0)", int, metavar="N"),
     Flag(None, "rpc", ("--rpc",), "offload every layer to the rpc-server processes at these endpoints (ggml's RPC "
          "backend, a library built with `pyllama-kv build --rpc`); never expose rpc-server to an untrusted "
          "network", _rpc_endpoints, metavar="HOST:PORT[,HOST:PORT...]"),

@@ -163,6 +163,10 @@ class Model(_kv.CResource):
     (``$PYLLAMA_KV_LIB``, else the patched build). Close with :meth:`close` or ``with``; contexts made
     from a model keep it alive until they close.
 
+    ``n_gpu_layers``: the last N layers (and, past the layer count, the output) go to the GPU;
+    -1 for all. The default (None) is all of them on a library built with a GPU backend
+    (``pyllama-kv build --backend cuda|metal``) that finds a GPU, else 0 (CPU).
+
     ``rpc``: ``["host:port", ...]`` of ``rpc-server`` processes (ggml's RPC backend; a library built
     with ``pyllama-kv build --rpc``) to offload layers to: the last ``n_gpu_layers`` layers (default:
     all of them) are split over those servers, the rest run on this machine's CPU (a local GPU is
@@ -198,11 +202,12 @@ class Model(_kv.CResource):
 
         level = validate_level(validate)
         endpoints = parse_rpc(rpc) if rpc is not None else []
-        if n_gpu_layers is None:
-            n_gpu_layers = -1 if endpoints else 0
-        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
+        if n_gpu_layers is not None and (isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int)
+                                         or not -1 <= n_gpu_layers <= INT32_MAX):
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
         self._lib = _kv.load_library(lib)
+        if n_gpu_layers is None:   # every layer where they can go: rpc servers, else a GPU of this library
+            n_gpu_layers = -1 if endpoints or self._lib.gpu_devices() else 0
         fd = None
         load_path: Path = self.path
         if level != "off":
@@ -224,6 +229,10 @@ class Model(_kv.CResource):
             if fd is not None:
                 os.close(fd)
         self._contexts: set = set()
+        # the tensors of the file as validated (None with validation off: read when asked)
+        self._tensor_names: frozenset[str] | None = \
+            frozenset(t.name for t in header.tensors) if header is not None else None
+        self._embedders: dict = {}   # Model.embed's embedders, by pooling
         info = native.info()
         self.n_vocab: int = info.n_vocab
         self.n_layer: int = info.n_layer
@@ -235,6 +244,7 @@ class Model(_kv.CResource):
         self.head_dim_v: int = self._head_dim("value_length")  # cache needs whole blocks)
         self.bos: int = info.bos
         self.eos: int = info.eos
+        self.sep: int = native.sep()   # BERT's [SEP] (-1: none); rerank pairs need it
         self.add_bos: bool = info.add_bos
         self.rope_type: int = info.rope_type
         self.has_encoder: bool = info.has_encoder
@@ -500,6 +510,82 @@ class Model(_kv.CResource):
         from ..chat import templates as chat
 
         return chat.apply_chat_template(self, messages, add_generation_prompt, tools=tools)
+
+    def tensor_names(self) -> frozenset[str]:
+        """The names of the file's tensors (read with its header: as validated, or now when validation is off)."""
+        if self._tensor_names is None:
+            from ..modelfile.gguf import read_gguf_header
+
+            self._tensor_names = frozenset(t.name for t in read_gguf_header(self.path).tensors)
+        return self._tensor_names
+
+    @property
+    def can_generate(self) -> bool:
+        """False for an encoder without a language-model head (BERT family): embeddings only."""
+        from .embedding import ENCODER_ARCHS
+
+        return (self.meta("general.architecture") or "") not in ENCODER_ARCHS
+
+    # -- embeddings -----------------------------------------------------------------------------
+
+    def embedder(self, pooling: str | None = None, **kwargs):
+        """A new :class:`~pyllama_kv.core.embedding.Embedder` (an embeddings context) over this model:
+        ``pooling`` None is the GGUF's; ``n_batch``, ``n_seqs``, ``n_threads`` as its docstring says."""
+        from .embedding import Embedder
+
+        return Embedder(self, pooling, **kwargs)
+
+    def embed(self, inputs, pooling: str | None = None, normalize: bool = True):
+        """Embeddings of ``inputs``, batched over sequences (many inputs per llama_decode).
+
+        ``inputs``: a str, a list of token ids, or a list of those (at most ``limits.MAX_EMBED_INPUTS``);
+        text is tokenized with the model's special tokens, as llama.cpp's ``llama-embedding`` does.
+        ``pooling``: None (the GGUF's ``{arch}.pooling_type``; ``none`` for a model without one),
+        ``"mean"``, ``"cls"``, ``"last"``, ``"rank"`` (a reranker's score) or ``"none"``.
+        ``normalize``: Euclidean normalisation (llama.cpp's default; never applied to rank scores).
+
+        Returns, for one input, a float32 array: (n_embd,) pooled, (n_tokens, n_embd) with pooling
+        ``none``, (1,) with ``rank``; for a list, a (n_inputs, n_embd) array (``none``: a list of
+        arrays). Each input is at most 2048 tokens (and the model's n_ctx_train). Bad input raises
+        InvalidInputError before any C call. The embeddings context is made on first use and kept
+        (one per pooling) until the model is closed.
+        """
+        from .embedding import check_pooling, embed_inputs, model_pooling
+
+        if not isinstance(normalize, bool):
+            raise InvalidInputError(f"normalize must be a bool, got {type(normalize).__name__}")
+        key = model_pooling(self, check_pooling(pooling))
+        toks, single = embed_inputs(self, inputs)
+        with self._lock:
+            self.check_open()
+            emb = self._embedders.get(key)
+            if emb is None or emb.closed:
+                emb = self._embedders[key] = self.embedder(key)
+        emb.check(toks)
+        out = emb.embed(toks, normalize)
+        assert out is not None
+        if single:
+            return out[0]
+        return out if key == "none" else np.stack(out)
+
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[tuple[int, float]]:
+        """Relevance of each document to ``query`` by a reranker model (rank pooling), as llama-server's
+        ``/v1/rerank`` formats the pairs (BOS query EOS SEP document EOS): ``(index, score)`` pairs, the
+        most relevant first, the first ``top_n`` of them (None: all). InvalidInputError for a model that
+        is not a reranker."""
+        from .embedding import check_reranker, rerank_tokens
+
+        if not isinstance(query, str) or not isinstance(documents, (list, tuple)) or not documents \
+                or not all(isinstance(d, str) for d in documents):
+            raise InvalidInputError("rerank needs a query (str) and a non-empty list of documents (str)")
+        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+            raise InvalidInputError(f"top_n must be a positive int or None, got {top_n!r}")
+        check_reranker(self)
+        q = self.tokenize(query, add_bos=False, special=True)
+        pairs = [rerank_tokens(self, q, self.tokenize(d, add_bos=False, special=True)) for d in documents]
+        scores = self.embed(pairs, pooling="rank", normalize=False)
+        order = sorted(range(len(documents)), key=lambda i: -float(scores[i][0]))
+        return [(i, float(scores[i][0])) for i in order[:top_n]]
 
     # -- contexts -------------------------------------------------------------------------------
 

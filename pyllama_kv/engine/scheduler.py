@@ -39,6 +39,9 @@ cache.
 * **Threads.** ``submit`` and ``cancel`` are safe from any thread. Either call :meth:`step` yourself
   (one thread), or :meth:`start` a loop thread.
 
+Embeddings (``submit_embedding``, engine/embeddings.py) go through this loop too: a step runs at most
+one embedding decode (on a second, embeddings context) before its generation decode.
+
 Slot failures (the vanilla build refusing a batch that fits in scattered free cells) fail the
 requests whose prompts were in that batch (finish "cache_full"), so the stress workload still shows
 what an unpatched library does.
@@ -63,6 +66,7 @@ from ..prefixcache.cache import shared_prefix
 from ..prefixcache.tiers import TierStats
 from .admission import Limits, admit, drop_range
 from .detok import TextStream
+from .embeddings import EmbeddingQueue
 from .kv import KVCache, context_kv
 from .request import FINISH_REASONS, GRAMMAR_ERROR, Event, Request, RequestHandle
 
@@ -176,6 +180,8 @@ class Engine:
         self._stopping = False
         self._closed = False
         self._seed = itertools.count(int.from_bytes(os.urandom(4), "little"))
+        self._embeddings: EmbeddingQueue | None = None   # made by the first embedding request
+        self._embeddings_lock = threading.Lock()
 
     # -- submission (any thread) ----------------------------------------------------------------
 
@@ -272,17 +278,50 @@ class Engine:
             return self._n_waiting + len(self._resume)
 
     def has_work(self) -> bool:
-        return bool(self._continuations or self._waiting or self._resume or self._inbox)
+        emb = self._embeddings
+        return bool(self._continuations or self._waiting or self._resume or self._inbox
+                    or (emb is not None and emb.has_work()))
+
+    # -- embeddings (engine/embeddings.py: one embedding decode per step, in this loop) ----------
+
+    @property
+    def embeddings(self) -> EmbeddingQueue:
+        """The engine's embedding requests and embeddings context (made on first use; its pooling is
+        ``config.pooling``, else the model's)."""
+        with self._embeddings_lock:
+            if self._embeddings is None:
+                cfg = self.config
+                self._embeddings = EmbeddingQueue(self.model, cfg.pooling, cfg.n_batch, cfg.n_threads, cfg.max_queue,
+                                                  cfg.type_k, cfg.type_v)
+            return self._embeddings
+
+    def embedding_stats(self) -> dict | None:
+        """The embedding counters (EmbeddingStats as a dict), None before the first embedding request."""
+        emb = self._embeddings
+        return None if emb is None else {**asdict(emb.stats), "waiting": emb.waiting}
+
+    def submit_embedding(self, inputs: list, normalize: bool = True) -> Future:
+        """Queue an embedding request (any thread): ``inputs`` are checked token arrays (core.embedding's
+        embed_inputs), each at most ``embeddings.n_batch`` tokens. Its Future gets one result per input
+        (see Embedder.embed); cancel it to drop the request. QueueFullError when the queue is full."""
+        if self._closed:
+            raise InvalidInputError("the engine is closed")
+        fut = self.embeddings.submit(inputs, normalize)
+        with self._cv:
+            self._cv.notify_all()
+        return fut
 
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> int:
         """One decode (see the module docstring); returns the tokens decoded (0 when idle)."""
         self._drain_inbox()
+        emb = self._embeddings
+        n_emb = emb.step() if emb is not None and emb.has_work() else 0   # one embedding decode at most
         self._admit()
         batch, owners = self._build_batch()
         if not batch:
-            return 0
+            return n_emb
         self.stats.steps += 1
         out = self._decode(batch, owners)
         n = 0
@@ -395,6 +434,8 @@ class Engine:
             return
         self.stop(cancel=True)
         self._closed = True
+        if self._embeddings is not None:
+            self._embeddings.close()
         if self._own_ctx is not None:
             self._own_ctx.close()
 
@@ -738,6 +779,8 @@ class Engine:
             self._end_unstarted(req, reason, error)
 
     def _cancel_everything(self, now: bool = False) -> None:
+        if self._embeddings is not None:
+            self._embeddings.cancel_all()
         with self._cv:
             reqs = [r for k, r in self._inbox if k == "submit"]
         running = {id(s.req): s.req for s in itertools.chain(self._continuations, self._resume)}

@@ -136,8 +136,13 @@ def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
         from .cuda import default_arch
 
         # no VMM: libggml-cuda does not link the driver's libcuda.so, which a machine without a GPU lacks
+        # --exclude-libs: a host compiler that links part of its newer libstdc++ statically (a
+        # devtoolset-style GCC as CUDAHOSTCXX) put those std:: symbols into libggml-cuda.so's exports,
+        # where they interposed on libstdc++'s own in a Python process: llama_model_load_from_file
+        # crashed in print_info on an H200 (llama.cpp's own tools ran). Keep them local to the library.
         flags += ["-DGGML_CUDA=ON", "-DGGML_METAL=OFF", "-DGGML_CUDA_NO_VMM=ON",
-                  f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or default_arch()}"]
+                  f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or default_arch()}",
+                  "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"]
         if cuda_info and cuda_info.get("root"):  # a toolkit overlay with cuBLAS from PyPI
             flags += [f"-DCUDAToolkit_ROOT={cuda_info['root']}", f"-DCMAKE_CUDA_COMPILER={cuda_info['nvcc']}"]
     elif backend == "metal":

@@ -4,6 +4,12 @@ Ollama's runner model: the engine's thread owns the context and runs the one loo
 parses and tokenizes the request, submits it, and relays the engine's events, which the engine
 thread hands to the asyncio loop (``call_soon_threadsafe`` into a queue per request).
 
+Every generating endpoint takes the same path (:meth:`Server._serve`): its wire format is a
+:class:`~pyllama_kv.server.relay.Dialect` (chat and completions: protocol.py; the Responses API:
+responses.py; Anthropic's Messages API: messages.py), which checks the body into a chat or completion
+request and writes the answer, the stream and the errors; limits, cancellation and metrics are here,
+once.
+
 * Prefix reuse: requests are submitted with the engine's ``keep_finished`` (on by default): a prompt
   is remembered as an idle cached sequence as soon as it is evaluated, and a finished request's
   prompt + answer replaces it, so a later request forks the longest cached prefix (a shared system
@@ -34,6 +40,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -46,14 +53,16 @@ from .._worker import Cancelled
 from ..chat import toolcall
 from ..chat.conversation import Transcripts
 from ..chat.templates import chat_template
+from ..core.embedding import embed_inputs, rerank_tokens
 from ..engine.request import GRAMMAR_ERROR
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from ..limits import prompt_too_long
 from ..sampling.grammar import Grammar, GrammarCache, GrammarError
-from . import protocol
+from . import messages, protocol, responses
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE, Metrics, Snapshot
 from .protocol import APIError, GenRequest
+from .relay import Bounds, Dialect, OpenAIDialect, Relay, error_response
 
 log = logging.getLogger("pyllama_kv.server")
 
@@ -66,14 +75,7 @@ GRAMMAR_THREADS = 4
 _ERROR_FINISH = {"cache_full": (503, "server_error", "kv_cache_full"), "error": (500, "server_error", "engine_error")}
 
 
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-def _error(e: APIError) -> Response:
-    """The error object as ASCII JSON: a message may quote the client's text, lone surrogates included
-    (valid in JSON as escapes, but not encodable as UTF-8)."""
-    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
+_error = error_response   # (OpenAI's error object)
 
 
 class _Gone(Exception):
@@ -110,16 +112,37 @@ class Server:
         self._grammar_threads = anyio.CapacityLimiter(GRAMMAR_THREADS)
         # chats come back whole: their earlier answers are tokenized as the cache holds them
         self.transcripts = Transcripts(model)
+        self.can_generate = model.can_generate   # False: an encoder (BERT family), embeddings only
+        # the generating endpoints' wire formats (relay.Dialect), over the one engine path (_serve)
+        bounds = Bounds(engine.config.parallel, engine.config.max_tokens, model.check_tokens)
+        self.response_store = responses.ResponseStore()
+        self.dialects: dict[str, Dialect] = {
+            "chat": OpenAIDialect("chat", bounds, self._piece),
+            "completion": OpenAIDialect("completion", bounds, self._piece),
+            "responses": responses.ResponsesDialect(bounds, self.response_store),
+            "messages": messages.MessagesDialect(bounds, self._piece)}
+        self.anthropic = self.dialects["messages"]
+        anthropic = messages.error_response
         routes = [
-            Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
-            Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
-            Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
-            Route("/v1/models/{model:path}", self._endpoint(self.model_info), methods=["GET"]),
-            Route("/health", self._endpoint(self.health, auth=False), methods=["GET"]),
-            Route("/metrics", self._endpoint(self.metrics_text), methods=["GET"]),
-            Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
-            Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
-            Route("/apply-template", self._endpoint(self.apply_template), methods=["POST"]),
+            self._route("/v1/chat/completions", self.chat, "POST"),
+            self._route("/v1/completions", self.completions, "POST"),
+            self._route("/v1/responses", self.responses, "POST"),
+            self._route("/v1/responses/{id}", self.stored_response, "GET"),
+            self._route("/v1/responses/{id}", self.delete_response, "DELETE"),
+            self._route("/v1/messages", self.messages, "POST", errors=anthropic),
+            self._route("/v1/messages/count_tokens", self.count_tokens, "POST", errors=anthropic),
+            self._route("/v1/models", self.models, "GET"),
+            self._route("/v1/models/{model:path}", self.model_info, "GET"),
+            self._route("/health", self.health, "GET", auth=False),
+            self._route("/metrics", self.metrics_text, "GET"),
+            self._route("/tokenize", self.tokenize, "POST"),
+            self._route("/detokenize", self.detokenize, "POST"),
+            self._route("/apply-template", self.apply_template, "POST"),
+            # embeddings and rerank (issue 33: the section "embeddings and rerank" below)
+            self._route("/v1/embeddings", self.embeddings, "POST"),
+            self._route("/api/embed", self.ollama_embed, "POST"),
+            self._route("/v1/rerank", self.rerank, "POST"),
+            self._route("/rerank", self.rerank, "POST"),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan,
                              exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
@@ -155,40 +178,50 @@ class Server:
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    def _endpoint(self, fn, auth: bool = True):
+    def _route(self, path: str, fn, method: str, auth: bool = True, errors=_error) -> Route:
+        """``path`` answered by ``fn`` (errors written by ``errors``: OpenAI's object, or Anthropic's on
+        its endpoints), counted per path and status in ``pyllama_kv_http_requests_total``."""
         async def handler(request: HTTPRequest) -> Response:
-            try:
-                if auth:
-                    self._auth(request)
-                return await fn(request)
-            except APIError as e:
-                return _error(e)
-            except _Gone as e:   # nobody is there to read an answer, and nothing went wrong here
-                self.metrics.client_disconnects.labels(e.stage).inc()
-                return Response(status_code=499)
-            except Exception:
-                log.exception("error while serving %s %s", request.method, request.url.path)
-                self.metrics.internal_errors.inc()
-                return _error(APIError(500, "internal server error (see the server's log)", "server_error"))
-        return handler
+            response = await self._handle(request, fn, auth, errors)
+            self.metrics.http_requests.labels(path, str(response.status_code)).inc()
+            return response
+        return Route(path, handler, methods=[method])
+
+    async def _handle(self, request: HTTPRequest, fn, auth: bool, errors) -> Response:
+        try:
+            if auth:
+                self._auth(request)
+            return await fn(request)
+        except APIError as e:
+            return errors(e)
+        except _Gone as e:   # nobody is there to read an answer, and nothing went wrong here
+            self.metrics.client_disconnects.labels(e.stage).inc()
+            return Response(status_code=499)
+        except Exception:
+            log.exception("error while serving %s %s", request.method, request.url.path)
+            self.metrics.internal_errors.inc()
+            return errors(APIError(500, "internal server error (see the server's log)", "server_error"))
 
     def _auth(self, request: HTTPRequest) -> None:
+        """The API key, as ``Authorization: Bearer KEY`` or (Anthropic's clients) ``x-api-key: KEY``."""
         key = self.config.api_key
         if key is None:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
         # compared as digests: in constant time, and without giving away the key's length
         digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(digest, self._key_digest):
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+        if not hmac.compare_digest(digest, self._key_digest):
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _http_error(self, request: HTTPRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return _error(APIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
+        errors = messages.error_response if request.url.path.startswith("/v1/messages") else _error
+        return errors(APIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
 
     async def _internal_error(self, request: HTTPRequest, exc: Exception) -> Response:
         log.error("error while serving %s %s", request.method, request.url.path, exc_info=exc)
@@ -285,11 +318,154 @@ class Server:
             raise protocol.bad("messages", str(e)) from None
         return JSONResponse({"prompt": str(text)})
 
+    # -- embeddings and rerank (the engine's loop runs them: engine/embeddings.py) ---------------
+
+    async def embeddings(self, request: HTTPRequest) -> Response:
+        """OpenAI's ``POST /v1/embeddings``."""
+        return await self._embeddings(request, "openai")
+
+    async def ollama_embed(self, request: HTTPRequest) -> Response:
+        """Ollama's ``POST /api/embed``."""
+        return await self._embeddings(request, "ollama")
+
+    async def _embeddings(self, request: HTTPRequest, kind: str) -> Response:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        req = protocol.parse_embeddings(await self._body(request), kind)
+        if req.model is not None:
+            self._check_model(req.model)
+        pooling = self.engine.embeddings.pooling
+        if pooling in ("rank", "none"):
+            why = "it is a reranker: its scores are served at /v1/rerank" if pooling == "rank" else \
+                "its pooling is none (one vector per token): start the server with --pooling mean, cls or last"
+            raise APIError(400, f"{self.model_id} does not serve embeddings of whole inputs: {why}",
+                           code="model_not_supported")
+        if req.dimensions is not None and req.dimensions != self.model.n_embd:
+            raise protocol.bad("dimensions", f"dimensions={req.dimensions}: this model's embeddings have "
+                               f"{self.model.n_embd} dimensions (other sizes are not supported)",
+                               code="unsupported_parameter")
+        toks = await run_in_threadpool(self._embedding_tokens, req.inputs, req.truncate)
+        vectors = await self._embed(request, toks, normalize=True)
+        if vectors is None:
+            return Response(status_code=499)
+        n = sum(len(t) for t in toks)
+        return JSONResponse(protocol.embeddings_response(req, self.model_id, vectors, n))
+
+    def _fit(self, toks, name: str, truncate: bool = False):
+        """``toks`` within the embedding batch (cut when ``truncate``), else a 400 naming ``name``."""
+        limit = self.engine.embeddings.n_batch
+        if len(toks) <= limit:
+            return toks
+        if truncate:
+            return toks[:limit]
+        raise protocol.bad(name, f"{name} has {len(toks)} tokens; this server embeds at most {limit} tokens per "
+                           "input (its batch: serve --batch, within the model's n_ctx_train)",
+                           code="context_length_exceeded")
+
+    def _embedding_tokens(self, inputs: list, truncate: bool) -> list:
+        """Each input's tokens (text with the model's special tokens, as llama-server), checked."""
+        out = []
+        for i, x in enumerate(inputs):
+            try:
+                toks = embed_inputs(self.model, [x])[0][0]
+            except InvalidInputError as e:
+                raise protocol.bad("input", f"input[{i}]: {e}") from None
+            out.append(self._fit(toks, f"input[{i}]", truncate))
+        return out
+
+    async def rerank(self, request: HTTPRequest) -> Response:
+        """llama-server's ``POST /v1/rerank`` (and ``/rerank``): a reranker's relevance of each document to
+        the query, most relevant first."""
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        req = protocol.parse_rerank(await self._body(request))
+        if req.model is not None:
+            self._check_model(req.model)
+        pooling = self.engine.embeddings.pooling
+        if pooling != "rank":
+            raise APIError(400, f"{self.model_id} is not a reranker (its pooling is {pooling}): /v1/rerank needs a "
+                           "reranker GGUF (pooling rank)", code="model_not_supported")
+        toks = await run_in_threadpool(self._rerank_tokens, req)
+        scores = await self._embed(request, toks, normalize=False)
+        if scores is None:
+            return Response(status_code=499)
+        n = sum(len(t) for t in toks)
+        return JSONResponse(protocol.rerank_response(req, self.model_id, [float(v[0]) for v in scores], n))
+
+    def _rerank_tokens(self, req) -> list:
+        m = self.model
+        try:
+            q = m.tokenize(req.query, add_bos=False, special=True)
+            out = []
+            for i, d in enumerate(req.inputs):
+                toks = rerank_tokens(m, q, m.tokenize(d, add_bos=False, special=True))
+                out.append(np.asarray(self._fit(toks, f"documents[{i}]"), dtype=np.int32))
+            return out
+        except InvalidInputError as e:
+            raise protocol.bad(None, str(e)) from None
+
+    async def _embed(self, request: HTTPRequest, toks: list, normalize: bool) -> list | None:
+        """Submit to the engine and await the results; None when the client went away first (the request
+        is dropped from the engine's queue)."""
+        try:
+            fut = self.engine.submit_embedding(toks, normalize)
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        except InvalidInputError as e:
+            raise protocol.bad(None, str(e)) from None
+        waiting = asyncio.wrap_future(fut)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not waiting.done():
+            fut.cancel()
+            self.metrics.client_disconnects.labels("embedding").inc()
+            return None
+        if waiting.cancelled():   # the engine stopped (shutdown)
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        exc = waiting.exception()
+        if isinstance(exc, InvalidInputError):
+            raise protocol.bad(None, str(exc)) from None
+        if exc is not None:
+            raise APIError(500, f"the embedding failed: {type(exc).__name__}: {exc}", "server_error",
+                           code="engine_error")
+        return waiting.result()
+
     async def chat(self, request: HTTPRequest) -> Response:
-        return await self._generate(request, "chat")
+        return await self._serve(request, self.dialects["chat"])
 
     async def completions(self, request: HTTPRequest) -> Response:
-        return await self._generate(request, "completion")
+        return await self._serve(request, self.dialects["completion"])
+
+    async def responses(self, request: HTTPRequest) -> Response:
+        return await self._serve(request, self.dialects["responses"])
+
+    async def messages(self, request: HTTPRequest) -> Response:
+        return await self._serve(request, self.dialects["messages"])
+
+    async def stored_response(self, request: HTTPRequest) -> Response:
+        """``GET /v1/responses/{id}``: a stored response (``store``: true, not evicted yet)."""
+        return JSONResponse(self.response_store.answer(request.path_params["id"]))
+
+    async def delete_response(self, request: HTTPRequest) -> Response:
+        """``DELETE /v1/responses/{id}``: forget a stored response."""
+        return JSONResponse(self.response_store.delete(request.path_params["id"]))
+
+    async def count_tokens(self, request: HTTPRequest) -> Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens, rendered and tokenized
+        exactly as ``/v1/messages`` would (tools included)."""
+        assert isinstance(self.anthropic, messages.MessagesDialect)
+        req = self.anthropic.parse_count(await self._body(request))
+        self._check_model(req.model)
+        toks = await run_in_threadpool(self._prepare, req)
+        return JSONResponse({"input_tokens": len(toks)})
 
     def _check_model(self, name: str) -> None:
         if name not in self.model_names:
@@ -302,14 +478,14 @@ class Server:
         (the output's grammar: response_format, grammar, or the one that shapes a tool call) or only
         checked (each tool's parameters, ``tools[i].function.parameters``: the tools are rendered
         only with schemas llguidance takes)."""
-        out = [(g, f, False) for g, f in req.tools.parameter_grammars()] \
+        out = [(g, req.param(f), False) for g, f in req.tools.parameter_grammars()] \
             if req.tools is not None and req.tools.active else []
         g = req.grammar
         if g is not None:
             field = req.grammar_param or "grammar"
             if field == "response_format" and g.kind == "json_schema":
                 field = "response_format.json_schema.schema"
-            out.append((g, field, True))
+            out.append((g, req.param(field), True))
         return out
 
     def _known(self, needed: list[tuple[Grammar, str, bool]]):
@@ -348,7 +524,8 @@ class Server:
         truncate = req.truncate if req.truncate is not None else cfg.truncate
         why = None if truncate else prompt_too_long(len(toks), self.engine.n_ctx)   # truncate: the engine cuts it
         if why:
-            raise protocol.bad("messages" if req.kind == "chat" else "prompt", why, code="context_length_exceeded")
+            raise protocol.bad(req.param("messages" if req.kind == "chat" else "prompt"), why,
+                               code="context_length_exceeded")
 
     def _prepare(self, req: GenRequest) -> list[int]:
         """The prompt's token ids (on a worker thread: rendering and tokenizing take a while), and with
@@ -357,7 +534,7 @@ class Server:
         try:
             g = toolcall.grammar(req.tool_format, req.tools) if req.kind == "chat" else None
         except GrammarError as e:   # (each tool's parameters were in bounds: their combination is not)
-            raise protocol.bad("tools", f"tools: {e}", code="invalid_grammar") from None
+            raise protocol.bad(req.param("tools"), f"{req.param('tools')}: {e}", code="invalid_grammar") from None
         if g is not None:
             req.grammar, req.grammar_param = g, "tools"
         return toks
@@ -399,7 +576,7 @@ class Server:
     def _tokens(self, req: GenRequest) -> list[int]:
         """The prompt's token ids."""
         m = self.model
-        param = "messages" if req.kind == "chat" else "prompt"
+        param = req.param("messages" if req.kind == "chat" else "prompt")
         try:
             if req.kind == "chat":
                 req.tool_format = toolcall.detect_format(chat_template(m))
@@ -413,18 +590,22 @@ class Server:
         except InvalidInputError as e:
             raise protocol.bad(param, str(e)) from None
 
-    async def _generate(self, request: HTTPRequest, kind: str) -> Response:
+    async def _serve(self, request: HTTPRequest, dialect: Dialect) -> Response:
+        """A generating endpoint, whatever its dialect: check the body into a chat or completion request,
+        prepare and submit it, then answer it whole or stream it."""
         t0 = time.perf_counter()
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        body = await self._body(request)
-        cfg = self.engine.config
-        req = protocol.parse(body, kind, parallel=cfg.parallel, max_tokens_cap=cfg.max_tokens,
-                             check_tokens=self.model.check_tokens)
+        if not self.can_generate:
+            raise APIError(400, f"{self.model_id} is an embedding model (no language-model head): it serves "
+                           "/v1/embeddings (and /v1/rerank for a reranker), not completions",
+                           code="model_not_supported")
+        req = dialect.parse(await self._body(request))
         self._check_model(req.model)
         toks, grammar = await self._prepared(request, req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        cfg = self.engine.config
         try:
             handle = self.engine.submit(toks, req.params, max_tokens=req.max_tokens or cfg.max_tokens, stop=req.stop,
                                         n=req.n, on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
@@ -434,9 +615,18 @@ class Server:
         except InvalidInputError as e:
             raise protocol.bad(None, str(e)) from None
         if req.stream:
-            return StreamingResponse(self._stream(req, handle, events, t0), media_type="text/event-stream",
+            return StreamingResponse(self._stream(req, handle, events, t0, dialect.stream(req, handle)),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, req, handle, events, t0)
+        if not await self._wait(request, req, handle, events):
+            return Response(status_code=499)   # nobody is there to read it
+        comps = handle.completions   # complete: each is filled in before its last event is sent
+        err = self._failure(comps, req)
+        if err is not None:
+            return dialect.error(err)
+        self._observe(handle, t0)
+        self._remember(req, comps)
+        return JSONResponse(dialect.answer(req, comps, handle.usage))
 
     def _remember(self, req: GenRequest, comps) -> None:
         """Keep each chat answer whose cells the cache holds as it was generated (finished by eos or
@@ -464,6 +654,7 @@ class Server:
                 field = req.grammar_param or "grammar"
                 if field == "response_format" and req.grammar is not None and req.grammar.kind == "json_schema":
                     field = "response_format.json_schema.schema"
+                field = req.param(field)
                 msg = f"{field}: the output cannot go on under this grammar: {c.error[len(GRAMMAR_ERROR):]}"
                 return APIError(400, msg, "invalid_request_error", param=field, code="invalid_grammar")
             if c.finish_reason in _ERROR_FINISH:
@@ -471,9 +662,9 @@ class Server:
                 return APIError(status, c.error or f"the request failed ({c.finish_reason})", typ, code=code)
         return None
 
-    async def _complete(self, request: HTTPRequest, req: GenRequest, handle, events: asyncio.Queue,
-                        t0: float) -> Response:
-        """A non-streaming request: wait for every continuation, or for the client to go away."""
+    async def _wait(self, request: HTTPRequest, req: GenRequest, handle, events: asyncio.Queue) -> bool:
+        """Wait for every continuation of a request that does not stream; False when the client went
+        away first (the request is cancelled then, and counted)."""
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
@@ -488,93 +679,49 @@ class Server:
                     get.cancel()
                     handle.cancel()
                     self.metrics.client_disconnects.labels("generating").inc()
-                    return Response(status_code=499)   # nobody is there to read it
+                    return False
                 open_ -= get.result().finish_reason is not None
         finally:
             gone.cancel()
             if open_:   # cancelled (the grace time of a shutdown ran out)
                 handle.cancel()
-        comps = handle.completions   # complete: each is filled in before its last event is sent
-        err = self._failure(comps, req)
-        if err is not None:
-            return _error(err)
-        self._observe(handle, t0)
-        self._remember(req, comps)
-        return JSONResponse(protocol.response(req, comps, handle.usage, self._piece))
+        return True
 
-    async def _stream(self, req: GenRequest, handle, events: asyncio.Queue, t0: float) -> AsyncIterator[str]:
-        """SSE chunks: text deltas, one finish chunk per continuation, [usage], ``[DONE]``. A client
-        that goes away cancels the request (starlette cancels this generator)."""
-        open_ = req.n
-        offsets = [0] * req.n   # characters streamed per continuation (the completions' text_offset)
-        # with tools: text that may be a call is held back until the continuation ends, then parsed
-        parsers = [toolcall.StreamParser(req.tool_format, req.tools) for _ in range(req.n)] \
-            if req.kind == "chat" and req.tools is not None and req.tools.active else None
+    async def _stream(self, req: GenRequest, handle, events: asyncio.Queue, t0: float, enc) -> AsyncIterator[str]:
+        """The SSE events of the dialect's encoder ``enc`` for the engine's events (a Relay's pieces). A
+        client that goes away cancels the request (starlette cancels this generator)."""
+        relay = Relay(req)
         try:
-            if req.kind == "chat":
-                for i in range(req.n):   # with tools: no content yet (null beside tool calls, as OpenAI's)
-                    yield _sse(protocol.chunk(req, i, None if parsers is not None else "", role=True))
-            while open_:
+            for s in enc.start():
+                yield s
+            while relay.open:
                 ev = await events.get()
                 if ev.finish_reason in _ERROR_FINISH:
                     handle.cancel()
                     err = self._failure([handle.completions[ev.index]], req)
                     assert err is not None
-                    yield _sse(err.body())
-                    break
-                delta = self._delta_chunk(req, ev, parsers, offsets[ev.index])
-                if delta is not None:
-                    yield delta
-                offsets[ev.index] += len(ev.text)
-                if ev.finish_reason is not None:
-                    open_ -= 1
-                    for part in self._finish_chunks(req, ev, parsers):
-                        yield part
-            else:
-                self._observe(handle, t0)
-                self._remember(req, handle.completions)
-                if req.include_usage:
-                    yield _sse(protocol.usage_chunk(req, handle.usage))
-            yield "data: [DONE]\n\n"
+                    for s in enc.error(err):
+                        yield s
+                    return
+                for p in relay.pieces(ev):
+                    for s in enc.piece(p):
+                        yield s
+            self._observe(handle, t0)
+            self._remember(req, handle.completions)
+            for s in enc.end(handle.completions, handle.usage):
+                yield s
         except (asyncio.CancelledError, GeneratorExit):   # the client went away (starlette cancels the stream)
-            if open_:
+            if relay.open:
                 self.metrics.client_disconnects.labels("generating").inc()
             raise
         except (LlamaError, ValueError) as e:   # should not happen: say so in the stream, not in a traceback
             log.exception("error while streaming")
             self.metrics.internal_errors.inc()
-            yield _sse(APIError(500, f"internal server error: {type(e).__name__}", "server_error").body())
+            for s in enc.error(APIError(500, f"internal server error: {type(e).__name__}", "server_error")):
+                yield s
         finally:
-            if open_:
+            if relay.open:
                 handle.cancel()
-
-    def _delta_chunk(self, req: GenRequest, ev, parsers: list | None, offset: int) -> str | None:
-        """The SSE chunk of an event's text (what a tool-call parser lets through) and log-probabilities
-        (``offset``: characters streamed before it), or None when there is nothing to send."""
-        text = ev.text if parsers is None else (parsers[ev.index].feed(ev.text) or None)
-        if ev.logprobs:
-            lp = protocol.logprobs_json(req, ev.logprobs, self._piece, offset)
-            return _sse(protocol.chunk(req, ev.index, text, logprobs=lp))
-        if text:
-            return _sse(protocol.chunk(req, ev.index, text))
-        return None
-
-    @staticmethod
-    def _finish_chunks(req: GenRequest, ev, parsers: list | None) -> list[str]:
-        """The SSE chunks that end a continuation: with tools, the text held back and the calls parsed
-        from it (then the finish reason is "tool_calls"); then the finish chunk."""
-        out = []
-        finish = ev.finish_reason
-        if parsers is not None:
-            rest, calls = parsers[ev.index].finish()
-            if rest:
-                out.append(_sse(protocol.chunk(req, ev.index, rest)))
-            for delta in protocol.tool_call_deltas(calls):
-                out.append(_sse(protocol.chunk(req, ev.index, None, tool_calls=delta)))
-            if calls:
-                finish = "tool_calls"
-        out.append(_sse(protocol.chunk(req, ev.index, None if req.kind == "chat" else "", finish)))
-        return out
 
 
 # -- running it ---------------------------------------------------------------------------------------

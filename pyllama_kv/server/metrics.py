@@ -31,6 +31,7 @@ class Snapshot:
     running_sequences: int = 0
     waiting: int = 0
     at: float = 0.0
+    embeddings: dict | None = None                # Engine.embedding_stats() (None: none asked for yet)
 
     @classmethod
     def take(cls, engine) -> Snapshot:
@@ -40,7 +41,8 @@ class Snapshot:
         except LlamaError:   # a closed context (the server is shutting down): nothing to report
             kv = {}
         return cls(kv=kv, stats=engine.stats.as_dict(), running_requests=engine.running_requests,
-                   running_sequences=engine.running, waiting=engine.waiting, at=time.time())
+                   running_sequences=engine.running, waiting=engine.waiting, at=time.time(),
+                   embeddings=engine.embedding_stats())
 
     @classmethod
     async def ask(cls, engine) -> Snapshot:
@@ -66,6 +68,7 @@ class _EngineCollector:
                 yield from _host_metrics(tier)
                 if tier.get("disk_budget_bytes"):   # and to files in --cache-dir
                     yield from _disk_metrics(tier, _gauge, _counter)
+        yield from _embedding_metrics(s.embeddings or {})
         yield _gauge("requests_running", "requests generating or evaluating their prompt", s.running_requests)
         yield _gauge("sequences_running", "continuations holding a sequence", s.running_sequences)
         yield _gauge("requests_queued", "requests waiting for admission", s.waiting)
@@ -127,6 +130,20 @@ def _engine_metrics(st: dict):
     yield _counter("decode_calls", "llama_decode calls", st["decode_calls"])
 
 
+def _embedding_metrics(st: dict):
+    """The embedding counters (engine/embeddings.py's EmbeddingStats; zero before the first request)."""
+    for key, name, doc in (("requests", "embedding_requests", "embedding and rerank requests answered"),
+                           ("inputs", "embedding_inputs", "inputs embedded (texts, token lists, rerank pairs)"),
+                           ("tokens", "embedding_tokens", "tokens decoded for embeddings"),
+                           ("decode_calls", "embedding_decode_calls", "embedding decodes (many inputs each)"),
+                           ("rejected", "embedding_requests_rejected", "embedding requests refused because "
+                            "their queue was full (HTTP 429)"),
+                           ("cancelled", "embedding_requests_cancelled", "embedding requests dropped because "
+                            "their client went away")):
+        yield _counter(name, doc, st.get(key, 0))
+    yield _gauge("embedding_requests_queued", "embedding requests waiting", st.get("waiting", 0))
+
+
 def _host_metrics(tier: dict):
     """The host tier's gauges and counters (TierStats)."""
     yield _gauge("prefix_host_bytes", "K/V bytes of prefixes paged out to host memory",
@@ -179,10 +196,14 @@ class Metrics:
         self.client_disconnects = Counter(_P + "client_disconnects", "requests whose client went away before "
                                           "its answer, by stage (body: while sending its request body; "
                                           "preparing: while its grammar was compiled; "
-                                          "generating: while it was being answered)", ["stage"],
+                                          "generating: while it was being answered; embedding: while its "
+                                          "inputs were waiting or embedded)", ["stage"],
                                           registry=self.registry)
-        for stage in ("body", "preparing", "generating"):
+        for stage in ("body", "preparing", "generating", "embedding"):
             self.client_disconnects.labels(stage)
+        self.http_requests = Counter(_P + "http_requests", "HTTP requests answered, by endpoint (its path) and "
+                                     "status (a stream counts its 200 when it starts)", ["endpoint", "status"],
+                                     registry=self.registry)
         self.internal_errors = Counter(_P + "internal_errors", "requests answered 500 because of an unexpected "
                                        "error (its traceback is in the server's log)", registry=self.registry)
 

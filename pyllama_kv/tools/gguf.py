@@ -19,7 +19,8 @@ from ..errors import GGUFFileError, InvalidInputError, ModelLoadError
 from ..modelfile.gguf import _INTEGER_TYPES, ARRAY as _ARRAY, STRING as _STRING, ggml_type_name, read_gguf_header
 from ..modelfile.validate import check_gguf_header
 
-__all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_f32_copy", "make_tiny_model", "tiny_vocab"]
+__all__ = ["GGUFFileError", "inspect_gguf", "kv_type_size", "make_f32_copy", "make_timing_model", "make_tiny_model",
+           "tiny_vocab"]
 
 # a small SPM-style vocabulary: specials, the 256 byte tokens (without them llama.cpp aborts on text
 # it cannot tokenize), then printable characters and a few words so that text is not all bytes
@@ -82,6 +83,7 @@ def make_tiny_model(
     arch: str = "llama",
     vocab: str = "spm",
     sliding_window: int = 8,
+    pooling: str | None = None,
 ) -> Path:
     """Write a random-weight GGUF with an SPM vocabulary (any text tokenizes); return its path.
 
@@ -95,6 +97,9 @@ def make_tiny_model(
     The weights are scaled so that the next-token logits depend on the whole context (attention
     matters), which is what the KV-cache tests need. ``dtype`` is ``"f32"`` or ``"f16"``.
 
+    ``arch="bert"``: a BERT encoder (``<s>``, ``</s>`` as [CLS], [SEP]); ``pooling`` writes ``{arch}.pooling_type``
+    (bert's default: mean; ``"rank"`` adds a reranker's head, ``cls`` and ``cls.output``).
+
     ``kv_overrides`` and ``tensor_overrides`` write deliberately broken variants (the validation
     tests use them). ``kv_overrides`` maps a metadata key to: a value (written with the key's GGUF
     type, or the type gguf infers for a new key), ``(value, gguf.GGUFValueType.X)`` or
@@ -105,12 +110,7 @@ def make_tiny_model(
     """
     import gguf  # noqa: F401 (without the gguf package, fail before any check)
 
-    if n_embd % n_head or n_head % n_head_kv:
-        raise InvalidInputError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
-    if dtype not in ("f32", "f16"):
-        raise InvalidInputError("dtype must be 'f32' or 'f16'")
-    if arch not in ("llama", "qwen2", "gemma3") or vocab not in ("spm", "qwen"):
-        raise InvalidInputError("arch must be 'llama', 'qwen2' or 'gemma3', vocab 'spm' or 'qwen'")
+    pooling = _check_tiny_args(n_embd, n_head, n_head_kv, dtype, arch, vocab, pooling)
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path.parent}: no such directory")
@@ -118,16 +118,36 @@ def make_tiny_model(
     vocab_meta = _tiny_vocab_meta(vocab, byte_tokens)
     n_vocab = len(vocab_meta["tokenizer.ggml.tokens"][0])
     meta = _tiny_meta(arch, dtype, vocab_meta, kv_overrides, n_ctx_train=n_ctx_train, n_embd=n_embd,
-                      n_layer=n_layer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, sliding_window=sliding_window)
-    tensors = _tiny_tensors(np.random.default_rng(seed), np.float32 if dtype == "f32" else np.float16, arch,
-                            n_layer=n_layer, n_embd=n_embd, n_embd_kv=head_dim * n_head_kv, head_dim=head_dim,
-                            n_ff=n_ff, n_vocab=n_vocab, overrides=tensor_overrides)
+                      n_layer=n_layer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, sliding_window=sliding_window,
+                      pooling=pooling)
+    np_dtype, rng = np.float32 if dtype == "f32" else np.float16, np.random.default_rng(seed)
+    shape = dict(n_layer=n_layer, n_embd=n_embd, n_embd_kv=head_dim * n_head_kv, n_ff=n_ff, n_vocab=n_vocab)
+    tensors = _bert_tensors(rng, np_dtype, **shape, n_ctx_train=n_ctx_train, rank=pooling == "rank",
+                            overrides=tensor_overrides) if arch == "bert" else \
+        _tiny_tensors(rng, np_dtype, arch, **shape, head_dim=head_dim, overrides=tensor_overrides)
     _write_gguf(path, arch, meta, tensors)
     return path
 
 
+def _check_tiny_args(n_embd: int, n_head: int, n_head_kv: int, dtype: str, arch: str, vocab: str,
+                     pooling: str | None) -> str | None:
+    """InvalidInputError for arguments make_tiny_model cannot write; the pooling to write."""
+    if n_embd % n_head or n_head % n_head_kv:
+        raise InvalidInputError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
+    if dtype not in ("f32", "f16"):
+        raise InvalidInputError("dtype must be 'f32' or 'f16'")
+    if arch not in ("llama", "qwen2", "gemma3", "bert") or vocab not in ("spm", "qwen"):
+        raise InvalidInputError("arch must be 'llama', 'qwen2', 'gemma3' or 'bert', vocab 'spm' or 'qwen'")
+    if pooling is not None and (pooling not in limits.POOLING_TYPES or pooling == "none"):
+        raise InvalidInputError(f"pooling must be one of mean, cls, last, rank, got {pooling!r}")
+    if pooling == "rank" and arch != "bert":
+        raise InvalidInputError("pooling='rank' needs arch='bert' (llama.cpp loads the classification head for bert)")
+    return "mean" if arch == "bert" and pooling is None else pooling
+
+
 def _tiny_meta(arch: str, dtype: str, vocab_meta: dict, kv_overrides: dict | None, *, n_ctx_train: int,
-               n_embd: int, n_layer: int, n_ff: int, n_head: int, n_head_kv: int, sliding_window: int) -> dict:
+               n_embd: int, n_layer: int, n_ff: int, n_head: int, n_head_kv: int, sliding_window: int,
+               pooling: str | None = None) -> dict:
     """A tiny model's metadata, key -> (value, type, array element type) in the order written, with
     ``kv_overrides`` applied (see make_tiny_model)."""
     import gguf
@@ -135,6 +155,8 @@ def _tiny_meta(arch: str, dtype: str, vocab_meta: dict, kv_overrides: dict | Non
     T = gguf.GGUFValueType
     A = arch + "."
     head_dim = n_embd // n_head
+    if arch == "bert":
+        vocab_meta = _bert_vocab_meta(vocab_meta)
     meta: dict = {  # key -> (value, type, array element type), in the order written
         "general.architecture": (arch, T.STRING, None),
         "general.name": (f"pyllama-kv tiny random {arch}", T.STRING, None),
@@ -150,6 +172,13 @@ def _tiny_meta(arch: str, dtype: str, vocab_meta: dict, kv_overrides: dict | Non
         "general.file_type": (int(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16),
                               T.UINT32, None),
     }
+    if arch == "bert":   # no RoPE, LayerNorm instead of RMSNorm, bidirectional attention
+        for k in ("rope.dimension_count", "rope.freq_base", "attention.layer_norm_rms_epsilon"):
+            del meta[A + k]
+        meta[A + "attention.layer_norm_epsilon"] = (1e-12, T.FLOAT32, None)
+        meta[A + "attention.causal"] = (False, T.BOOL, None)
+    if pooling is not None:
+        meta[A + "pooling_type"] = (limits.POOLING_TYPES[pooling], T.UINT32, None)
     if arch == "gemma3":
         meta[A + "attention.sliding_window"] = (sliding_window, T.UINT32, None)
         meta[A + "attention.key_length"] = (head_dim, T.UINT32, None)
@@ -245,6 +274,55 @@ def _tiny_tensors(rng: np.random.Generator, np_dtype, arch: str, *, n_layer: int
     return tensors
 
 
+def _bert_vocab_meta(vocab_meta: dict) -> dict:
+    """The tiny SPM vocabulary as a BERT's: two token types, ``</s>`` added after a text and used as the
+    separator (BERT's [SEP])."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    out = dict(vocab_meta)
+    out["tokenizer.ggml.add_eos_token"] = (True, T.BOOL, None)
+    out["tokenizer.ggml.seperator_token_id"] = (2, T.UINT32, None)   # (llama.cpp's spelling)
+    out["tokenizer.ggml.token_type_count"] = (2, T.UINT32, None)
+    return out
+
+
+def _bert_tensors(rng: np.random.Generator, np_dtype, *, n_layer: int, n_embd: int, n_embd_kv: int, n_ff: int,
+                  n_vocab: int, n_ctx_train: int, rank: bool, overrides: dict | None) -> dict:
+    """The random weights of a tiny BERT (llama.cpp's ``bert`` tensors, in its loader's order), with the
+    classification head of a reranker when ``rank``; then the ``overrides``."""
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np_dtype)
+
+    def vec(n: int, center: float = 0.0) -> np.ndarray:   # norms and biases: f32, as llama.cpp needs them
+        return (center + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+
+    s_in = 1.0 / np.sqrt(n_embd)
+    tensors: dict = {"token_embd.weight": mat(n_vocab, n_embd, 1.0), "token_types.weight": mat(2, n_embd, 0.1),
+                     "position_embd.weight": mat(n_ctx_train, n_embd, 0.5)}
+    if rank:
+        tensors.update({"cls.weight": mat(n_embd, n_embd, s_in), "cls.bias": vec(n_embd),
+                        "cls.output.weight": mat(1, n_embd, 2.0 * s_in), "cls.output.bias": vec(1)})
+    tensors.update({"token_embd_norm.weight": vec(n_embd, 1.0), "token_embd_norm.bias": vec(n_embd)})
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        for proj, n, scale in (("q", n_embd, 2.0 * s_in), ("k", n_embd_kv, 2.0 * s_in), ("v", n_embd_kv, s_in)):
+            tensors[b + f"attn_{proj}.weight"] = mat(n, n_embd, scale)
+            tensors[b + f"attn_{proj}.bias"] = vec(n)
+        tensors.update({
+            b + "attn_output.weight": mat(n_embd, n_embd, s_in), b + "attn_output_norm.weight": vec(n_embd, 1.0),
+            b + "attn_output_norm.bias": vec(n_embd), b + "ffn_up.weight": mat(n_ff, n_embd, s_in),
+            b + "ffn_down.weight": mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)), b + "attn_output.bias": vec(n_embd),
+            b + "ffn_up.bias": vec(n_ff), b + "ffn_down.bias": vec(n_embd),
+            b + "layer_output_norm.weight": vec(n_embd, 1.0), b + "layer_output_norm.bias": vec(n_embd)})
+    for name, t in (overrides or {}).items():
+        if t is None:
+            tensors.pop(name, None)
+        else:
+            tensors[name] = t
+    return tensors
+
+
 def _write_gguf(path: Path, arch: str, meta: dict, tensors: dict) -> None:
     """Write ``meta`` and ``tensors``, in their order, to a temporary file renamed to ``path`` when
     complete (removed on any error)."""
@@ -269,6 +347,84 @@ def _write_gguf(path: Path, arch: str, meta: dict, tensors: dict) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# a timing model: a real model's shapes, random quantized weights
+
+#: the shapes of models people run, for timing (n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab)
+TIMING_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "llama3-8b": (32, 4096, 32, 8, 14336, 128256),
+    "llama3-1b": (16, 2048, 32, 8, 8192, 128256),
+}
+
+
+#: ChatML, which llama-server recognizes without --jinja
+_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+           "'<|im_end|>' + '\\n'}}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def make_timing_model(path: str | os.PathLike, shape: str = "llama3-8b", *, n_layer: int | None = None,
+                      seed: int = 0) -> Path:
+    """Write a llama GGUF with the shapes of ``shape`` (:data:`TIMING_SHAPES`; ``n_layer`` overrides
+    its depth) and random Q4_0 weights (every block's f16 scale a small valid number), in seconds.
+
+    Speed depends on shapes, not values, so this is a fair model for timing the binding, the engine
+    and the server on a GPU with no download; its text is noise. The vocabulary is the tiny SPM one
+    padded with plain tokens to the shape's size. A Llama-3-8B shape is a 4.3 GiB file."""
+    import gguf
+
+    if shape not in TIMING_SHAPES:
+        raise InvalidInputError(f"shape must be one of {', '.join(TIMING_SHAPES)}")
+    layers, n_embd, n_head, n_head_kv, n_ff, n_vocab = TIMING_SHAPES[shape]
+    layers = n_layer if n_layer is not None else layers
+    path = Path(path)
+    T = gguf.GGUFValueType
+    vocab_meta = _tiny_vocab_meta("spm", True)
+    tokens, scores, types = (list(vocab_meta[k][0]) for k in
+                             ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"))
+    pad = n_vocab - len(tokens)
+    tokens += [f"<pad{i}>" for i in range(pad)]
+    scores += [-1e4] * pad
+    types += [TOKEN_TYPE_NORMAL] * pad
+    vocab_meta["tokenizer.ggml.tokens"] = (tokens, T.ARRAY, T.STRING)
+    vocab_meta["tokenizer.ggml.scores"] = (scores, T.ARRAY, T.FLOAT32)
+    vocab_meta["tokenizer.ggml.token_type"] = (types, T.ARRAY, T.INT32)
+    vocab_meta["tokenizer.chat_template"] = (_CHATML, T.STRING, None)   # for servers under a chat load
+    meta = _tiny_meta("llama", "f16", vocab_meta, {"general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_0),
+                                                   "general.name": f"pyllama-kv timing model ({shape} shapes)"},
+                      n_ctx_train=131072, n_embd=n_embd, n_layer=layers, n_ff=n_ff, n_head=n_head,
+                      n_head_kv=n_head_kv, sliding_window=0)
+    rng = np.random.default_rng(seed)
+    # one random megabyte of Q4_0 blocks (18 bytes: an f16 scale, 16 bytes of 4-bit weights), repeated
+    blocks = rng.integers(0, 256, (1 << 20) // 18 * 18, dtype=np.uint8).reshape(-1, 18)
+    blocks[:, :2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    block = blocks.reshape(-1)
+
+    def q4(rows: int, cols: int) -> tuple:
+        data = np.resize(block, rows * (cols // 32) * 18).reshape(rows, cols // 32 * 18)
+        return data, gguf.GGMLQuantizationType.Q4_0
+
+    def norm(n: int) -> np.ndarray:
+        return np.ones(n, np.float32)
+
+    n_embd_kv = n_embd // n_head * n_head_kv
+    tensors: dict = {"token_embd.weight": q4(n_vocab, n_embd)}
+    for i in range(layers):
+        tensors[f"blk.{i}.attn_norm.weight"] = norm(n_embd)
+        tensors[f"blk.{i}.attn_q.weight"] = q4(n_embd, n_embd)
+        tensors[f"blk.{i}.attn_k.weight"] = q4(n_embd_kv, n_embd)
+        tensors[f"blk.{i}.attn_v.weight"] = q4(n_embd_kv, n_embd)
+        tensors[f"blk.{i}.attn_output.weight"] = q4(n_embd, n_embd)
+        tensors[f"blk.{i}.ffn_norm.weight"] = norm(n_embd)
+        tensors[f"blk.{i}.ffn_gate.weight"] = q4(n_ff, n_embd)
+        tensors[f"blk.{i}.ffn_up.weight"] = q4(n_ff, n_embd)
+        tensors[f"blk.{i}.ffn_down.weight"] = q4(n_embd, n_ff)
+    tensors["output_norm.weight"] = norm(n_embd)
+    tensors["output.weight"] = q4(n_vocab, n_embd)
+    _write_gguf(path, "llama", meta, tensors)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------

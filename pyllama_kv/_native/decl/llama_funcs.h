@@ -69,6 +69,7 @@ size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_
 size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
 
 int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+void llama_synchronize(struct llama_context * ctx);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
 int32_t llama_n_threads(struct llama_context * ctx);
 void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
@@ -92,3 +93,11 @@ void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
+
+/* embeddings and rerank (issue 33): a context made with embeddings = true and a pooling_type */
+enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
+void llama_set_embeddings(struct llama_context * ctx, bool embeddings);
+float * llama_get_embeddings(struct llama_context * ctx);
+float * llama_get_embeddings_ith(struct llama_context * ctx, int32_t i);
+float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+llama_token llama_vocab_sep(const struct llama_vocab * vocab);

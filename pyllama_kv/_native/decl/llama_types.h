@@ -24,6 +24,12 @@ enum ggml_log_level {
     GGML_LOG_LEVEL_CONT  = 5,
 };
 
+enum ggml_backend_dev_type {
+    GGML_BACKEND_DEVICE_TYPE_CPU,
+    GGML_BACKEND_DEVICE_TYPE_GPU,
+    GGML_BACKEND_DEVICE_TYPE_ACCEL,
+};
+
 enum ggml_type {
     GGML_TYPE_F32    = 0,
     GGML_TYPE_F16    = 1,

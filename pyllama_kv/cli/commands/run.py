@@ -55,7 +55,8 @@ def register(subparsers) -> None:
                 defaults={"parallel": 1, "n_ctx": None},
                 helps={"n_ctx": "KV cache cells " + options.CTX_DEFAULT_HELP})
     add_lib_flag(s)
-    options.add(s, "n_threads", "type_k", "type_v", "flash_attn", "rpc", "validate", "context_shift", "n_keep")
+    options.add(s, "n_threads", "type_k", "type_v", "flash_attn", "n_gpu_layers", "rpc", "validate", "context_shift",
+                "n_keep")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid against this JSON schema")
@@ -84,6 +85,7 @@ class RunSpec:
     template: str | None = None    # with chat: a template's source instead of the model's
     template_file: str | None = None
     rpc: list[str] | None = None   # --rpc: every layer on these rpc-server endpoints
+    n_gpu_layers: int | None = None   # -ngl (None: pk.Model's default)
     validate: str | None = None    # --validate: how the GGUF is checked (None: the default)
     context_shift: bool = True     # --context-shift: go on past the end of the context
     n_keep: int | None = None      # --keep: tokens a context shift keeps (None: EngineConfig's)
@@ -143,7 +145,8 @@ def run(args) -> int:
                             type_k=args.type_k, type_v=args.type_v, flash_attn=args.flash_attn, lib=args.lib,
                             json=args.json,
                             chat=args.chat, system=args.system, template=template, template_file=args.template,
-                            rpc=args.rpc, validate=args.validate, context_shift=args.context_shift,
+                            rpc=args.rpc, n_gpu_layers=args.n_gpu_layers, validate=args.validate,
+                            context_shift=args.context_shift,
                             n_keep=args.n_keep, grammar=grammar))
 
 
@@ -166,7 +169,7 @@ def generate(spec: RunSpec) -> int:
     if spec.parallel > MAX_SEQUENCES:
         raise UsageError(f"--parallel must be at most {MAX_SEQUENCES}, got {spec.parallel}")
     set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
-    model = open_model(spec.model, spec.lib, spec.rpc, spec.validate)
+    model = open_model(spec.model, spec.lib, spec.rpc, spec.validate, spec.n_gpu_layers)
     try:
         n_ctx = context_size(model, spec.n_ctx)
         set_phase("tokenizing the prompt")

@@ -41,8 +41,10 @@ def register(subparsers) -> None:
     _flags()
     s = subparsers.add_parser(
         "serve",
-        description="Serve MODEL over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), "
-                    "plus /health and Prometheus /metrics. Requests are batched together over one KV cache: "
+        description="Serve MODEL over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, "
+                    "/v1/embeddings), llama-server's /v1/rerank (a reranker GGUF), /tokenize, /detokenize and "
+                    "/apply-template, Ollama's /api/embed, plus /health and Prometheus /metrics. "
+                    "Requests are batched together over one KV cache: "
                     "prompts are evaluated in chunks between generation steps, shared prefixes (system prompts, "
                     "conversations) are forked instead of evaluated again, and requests that do not fit wait "
                     "in a bounded queue (HTTP 429 when it is full). Listens on 127.0.0.1 unless --host says "
@@ -51,7 +53,7 @@ def register(subparsers) -> None:
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "cache_ram", "cache_dir", "cache_dir_mib",
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
-                "rpc", "validate",
+                "n_gpu_layers", "rpc", "validate", "pooling",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
                        "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
@@ -86,10 +88,18 @@ def run(args) -> int:
             from None
     set_phase("loading the model")
     path = Path(resolve_model(args.model))
-    model = open_model(str(path), args.lib, args.rpc, args.validate)
+    model = open_model(str(path), args.lib, args.rpc, args.validate, args.n_gpu_layers)
     try:
         n_ctx = context_size(model, args.n_ctx)
         ecfg = options.from_args(EngineConfig, args, n_ctx=n_ctx)
+        if ecfg.pooling == "rank":   # a clear refusal now, not a 400 on every /v1/rerank
+            from ...core.embedding import check_reranker
+            from ...errors import InvalidInputError
+
+            try:
+                check_reranker(model)
+            except InvalidInputError as exc:
+                raise CLIError(f"--pooling rank: {exc}") from None
         set_phase("creating the context")
         from ...engine import Engine
 

@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# The GPU run: build the patched tree with CUDA, run the suite's core on that library with every layer
+# offloaded (pk.Model's default on a GPU library), then the GPU benchmarks on a timing model with
+# Llama-3-8B shapes (scripts/make_timing_model.py). Made for a machine with a GPU, no network and
+# minutes, not hours: every step has a time bound inside one overall deadline, and what each step
+# wrote is kept in --results (default ./gpu-out): gpu.txt, build.log, tests.log, junit.xml, bench_*.json.
+#
+# What it needs there: nvcc, cmake, ninja, python3 with numpy, jinja2, httpx, pytest (+ xdist,
+# timeout), and this package's other needs (cffi, gguf, llguidance, starlette, uvicorn; as wheels
+# in --wheels when the machine has no network). The source is a patched tree: vendor/llama.cpp, or
+# a copy trimmed to what the build reads (--src; docs/gpu.md says how to make one).
+#
+# Usage: scripts/gpu_check.sh [--src DIR] [--build DIR] [--backend cuda|cpu] [--cuda-arch N]
+#                             [--wheels DIR] [--deadline SECONDS] [--tests "FILE ..."] [--workers N]
+#                             [--results DIR] [--no-tests] [--no-bench] [--quick]
+#   --backend cpu  the same run on a CPU build (a dry run of this script on a machine without a GPU)
+#   --quick        small benchmark sizes (a dry run)
+#   --fetch-wheels DIR  download, for the GPU machine's Python (3.12, manylinux x86-64), the wheels of
+#                  the packages its image lacks, at the versions .venv has, into DIR and exit
+#   --pack DIR     write a copy of vendor/llama.cpp trimmed to what the build reads (about 16 MiB
+#                  instead of 87: no models, docs, tests, Python converters or unused backends)
+#                  into DIR and exit; `--src DIR` builds from it on the GPU machine
+# Exit status: 0 the tests passed (or were not asked for), 1 a test failed, 3 the build failed,
+# 4 no model runs on the device from Python (diag.txt and backtrace.txt say why).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+SRC=vendor/llama.cpp
+BUILD=/tmp/pyllama-kv-gpu-build
+BACKEND=cuda
+ARCH=90
+WHEELS=""
+DEADLINE=560
+WORKERS=12
+QUICK=0
+RUN_TESTS=1
+RUN_BENCH=1
+RESULTS=$ROOT/gpu-out
+TESTS="tests/test_oracle.py tests/test_defrag_paths.py tests/test_spans.py tests/test_state.py
+tests/test_tier_exactness.py tests/test_prefix_tier.py tests/test_engine.py tests/test_kv_policy.py
+tests/test_admission.py tests/test_api.py tests/test_server.py tests/test_context_shift.py tests/test_hardening.py
+tests/test_penalties.py tests/test_prefix_rule.py tests/test_disk_tier.py tests/test_grammar_hardening.py
+tests/test_constrained.py tests/test_conversation.py tests/test_tool_calls.py tests/test_utility_endpoints.py
+tests/test_openai_surface.py tests/test_gguf_validation.py"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --src) SRC=${2:?}; shift 2 ;;
+        --build) BUILD=${2:?}; shift 2 ;;
+        --backend) BACKEND=${2:?}; shift 2 ;;
+        --cuda-arch) ARCH=${2:?}; shift 2 ;;
+        --wheels) WHEELS=${2:?}; shift 2 ;;
+        --deadline) DEADLINE=${2:?}; shift 2 ;;
+        --tests) TESTS=${2:?}; shift 2 ;;
+        --workers) WORKERS=${2:?}; shift 2 ;;
+        --no-tests) RUN_TESTS=0; shift ;;
+        --no-bench) RUN_BENCH=0; shift ;;
+        --quick) QUICK=1; shift ;;
+        --results) RESULTS=${2:?}; shift 2 ;;
+        --fetch-wheels)
+            mkdir -p "${2:?}" || exit 2
+            # the packages the CUDA image lacks (its python3 has numpy, jinja2, httpx, pytest, ...)
+            for name in cffi pycparser gguf llguidance starlette uvicorn jsonschema jsonschema-specifications \
+                        referencing rpds-py openai pydantic pydantic_core annotated-types typing-inspection jiter \
+                        sniffio distro httpx2 httpcore2 truststore; do
+                v=$(.venv/bin/python -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+                python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+                    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+                    --platform manylinux_2_31_x86_64 -d "$2" "$name${v:+==$v}" || exit 2
+            done
+            du -sh "$2"; exit 0 ;;
+        --pack)
+            rm -rf "${2:?}" && mkdir -p "$2" || exit 2
+            tar -C vendor/llama.cpp -cf - --exclude=ggml/src/ggml-kompute --exclude=ggml/src/ggml-vulkan \
+                --exclude=ggml/src/ggml-sycl --exclude=ggml/src/ggml-cann --exclude=ggml/src/ggml-musa \
+                --exclude=ggml/src/ggml-opencl CMakeLists.txt cmake include src common examples pocs tools licenses scripts \
+                ggml models/ggml-vocab-llama-spm.gguf models/ggml-vocab-deepseek-coder.gguf \
+                models/ggml-vocab-starcoder.gguf | tar -C "$2" -xf - || exit 2
+            du -sh "$2"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$RESULTS"
+OUT=$(cd "$RESULTS" && pwd)
+T0=$(date +%s)
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 GGML_NO_BACKTRACE=1
+
+log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+# seconds a step may take: its own bound, cut to what is left before the deadline
+# (at least 1: `timeout 0` would mean no bound at all)
+left() { local l=$(( DEADLINE - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+
+if [ -n "$WHEELS" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pyllama-kv-site \
+        "$WHEELS"/*.whl || { log "wheels did not install"; exit 3; }
+    export PYTHONPATH=/tmp/pyllama-kv-site:$ROOT
+else
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1; nproc; $PY --version;
+  nvcc --version 2>&1 | tail -1; } > "$OUT/gpu.txt"
+log "machine: $(head -2 "$OUT/gpu.txt" | tail -1), $(nproc) cores"
+
+# the timing model, written while the library compiles
+TM=/tmp/pyllama-kv-timing-8b.gguf
+SHAPE=(--shape llama3-8b)
+[ "$QUICK" = 1 ] && SHAPE=(--shape llama3-1b --layers 2)
+[ "$RUN_BENCH" = 1 ] && { $PY scripts/make_timing_model.py "$TM" "${SHAPE[@]}" > "$OUT/timing_model.log" 2>&1 & }
+
+# the build: the harness's own CMake flags, so that this is the library `pyllama-kv build` makes
+FLAGS=$($PY -c "from pyllama_kv.harness.build import cmake_flags; print(' '.join(cmake_flags('$BACKEND', tools=True, cuda_arch='$ARCH')))")
+log "configure: $FLAGS"
+( cmake -S "$SRC" -B "$BUILD" -G Ninja $FLAGS && \
+  timeout -k 5 "$(left 300)" cmake --build "$BUILD" -j "$(nproc)" --target llama llama-batched-bench llama-server ) \
+  > "$OUT/build.log" 2>&1 || { log "build failed:"; tail -30 "$OUT/build.log"; exit 3; }
+LIB=$BUILD/bin/libllama.so
+# the vocabularies tests/test_gguf_validation.py reads, where a packed tree carries them
+if [ ! -e vendor/llama.cpp/models ] && [ -d "$SRC/models" ]; then
+    mkdir -p vendor/llama.cpp && ln -s "$(cd "$SRC" && pwd)/models" vendor/llama.cpp/models
+fi
+export PYLLAMA_KV_LIB=$LIB PYLLAMA_KV_TEST_DEVICE=1
+log "built $LIB"
+$PY - <<'EOF' 2>&1 | tee "$OUT/smoke.txt"
+import pyllama_kv as pk
+from pyllama_kv._native import kv
+lib = kv.load_library(None)
+print("library", lib.path, "| GPUs:", lib.gpu_devices(), "| stats API:", lib.has("llama_kv_self_stats"))
+EOF
+
+# a model on the device, a few ways, each in its own process (a crash here explains the rest)
+TINY=/tmp/pyllama-kv-diag-tiny.gguf
+$PY -c "from pyllama_kv.tools.gguf import make_tiny_model; make_tiny_model('$TINY')"
+LOAD='import sys, pyllama_kv as pk
+m = pk.Model(sys.argv[1], int(sys.argv[2]), use_mmap=sys.argv[3] == "1", validate="off")
+with m.context(n_ctx=64) as c:
+    s = c.new_sequence(); s.extend([5, 6, 7]); print("ok", m.n_gpu_layers, s.logits()[:3])'
+{
+  env | grep -E "^(LD_|CUDA|NVIDIA|PYTHON)" | sort
+  ldd "$BUILD/bin/libggml-cuda.so" 2>/dev/null | grep -E "cublas|cudart|libcuda"
+  for v in "all -1 1" "cpu-layers 0 1" "no-mmap -1 0"; do
+      set -- $v
+      out=$(timeout 60 $PY -c "$LOAD" "$TINY" "$2" "$3" 2>&1); rc=$?
+      echo "== python, $1: $(echo "$out" | tail -1) (exit $rc)"
+  done
+  echo "== python, all, no LD_LIBRARY_PATH: $(env -u LD_LIBRARY_PATH timeout 60 $PY -c "$LOAD" "$TINY" -1 1 2>&1 | tail -1)"
+  out=$(timeout 60 "$BUILD/bin/llama-batched-bench" -m "$TINY" -ngl 99 -c 256 -npp 16 -ntg 4 -npl 1 2>&1); rc=$?
+  echo "== llama-batched-bench -ngl 99: $(echo "$out" | grep -E "^\|" | tail -1) (exit $rc)"
+} > "$OUT/diag.txt" 2>&1
+cat "$OUT/diag.txt"
+if ! grep -q "== python, all: ok" "$OUT/diag.txt" && command -v cuda-gdb > /dev/null; then
+    log "a model load failed on the device: its backtrace (cuda-gdb)"
+    timeout 120 cuda-gdb -q -batch -ex run -ex bt -ex "info threads" --args $PY -c "$LOAD" "$TINY" -1 1 \
+        > "$OUT/backtrace.txt" 2>&1
+    grep -A40 -m1 "received signal" "$OUT/backtrace.txt" | head -60
+fi
+if grep -q "== python, all, no LD_LIBRARY_PATH: ok" "$OUT/diag.txt" && ! grep -q "== python, all: ok" "$OUT/diag.txt"; then
+    log "the load works without LD_LIBRARY_PATH: the rest runs without it"
+    unset LD_LIBRARY_PATH
+elif ! grep -q "== python, all: ok" "$OUT/diag.txt"; then
+    log "no model runs on the device from Python: the tests and benchmarks would only repeat that; stopping"
+    exit 4
+fi
+
+STATUS=0
+if [ "$RUN_TESTS" = 1 ]; then
+    PARALLEL=(); PER_TEST=()
+    $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n "$WORKERS")
+    $PY -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 180)
+    log "tests: $(echo $TESTS | wc -w) files, ${PARALLEL[*]:-one process}"
+    # shellcheck disable=SC2086
+    timeout -k 5 "$(left 75)" $PY -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" "${PER_TEST[@]}" -rfEs \
+        --junitxml "$OUT/junit.xml" $TESTS > "$OUT/tests.log" 2>&1
+    STATUS=$?
+    log "tests: exit $STATUS: $(tail -1 "$OUT/tests.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
+fi
+
+if [ "$RUN_BENCH" = 1 ]; then
+    wait
+    tail -1 "$OUT/timing_model.log"
+    BIN=$BUILD/bin
+    if [ "$QUICK" = 1 ]; then
+        B1=(--npl 1,4 --pp 32 --tg 8 --repeat 1); B2=(--cells 2048 --layers 8); B3=(--prefix 64 --span 256)
+        B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64)
+    else
+        B1=(--npl 1,8,32 --pp 128 --tg 32 --repeat 1); B2=(--cells 8192,32768); B3=(--prefix 256 --span 4096)
+        B4=(--clients 32 --requests 64 --max-tokens 32 --system-tokens 500)
+    fi
+    log "bench: binding and engine vs llama-batched-bench"
+    timeout -k 5 "$(left 50)" $PY scripts/bench_binding.py --model "$TM" --batched-bench "$BIN/llama-batched-bench" \
+        --flash-attn on "${B1[@]}" --json > "$OUT/bench_binding.json" 2> "$OUT/bench_binding.log"
+    tail -4 "$OUT/bench_binding.log"
+    log "bench: spans vs evaluation"
+    timeout -k 5 "$(left 25)" $PY scripts/bench_spans.py --models "$TM" "${B3[@]}" --repeat 3 --json \
+        > "$OUT/bench_spans.json" 2> "$OUT/bench_spans.log"
+    cat "$OUT/bench_spans.json"
+    log "bench: server vs llama-server, shared prompts"
+    timeout -k 5 "$(left 90)" $PY scripts/bench_server.py --model "$TM" --only patched,llama-server \
+        --patched-lib "$LIB" --llama-server "$BIN/llama-server" "${B4[@]}" --json \
+        > "$OUT/bench_server.json" 2> "$OUT/bench_server.log"
+    tail -6 "$OUT/bench_server.log"
+    log "bench: defrag paths on a device cache"
+    timeout -k 5 "$(left 60)" $PY scripts/bench_defrag.py --paths gather,moves,host "${B2[@]}" --json \
+        > "$OUT/bench_defrag.json" 2> "$OUT/bench_defrag.log"
+    tail -8 "$OUT/bench_defrag.log"
+fi
+log "done"
+exit $([ "$STATUS" = 0 ] && echo 0 || echo 1)
