@@ -1,7 +1,9 @@
 # The two commands: `make demo` and `make test`. Both do the whole set-up first:
 # a virtual environment in .venv (the package installed editable), the pinned llama.cpp
 # fetched into vendor/ (download cached in ~/.cache/pyllama-kv), our patches applied, and
-# the patched and vanilla CPU builds. Every step is skipped when already done. `make test` runs
+# the patched and vanilla CPU builds; then the second pin, the current llama.cpp, fetched into
+# vendor/llama.cpp-current with its own series (patches/current/) and built as build/current-cpu.
+# Every step is skipped when already done. `make test` runs
 # `make lint` (ruff and mypy) before pytest.
 
 PYTHON ?= python3
@@ -10,7 +12,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all setup venv vendor patch build demo lint test sdist wheel clean distclean FORCE
+.PHONY: all setup venv vendor patch build vendor-current build-current demo lint test sdist wheel clean distclean FORCE
 
 all: test
 
@@ -51,7 +53,15 @@ build: patch
 	$(BIN)/pyllama-kv build --tools --rpc
 	$(BIN)/pyllama-kv build --vanilla
 
-setup: build $(LCP)
+# the current llama.cpp (vendor/current.pin.json): its tree, its series (which may be empty), its CPU library
+vendor-current: $(STAMP)
+	$(BIN)/pyllama-kv vendor --pin current
+	$(BIN)/pyllama-kv patch --pin current
+
+build-current: vendor-current
+	$(BIN)/pyllama-kv build --pin current
+
+setup: build build-current $(LCP)
 	$(BIN)/pyllama-kv pull smollm2-135m-instruct
 	$(BIN)/pyllama-kv pull gemma3-270m
 
@@ -80,4 +90,4 @@ clean:
 	rm -rf build dist
 
 distclean: clean
-	rm -rf $(VENV) vendor/llama.cpp
+	rm -rf $(VENV) vendor/llama.cpp vendor/llama.cpp-current

@@ -13,6 +13,11 @@ Two ways to run:
   package (``pyllama_kv/_data/``), and the source tree and the builds made by ``pyllama-kv vendor``
   and ``pyllama-kv build`` go to the cache (``<cache>/src/llama.cpp``, ``<cache>/builds/``).
 
+Two pins (``PINS``): ``mission`` (the default: ``vendor/llama.cpp.pin.json``, ``vendor/llama.cpp``,
+``patches/0*.patch``) and ``current`` (the current llama.cpp: ``vendor/current.pin.json``,
+``vendor/llama.cpp-current``, ``patches/current/``); ``pin_path``, ``vendor_dir`` and ``patches_dir``
+take the pin's name.
+
 Environment overrides:
   PYLLAMA_KV_ROOT   the project checkout (holds vendor/, patches/, build/)
   PYLLAMA_KV_CACHE  the download cache; default ~/.cache/pyllama-kv (or $XDG_CACHE_HOME/pyllama-kv)
@@ -73,19 +78,40 @@ def cache_dir() -> Path:
     return base / "pyllama-kv"
 
 
-def pin_path(root: Path | None = None) -> Path:
+# the pins: the mission pin (May 2025, our defrag series: the default) and the current llama.cpp.
+# name -> (pin file in vendor/, the tree's directory name in vendor/, its patch series under patches/)
+PINS: dict[str, tuple[str, str, str]] = {
+    "mission": ("llama.cpp.pin.json", "llama.cpp", ""),
+    "current": ("current.pin.json", "llama.cpp-current", "current"),
+}
+DEFAULT_PIN = "mission"
+
+
+def _pin_entry(pin: str) -> tuple[str, str, str]:
+    try:
+        return PINS[pin]
+    except KeyError:
+        raise ValueError(f"unknown pin {pin!r}: choose one of {', '.join(PINS)}") from None
+
+
+def pin_path(root: Path | None = None, pin: str = DEFAULT_PIN) -> Path:
+    name = _pin_entry(pin)[0]
     root = root or checkout_root()
-    return root / "vendor" / "llama.cpp.pin.json" if root else PACKAGE_DATA / "llama.cpp.pin.json"
+    return root / "vendor" / name if root else PACKAGE_DATA / name
 
 
-def patches_dir(root: Path | None = None) -> Path:
+def patches_dir(root: Path | None = None, pin: str = DEFAULT_PIN) -> Path:
+    """The pin's series: ``patches/`` (mission: ``patches/0*.patch``), ``patches/current/`` (current)."""
+    sub = _pin_entry(pin)[2]
     root = root or checkout_root()
-    return root / "patches" if root else PACKAGE_DATA / "patches"
+    base = root / "patches" if root else PACKAGE_DATA / "patches"
+    return base / sub if sub else base
 
 
-def vendor_dir(root: Path | None = None) -> Path:
+def vendor_dir(root: Path | None = None, pin: str = DEFAULT_PIN) -> Path:
+    name = _pin_entry(pin)[1]
     root = root or checkout_root()
-    return root / "vendor" / "llama.cpp" if root else cache_dir() / "src" / "llama.cpp"
+    return root / "vendor" / name if root else cache_dir() / "src" / name
 
 
 def build_root(root: Path | None = None) -> Path:

@@ -55,7 +55,7 @@ def _lib(variant: str) -> str:
     if b is None:
         if DEVICE_RUN:
             pytest.skip(f"device run: no {variant}-cpu build there")
-        flag = " --vanilla" if variant == "vanilla" else ""
+        flag = {"patched": "", "vanilla": " --vanilla", "current": " --pin current"}[variant]
         pytest.fail(f"no up-to-date {variant}-cpu build: run `make setup` (pyllama-kv build{flag})")
     return b["lib"]
 
@@ -68,6 +68,12 @@ def patched_lib() -> str:
 @pytest.fixture(scope="session")
 def vanilla_lib() -> str:
     return _lib("vanilla")
+
+
+@pytest.fixture(scope="session")
+def current_lib() -> str:
+    """The current llama.cpp's CPU library (the second pin: `pyllama-kv build --pin current`)."""
+    return _lib("current")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, run_py
+from pyllama_kv import _paths
 from pyllama_kv.harness import build as B, patch as P
 
 
@@ -70,11 +71,15 @@ def test_manifest_records_what_was_built(builds):
     for (variant, backend), b in builds.items():
         m = B.read_manifest(Path(b["dir"]))
         assert m["variant"] == variant and m["backend"] == backend
-        assert m["revision"].startswith("8733e0c")
-        assert "-DBUILD_SHARED_LIBS=ON" in m["cmake_flags"] and "-DLLAMA_CURL=OFF" in m["cmake_flags"]
+        # manifests written before the second pin do not name it: those are all of the mission pin
+        assert m.get("pin", B.variant_pin(variant)) == B.variant_pin(variant) == b["pin"]
+        assert m["revision"].startswith("8733e0c" if b["pin"] == "mission" else "0c1e57098")
+        assert "-DBUILD_SHARED_LIBS=ON" in m["cmake_flags"]
+        assert ("-DLLAMA_CURL=OFF" in m["cmake_flags"]) == (b["pin"] == "mission")  # the option is gone there
         assert Path(m["log"]).is_file()
-        if variant == "patched":
-            assert [p["sha256"] for p in m["patches"]] == [p.sha256 for p in P.series()]
+        series = P.series(_paths.patches_dir(pin=b["pin"]))
+        if variant != "vanilla":
+            assert [p["sha256"] for p in m["patches"]] == [p.sha256 for p in series]
 
 
 def test_a_changed_patch_makes_the_build_stale(builds, tmp_path):
@@ -174,3 +179,141 @@ def test_a_changed_flag_value_reconfigures_in_place():
     assert not B._needs_fresh_dir("tools not built", new, new)
     assert B._needs_fresh_dir("cmake_flags changed", old + ["-DGGML_AVX512=OFF"], new)
     assert B._needs_fresh_dir("forced", new, new) and B._needs_fresh_dir("backend changed", new, new)
+
+
+# ---------------------------------------------------------------------------------------------
+# the second pin: the current llama.cpp, built as the third library "current"
+
+MISSION_FLAGS = [  # the mission builds' flags before the second pin: unchanged, so those builds stay up to date
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+    "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF",
+]
+
+
+def test_cmake_flags_per_pin():
+    assert B.cmake_flags("cpu") == MISSION_FLAGS
+    cur = B.cmake_flags("cpu", pin="current", rpc=True)
+    # the current llama.cpp: no curl option any more, no OpenSSL, no app binary, no web UI download
+    assert not any(f.startswith("-DLLAMA_CURL") for f in cur)
+    for f in ("-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
+              "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DGGML_RPC=ON"):
+        assert f in cur, f
+    assert "-DGGML_CUDA=ON" in B.cmake_flags("cuda", pin="current", cuda_arch="90")
+    assert B.variant_pin("current") == "current" and B.variant_pin("vanilla") == "mission"
+    with pytest.raises(B.BuildError, match="unknown variant"):
+        B.variant_pin("newest")
+
+
+def test_what_a_current_build_records():
+    """The manifest of a current build names its pin, revision and series (patches/current/)."""
+    w = B._wanted("current", "cpu", B.cmake_flags("cpu", pin="current", rpc=True), True, None)
+    assert (w["pin"], w["variant"], w["revision"]) == ("current", "current", "0c1e57098")
+    assert w["pin_source"] == "llama-cpp-python==0.3.36 sdist"
+    assert w["patches"] == [{"name": p.name, "sha256": p.sha256} for p in P.series(_paths.patches_dir(pin="current"))]
+    assert w["tools"] == ["llama-batched-bench", "llama-server", "ggml-rpc-server"]
+    m = B._wanted("patched", "cpu", MISSION_FLAGS, False, None)
+    assert (m["pin"], m["revision"][:7], m["tools"]) == ("mission", "8733e0c", [])
+
+
+def test_current_build_exports_the_new_memory_api(current_lib):
+    """The current library is the new C API (checked by its symbols: loading it needs the binding's
+    declarations of that API): llama_memory_*, no llama_kv_self_* and none of our mission patches."""
+    syms = _exports(current_lib)
+    for fn in ("llama_get_memory", "llama_memory_seq_rm", "llama_memory_seq_cp", "llama_decode",
+               "llama_state_seq_get_size_ext", "llama_max_parallel_sequences"):
+        assert fn in syms, fn
+    for fn in ("llama_kv_self_stats", "llama_state_seq_add_data", "llama_kv_self_seq_rm"):
+        assert fn not in syms, fn
+
+
+def test_the_current_build_is_listed_with_its_pin(current_lib):
+    r = run_cli(["status", "--json"])
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    cur = st["pins"]["current"]
+    assert cur["revision"] == "0c1e57098" and cur["cached"] and cur["vendor"]["revision"] == "0c1e57098"
+    assert cur["vendor"]["state"] in ("pristine", "patched")
+    assert [p["name"] for p in cur["patches"]] == [p.name for p in P.series(_paths.patches_dir(pin="current"))]
+    assert st["pins"]["mission"]["revision"] == st["revision"]
+    by = {(b["variant"], b["backend"]): b for b in st["builds"]}
+    b = by[("current", "cpu")]
+    assert (b["pin"], b["revision"], b["stale"], b["lib"]) == ("current", "0c1e57098", None, current_lib)
+    assert Path(b["dir"]).name == "current-cpu"
+    assert (by[("patched", "cpu")]["pin"], by[("vanilla", "cpu")]["pin"]) == ("mission", "mission")
+    m = B.read_manifest(Path(b["dir"]))
+    assert (m["variant"], m["pin"], m["revision"]) == ("current", "current", "0c1e57098")
+    assert m["cmake_flags"][: len(B.PIN_FLAGS["current"])] == B.PIN_FLAGS["current"]
+    # (built from a checkout's vendor/llama.cpp-current: the build dir may be shared between checkouts)
+    assert Path(m["source_dir"]).name == "llama.cpp-current" and Path(m["log"]).is_file()
+    r = run_cli(["status"])
+    assert r.returncode == 0 and any("current-cpu" in ln and "current pin" in ln for ln in r.stdout.splitlines())
+    r = run_cli(["build", "--pin", "current", "--json"])
+    assert r.returncode == 0 and "up to date" in r.stderr, r.stderr
+    assert json.loads(r.stdout)["lib"] == current_lib
+
+
+def test_resolve_current_finds_that_build(current_lib):
+    from pyllama_kv._native import locate
+
+    path, info = locate.resolve("current")
+    assert str(path) == str(Path(current_lib).resolve())
+    assert (info["variant"], info["pin"], info["revision"], info["origin"]) == ("current", "current", "0c1e57098",
+                                                                             "build")
+    _, patched = locate.resolve("patched")
+    assert (patched["variant"], patched["pin"]) == ("patched", "mission")
+
+
+def test_resolve_current_without_a_build_says_how_to_make_it(tmp_path, monkeypatch):
+    from pyllama_kv import errors
+    from pyllama_kv._native import locate
+
+    monkeypatch.setenv("PYLLAMA_KV_ROOT", str(tmp_path / "root"))
+    monkeypatch.setenv("PYLLAMA_KV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("PYLLAMA_KV_LIB", raising=False)
+    monkeypatch.setattr(locate, "bundled", lambda: None)
+    with pytest.raises(errors.LibraryError, match="pyllama-kv build --pin current"):
+        locate.resolve("current")
+    # a build made (a manifest and a library file): found; "patched" does not take it
+    d = tmp_path / "root" / "build" / "current-cpu"
+    d.mkdir(parents=True)
+    (d / "libllama.so").write_bytes(b"")
+    (d / "manifest.json").write_text(json.dumps({"variant": "current", "pin": "current", "revision": "0c1e57098",
+                                                 "backend": "cpu", "lib": str(d / "libllama.so"), "patches": []}))
+    path, info = locate.resolve("current")
+    assert path == (d / "libllama.so").resolve() and info["pin"] == "current"
+    with pytest.raises(errors.LibraryError, match="no patched build"):
+        locate.resolve("patched")
+    # the package compiled from the current pin: the default and "current" load it, "patched" does not
+    pkg = {"lib": str(d / "libllama.so"), "variant": "current", "pin": "current", "origin": "package"}
+    monkeypatch.setattr(locate, "bundled", lambda: pkg)
+    assert locate.resolve()[1]["origin"] == "package" and locate.resolve("current")[1]["origin"] == "package"
+    with pytest.raises(errors.LibraryError, match="no patched build"):
+        locate.resolve("patched")
+
+
+def test_lib_flags_name_the_current_library():
+    from pyllama_kv import _paths
+
+    for cmd in ("run", "chat", "serve"):
+        r = run_cli([cmd, "--help"])
+        assert r.returncode == 0 and "patched|vanilla|current|PATH" in r.stdout.replace("\n", ""), cmd
+    src = "".join(p.read_text() for p in (_paths.PACKAGE_DIR).rglob("*.py"))
+    assert "patched|vanilla|PATH" not in src
+
+
+def test_vanilla_is_a_mission_build_only():
+    r = run_cli(["build", "--pin", "current", "--vanilla"])
+    assert r.returncode == 1 and "--vanilla" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_status_without_the_second_pin_file(tmp_path):
+    """A package installed before the second pin has no current.pin.json: status still answers."""
+    root = tmp_path / "proj"
+    (root / "vendor").mkdir(parents=True)
+    (root / "patches").mkdir()
+    (root / "vendor" / "llama.cpp.pin.json").write_bytes(_paths.pin_path().read_bytes())
+    st = B.status(root)
+    assert st["pins"]["current"]["vendor"]["state"] == "no pin file" and "current.pin.json" in st["pins"]["current"][
+        "error"]
+    assert st["vendor"]["state"] == "missing" and st["builds"] == []

@@ -229,14 +229,14 @@ def test_cuda_without_cublas_stops_with_our_message(sdist, outside):
 # ---------------------------------------------------------------------------------------------
 # the source step of the package build (harness/source.py), without compiling
 
-def _source_step(root: Path, work: Path, cache: Path) -> subprocess.CompletedProcess:
+def _source_step(root: Path, work: Path, cache: Path, pin: str = "mission") -> subprocess.CompletedProcess:
     """Run the step as CMakeLists.txt does (PYTHONPATH = the source tree), with no site-packages at
     all (-S): nothing but the standard library, as in pip's isolated build environment, and no
     editable install of the checkout to find."""
     env = _env(cache)
     env["PYTHONPATH"] = str(root)
     return _run([sys.executable, "-S", "-m", "pyllama_kv.harness.source", "--work", work,
-                 "--info", work / "build-info.json"], root, env)
+                 "--info", work / "build-info.json", "--pin", pin], root, env)
 
 
 def _fake_checkout(tmp_path: Path, with_tree: str | None) -> Path:
@@ -246,6 +246,7 @@ def _fake_checkout(tmp_path: Path, with_tree: str | None) -> Path:
     shutil.copytree(ROOT / "patches", root / "patches")
     (root / "vendor").mkdir()
     shutil.copy2(ROOT / "vendor" / "llama.cpp.pin.json", root / "vendor")
+    shutil.copy2(ROOT / "vendor" / "current.pin.json", root / "vendor")
     if with_tree == "pristine":
         shutil.copytree(ROOT / "vendor" / "llama.cpp", root / "vendor" / "llama.cpp", symlinks=True,
                         ignore=shutil.ignore_patterns("models", "docs", "tools", "examples", "tests", ".git"))
@@ -302,4 +303,35 @@ def test_cmake_configure_builds_its_own_source_whatever_pyllama_kv_root_says(tmp
     env = dict(_env(tmp_path / "cache"), PYLLAMA_KV_ROOT=str(decoy))
     p = _ok(_run([cmake, "-S", root, "-B", tmp_path / "cmake-build", f"-DPython_EXECUTABLE={sys.executable}"],
                  tmp_path, env, timeout=600))
-    assert f"pyllama-kv: llama.cpp source: {root / 'vendor' / 'llama.cpp'} (backend cpu)" in p.stdout, p.stdout[-3000:]
+    assert f"pyllama-kv: llama.cpp source: {root / 'vendor' / 'llama.cpp'} (mission pin, backend cpu)" in p.stdout, \
+        p.stdout[-3000:]
+
+
+def test_source_step_of_the_current_pin(tmp_path):
+    """-DPYLLAMA_KV_PIN=current: the step prepares the current llama.cpp with its series (patches/current/,
+    which may be empty) from the cached archive, and the build info says "current"."""
+    pin = _vendor.Pin.load(name="current")
+    archive = _vendor.cached_archive(pin)
+    if not archive.is_file():
+        pytest.skip("the current pin's archive is not cached: this would download it")
+    cache = tmp_path / "cache"
+    (cache / "downloads").mkdir(parents=True)
+    os.symlink(archive, cache / "downloads" / archive.name)
+    root = _fake_checkout(tmp_path, None)
+    work = tmp_path / "work"
+    p = _ok(_source_step(root, work, cache, pin="current"))
+    tree = Path(p.stdout.strip().splitlines()[-1])
+    assert tree == work / "llama.cpp-current"
+    current = _patch.series(root / "patches" / "current")
+    assert _patch.state(tree, current).complete
+    info = json.loads((work / "build-info.json").read_text())
+    assert (info["variant"], info["pin"], info["revision"]) == ("current", "current", pin.revision)
+    assert [x["name"] for x in info["patches"]] == [x.name for x in current]
+    assert not (root / "vendor" / "llama.cpp").exists()   # the mission pin is not needed for it
+
+
+def test_the_package_build_has_a_documented_pin_switch():
+    cml = (ROOT / "CMakeLists.txt").read_text()
+    assert 'set(PYLLAMA_KV_PIN "mission" CACHE STRING' in cml and "--pin ${PYLLAMA_KV_PIN}" in cml
+    assert "vendor/current.pin.json" in cml
+    assert "cmake.define.PYLLAMA_KV_PIN=current" in (ROOT / "docs" / "building.md").read_text()

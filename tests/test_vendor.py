@@ -162,23 +162,25 @@ def test_source_tarball_prefix_detection(tmp_path):
     assert V._find_tree_prefix(a) == "llama.cpp-8733e0c"
 
 
-def test_pin_file_is_consistent():
+@pytest.mark.parametrize("name", ["mission", "current"])
+def test_pin_file_is_consistent(name):
     """The pin's hashes are the real ones, recomputed here without vendor.py: its sha256 is that of
     the cached archive, and its fingerprint that of the archive's llama.cpp tree, read straight from
     the tarball (the pristine tree: our patches are never in the archive)."""
     from pyllama_kv import _paths
 
-    raw = json.loads(_paths.pin_path().read_text())
+    raw = json.loads(_paths.pin_path(pin=name).read_text())
     src, fp = raw["source"], raw["fingerprint"]
-    pin = V.Pin.load()
+    pin = V.Pin.load(name=name)
     assert (pin.revision, pin.sha256, pin.subdir, pin.fingerprint_paths, pin.fingerprint_sha256) == (
         raw["revision"], src["sha256"], src["subdir"], tuple(fp["paths"]), fp["sha256"])
-    assert len(pin.revision) == 40 and int(pin.revision, 16) >= 0
+    # the mission pin names the full hash; the current one the short hash its sdist names
+    assert len(pin.revision) == (40 if name == "mission" else 9) and int(pin.revision, 16) >= 0
     assert src["filename"] == f"{src['package'].replace('-', '_')}-{src['version']}.tar.gz"
 
     archive = V.cached_archive(pin)
     if not archive.is_file():
-        pytest.fail(f"the pinned archive is not cached at {archive}: run `make setup` (pyllama-kv vendor)")
+        pytest.fail(f"the pinned archive is not cached at {archive}: run `make setup` (pyllama-kv vendor --pin {name})")
     h = hashlib.sha256()
     with open(archive, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -199,14 +201,32 @@ def test_pin_file_is_consistent():
         "the pin's fingerprint is not that of the archive's tree"
 
 
-def test_vendored_tree_is_the_pinned_revision_and_cached():
+def test_one_pin_file_for_the_current_llama_cpp():
+    """The current pin and the peer's llama-server share one pin file (no second copy to drift)."""
+    from pyllama_kv import _paths
+    from pyllama_kv.harness import peer
+
+    root = _paths.checkout_root()
+    assert not (root / "vendor" / "peer.pin.json").exists()
+    assert peer.peer_pin_path() == _paths.pin_path(pin="current") == root / "vendor" / "current.pin.json"
+    assert _paths.vendor_dir(pin="current") == root / "vendor" / "llama.cpp-current"
+    assert _paths.patches_dir(pin="current") == root / "patches" / "current"
+    mission, current = V.Pin.load(), V.Pin.load(name="current")
+    assert (mission.name, current.name) == ("mission", "current")
+    assert current.filename != mission.filename and current.revision != mission.revision
+    with pytest.raises(V.VendorError, match="unknown pin"):
+        V.Pin.load(name="newest")
+
+
+@pytest.mark.parametrize("name", ["mission", "current"])
+def test_vendored_tree_is_the_pinned_revision_and_cached(name):
     """The real vendor dir came from the pinned, cached archive; the pristine fingerprint matches
     once our patches are taken out (checked on a copy in test_patch.py)."""
     from pyllama_kv import _paths
 
-    pin = V.Pin.load()
-    marker = V.read_marker(_paths.vendor_dir())
-    assert marker and marker["revision"] == pin.revision
+    pin = V.Pin.load(name=name)
+    marker = V.read_marker(_paths.vendor_dir(pin=name))
+    assert marker and marker["revision"] == pin.revision and marker["fingerprint"] == pin.fingerprint_sha256
     cached = V.cached_archive(pin)
     assert cached.is_file() and V.sha256_file(cached) == pin.sha256
 
@@ -218,12 +238,19 @@ def test_vendor_again_is_a_no_op_without_network():
     r = run_cli(["vendor", "--json"], env={"PIP_INDEX_URL": "http://127.0.0.1:9/nowhere", "PIP_NO_INDEX": "1"})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["changed"] is False
+    r = run_cli(["vendor", "--pin", "all", "--json"],
+                env={"PIP_INDEX_URL": "http://127.0.0.1:9/nowhere", "PIP_NO_INDEX": "1"})
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(x["pin"], x["changed"]) for x in rows] == [("mission", False), ("current", False)]
+    assert rows[1]["path"].endswith("vendor/llama.cpp-current") and rows[1]["revision"] == "0c1e57098"
 
 
-def test_real_archive_from_cache_unpacks_to_the_pinned_tree(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["mission", "current"])
+def test_real_archive_from_cache_unpacks_to_the_pinned_tree(tmp_path, monkeypatch, name):
     """The whole pipeline on the real pinned sdist, offline: cache hit (pip never runs), sha256,
     safe extraction, fingerprint of the pristine tree."""
-    pin = V.Pin.load()
+    pin = V.Pin.load(name=name)
 
     def no_pip(*a, **k):
         raise AssertionError("fetch() ran a subprocess although the archive is cached")
@@ -235,6 +262,83 @@ def test_real_archive_from_cache_unpacks_to_the_pinned_tree(tmp_path, monkeypatc
                        {"revision": pin.revision}, expected_sha256=pin.sha256)
     assert n > 1000
     assert (dest / "include" / "llama.h").is_file() and not (dest / ".git").exists()
+
+
+def _current_root(tmp_path, **pin_changes) -> Path:
+    """A project root with the current pin (``pin_changes`` rewrite its fields: sha256, fingerprint)
+    and an existing current tree that every failure must leave as it is."""
+    from pyllama_kv import _paths
+
+    root = tmp_path / "proj"
+    (root / "vendor").mkdir(parents=True)
+    raw = json.loads(_paths.pin_path(pin="current").read_text())
+    if "sha256" in pin_changes:
+        raw["source"]["sha256"] = pin_changes["sha256"]
+    if "fingerprint" in pin_changes:
+        raw["fingerprint"]["sha256"] = pin_changes["fingerprint"]
+    (root / "vendor" / "current.pin.json").write_text(json.dumps(raw))
+    existing = root / "vendor" / "llama.cpp-current"
+    (existing / "include").mkdir(parents=True)
+    (existing / "include" / "llama.h").write_text("// keep me\n")
+    return root
+
+
+def _cache_with_the_real_archive(tmp_path, monkeypatch) -> Path:
+    """A cache of its own holding (a link to) the real current archive, whose path it returns; pip may
+    not run."""
+    pin = V.Pin.load(name="current")
+    real = V.cached_archive(pin)
+    cache = tmp_path / "cache"
+    (cache / "downloads").mkdir(parents=True)
+    (cache / "downloads" / pin.filename).symlink_to(real)
+    monkeypatch.setenv("PYLLAMA_KV_CACHE", str(cache))
+
+    def no_pip(args, dest, log):
+        return 1, ["ERROR: no network in this test"]
+
+    monkeypatch.setattr(V, "pip_download", no_pip)
+    return real
+
+
+def test_current_pin_with_a_wrong_hash_is_refused_and_the_tree_untouched(tmp_path, monkeypatch):
+    real = _cache_with_the_real_archive(tmp_path, monkeypatch)
+    root = _current_root(tmp_path, sha256="0" * 64)
+    existing = root / "vendor" / "llama.cpp-current"
+    before = _snapshot(existing)
+    # the cached file does not have the pinned hash: it is dropped and fetched again, which fails here
+    with pytest.raises(V.VendorError, match="pip could not download"):
+        V.vendor(root=root, pin_name="current", log=lambda m: None)
+    assert _snapshot(existing) == before
+    pin = V.Pin.load(name="current")
+    with pytest.raises(V.VendorError, match="sha256 mismatch"):
+        V.install_tree(real, pin.subdir, existing, None, {}, expected_sha256="0" * 64)
+    assert _snapshot(existing) == before
+
+
+def test_current_pin_with_a_wrong_fingerprint_is_refused_and_the_tree_untouched(tmp_path, monkeypatch):
+    _cache_with_the_real_archive(tmp_path, monkeypatch)
+    root = _current_root(tmp_path, fingerprint="f" * 64)
+    existing = root / "vendor" / "llama.cpp-current"
+    before = _snapshot(existing)
+    with pytest.raises(V.VendorError, match="not the pinned revision 0c1e57098"):
+        V.vendor(root=root, pin_name="current", log=lambda m: None)
+    assert _snapshot(existing) == before
+    assert not list((root / "vendor").glob(".llama.cpp.*"))
+
+
+def test_current_pin_unpacks_beside_the_mission_tree_from_the_cache_alone(tmp_path, monkeypatch):
+    _cache_with_the_real_archive(tmp_path, monkeypatch)
+    root = _current_root(tmp_path)
+    res = V.vendor(root=root, pin_name="current", log=lambda m: None)
+    tree = root / "vendor" / "llama.cpp-current"
+    assert res.changed and res.pin == "current" and res.path == tree
+    marker = V.read_marker(tree)
+    assert marker["pin"] == "current" and marker["revision"] == "0c1e57098"
+    pin = V.Pin.load(name="current")
+    assert V.fingerprint(tree, pin.fingerprint_paths) == pin.fingerprint_sha256
+    assert not (root / "vendor" / "llama.cpp").exists()           # the mission tree is not touched
+    again = V.vendor(root=root, pin_name="current", log=lambda m: None)
+    assert not again.changed
 
 
 def _mini_root(tmp_path) -> Path:

@@ -1,7 +1,8 @@
 """Where the libllama to load is: read-only, no harness import, nothing run.
 
-In order: the ``lib`` argument (a path, ``"patched"`` or ``"vanilla"``), else ``$PYLLAMA_KV_LIB``
-(an explicit choice, as llama-cpp-python's ``LLAMA_CPP_LIB_PATH``), else the patched library:
+In order: the ``lib`` argument (a path, ``"patched"``, ``"vanilla"`` or ``"current"``), else
+``$PYLLAMA_KV_LIB`` (an explicit choice, as llama-cpp-python's ``LLAMA_CPP_LIB_PATH``), else the
+library inside the package, else the patched build:
 
 1. the one **inside the package** (``pyllama_kv/lib/``, compiled by ``pip install``; its
    ``build-info.json`` says what it is), then
@@ -11,8 +12,10 @@ In order: the ``lib`` argument (a path, ``"patched"`` or ``"vanilla"``), else ``
    (``$PYLLAMA_KV_CACHE`` moves it), so a program started from any directory finds a library built
    earlier.
 
-``"vanilla"`` is never bundled: it is always a build (``pyllama-kv build --vanilla``).
-``library_info()["origin"]`` says which of these was loaded.
+``"vanilla"`` is never bundled: it is always a build (``pyllama-kv build --vanilla``). ``"current"``
+is the current llama.cpp (the second pin, ``pyllama-kv build --pin current``, or a package compiled
+with ``-DPYLLAMA_KV_PIN=current``). ``library_info()["origin"]`` says which of these was loaded, and
+``["pin"]`` which pin (``"mission"`` or ``"current"``; None for a library we know nothing about).
 """
 from __future__ import annotations
 
@@ -39,18 +42,35 @@ def read_manifest(path: Path) -> dict | None:
     return m if isinstance(m, dict) else None
 
 
+# the library names `resolve` knows, and the pin each is built from
+VARIANT_PIN = {"patched": "mission", "vanilla": "mission", "current": "current"}
+# how to make each when it is missing
+_BUILD_CMD = {"patched": "pyllama-kv build", "vanilla": "pyllama-kv build --vanilla",
+              "current": "pyllama-kv vendor --pin current && pyllama-kv build --pin current"}
+
+
+def manifest_pin(m: dict) -> str | None:
+    """The pin a build manifest (or a package's build info) was made from; manifests written before
+    the second pin existed do not say it, and were all made from the mission pin."""
+    pin = m.get("pin")
+    if isinstance(pin, str):
+        return pin
+    return VARIANT_PIN.get(str(m.get("variant")))
+
+
 def lib_name() -> str:
     """The file name of libllama on this system."""
     return {"Darwin": "libllama.dylib", "Windows": "llama.dll"}.get(platform.system(), "libllama.so")
 
 
 def bundled() -> dict | None:
-    """The build info of the library a package build put inside the package, or None."""
+    """The build info of the library a package build put inside the package, or None. Its
+    ``variant`` is "patched" (the mission pin, the default) or "current" (-DPYLLAMA_KV_PIN=current)."""
     lib = _paths.PACKAGE_LIB / lib_name()
     if not lib.is_file():
         return None
     m = read_manifest(_paths.PACKAGE_LIB / "build-info.json") or {}
-    return dict(m, lib=str(lib), origin="package")
+    return dict(m, lib=str(lib), origin="package", variant=m.get("variant") or "patched")
 
 
 def registry_dir() -> Path:
@@ -95,42 +115,23 @@ def _manifest_builds() -> list[dict]:
 def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
     """Path and build info of the library to load.
 
-    ``lib`` may be a path, ``"patched"`` (the library inside the package, else the CPU build, else
-    any backend), ``"vanilla"`` (a build), or None: ``$PYLLAMA_KV_LIB``, else ``"patched"``.
+    ``lib`` may be a path, ``"patched"`` (the library inside the package if it is the patched one,
+    else the CPU build, else any backend), ``"vanilla"`` (a build), ``"current"`` (the library inside
+    the package if it was compiled from the current pin, else a build, CPU first), or None:
+    ``$PYLLAMA_KV_LIB``, else the library inside the package, else ``"patched"``.
     """
     origin = "argument"
     if lib is None:
         env = os.environ.get("PYLLAMA_KV_LIB")
-        lib, origin = (env, "PYLLAMA_KV_LIB") if env else ("patched", "")
-    if isinstance(lib, (bytes, os.PathLike)):
-        try:
-            lib = os.fsdecode(lib)
-        except (TypeError, ValueError) as exc:
-            raise LibraryError(f"lib must be a path, 'patched' or 'vanilla': {_one_line(exc)}") from None
-    if not isinstance(lib, str):
-        raise LibraryError(f"lib must be a path, 'patched', 'vanilla' or None, not {type(lib).__name__}")
-    name = lib
-    if not name.strip():
-        raise LibraryError("lib is an empty string: give a path to a libllama, 'patched' or 'vanilla'")
-    if "\0" in name:
-        raise LibraryError(f"library path {name!r} contains a NUL byte")
-    if name == "patched":
-        b = bundled()
-        if b is not None:
-            return Path(b["lib"]).resolve(), _info_from_manifest(b, "package")
-    builds = _manifest_builds()
-    if name in ("patched", "vanilla"):
-        cands = [b for b in builds if b.get("variant") == name]
-        cands.sort(key=lambda b: (b.get("backend") != "cpu", b.get("backend", "")))
-        if not cands:
-            raise LibraryError(
-                f"no {name} build of libllama found under {_paths.build_root()} or in {registry_dir()}"
-                + ("" if name == "vanilla" else " (and none inside the package)")
-                + ": run `make setup` in a checkout, "
-                f"or `pyllama-kv build{' --vanilla' if name == 'vanilla' else ''}`, or set PYLLAMA_KV_LIB"
-            )
-        b = cands[0]
-        return Path(b["lib"]).resolve(), _info_from_manifest(b, "build")
+        lib, origin = (env, "PYLLAMA_KV_LIB") if env else ("", "")
+        if not env:
+            b = bundled()
+            if b is not None:
+                return Path(b["lib"]).resolve(), _info_from_manifest(b, "package")
+            lib = "patched"
+    name = _lib_name_arg(lib)
+    if name in VARIANT_PIN:
+        return _resolve_variant(name)
     try:
         path = Path(name).expanduser()
     except RuntimeError:  # "~user" of an unknown user
@@ -151,8 +152,44 @@ def resolve(lib: str | os.PathLike | None = None) -> tuple[Path, dict]:
                 return path, _info_from_manifest(b, origin)
         except (OSError, ValueError, RuntimeError, TypeError, KeyError):
             continue
-    return path, {"path": str(path), "variant": "unknown", "revision": None, "patches": [], "backend": None,
-                  "origin": origin}
+    return path, {"path": str(path), "variant": "unknown", "pin": None, "revision": None, "patches": [],
+                  "backend": None, "origin": origin}
+
+
+_CHOICES = "a path to a libllama, 'patched', 'vanilla' or 'current'"
+
+
+def _lib_name_arg(lib: object) -> str:
+    """``lib`` as a string (a name or a path); LibraryError for what cannot be one."""
+    if isinstance(lib, (bytes, os.PathLike)):
+        try:
+            lib = os.fsdecode(lib)
+        except (TypeError, ValueError) as exc:
+            raise LibraryError(f"lib must be {_CHOICES}: {_one_line(exc)}") from None
+    if not isinstance(lib, str):
+        raise LibraryError(f"lib must be {_CHOICES} or None, not {type(lib).__name__}")
+    if not lib.strip():
+        raise LibraryError(f"lib is an empty string: give {_CHOICES}")
+    if "\0" in lib:
+        raise LibraryError(f"library path {lib!r} contains a NUL byte")
+    return lib
+
+
+def _resolve_variant(name: str) -> tuple[Path, dict]:
+    """The library called ``name`` ("patched", "vanilla", "current"): the package's own if it is that
+    one, else a build of that variant, the CPU build first."""
+    b = bundled()
+    if b is not None and b.get("variant") == name:
+        return Path(b["lib"]).resolve(), _info_from_manifest(b, "package")
+    cands = [b for b in _manifest_builds() if b.get("variant") == name]
+    cands.sort(key=lambda b: (b.get("backend") != "cpu", b.get("backend", "")))
+    if not cands:
+        raise LibraryError(
+            f"no {name} build of libllama found under {_paths.build_root()} or in {registry_dir()}"
+            + ("" if name == "vanilla" else " (and none inside the package)")
+            + f": run `make setup` in a checkout, or `{_BUILD_CMD[name]}`, or set PYLLAMA_KV_LIB"
+        )
+    return Path(cands[0]["lib"]).resolve(), _info_from_manifest(cands[0], "build")
 
 
 def _info_from_manifest(b: dict, origin: str) -> dict:
@@ -162,6 +199,7 @@ def _info_from_manifest(b: dict, origin: str) -> dict:
         "origin": origin,
         "path": str(Path(b["lib"]).resolve()),
         "variant": b.get("variant"),
+        "pin": manifest_pin(b),
         "revision": b.get("revision"),
         "patches": [p.get("name") for p in (b.get("patches") or []) if isinstance(p, dict)],
         "backend": b.get("backend"),

@@ -136,8 +136,11 @@ def chat_template(model, source: str | None = None, file: str | None = None):
 def add_lib_flag(parser) -> None:
     """``--lib``: which libllama the command loads; without it, what pk.Model loads ($PYLLAMA_KV_LIB,
     else the patched build), as in every command."""
-    parser.add_argument("--lib", default=None, metavar="patched|vanilla|PATH",
-                        help="libllama to use (default: $PYLLAMA_KV_LIB if set, else patched)")
+    parser.add_argument("--lib", default=None, metavar="patched|vanilla|current|PATH",
+                        help="libllama to use: patched (the mission pin with our series), vanilla (the same pin "
+                             "without it), current (the current llama.cpp: `pyllama-kv build --pin current`) or a "
+                             "path (default: $PYLLAMA_KV_LIB if set, else the one pip compiled into the package, else "
+                             "patched)")
 
 
 def add_deprecated_flag(parser, old: str, new: str, dest: str, **kw) -> None:
@@ -154,4 +157,4 @@ def add_deprecated_flag(parser, old: str, new: str, dest: str, **kw) -> None:
 def lib_label(lib: str | None) -> str:
     """A short name of the library ``lib`` (a --lib value, None: the default) names, for progress and tables."""
     name = lib or os.environ.get("PYLLAMA_KV_LIB") or "patched"
-    return name if name in ("patched", "vanilla") else Path(name).name
+    return name if name in ("patched", "vanilla", "current") else Path(name).name

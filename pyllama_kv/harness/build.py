@@ -1,18 +1,23 @@
-"""Build libllama from the vendored tree with CMake (`pyllama-kv build`), and report builds.
+"""Build libllama from a vendored tree with CMake (`pyllama-kv build`), and report builds.
 
-Two variants of the same pinned revision:
+Three variants over two pins (``VARIANT_PIN``):
 
-* ``patched`` (default): ``vendor/llama.cpp`` with our series applied (applied here if needed);
+* ``patched`` (default): the mission pin's ``vendor/llama.cpp`` with our series applied (applied here
+  if needed);
 * ``vanilla``: a copy of that tree with the series reversed, in ``build/src-vanilla/``, for
-  side-by-side comparisons.
+  side-by-side comparisons;
+* ``current`` (``--pin current``): the current llama.cpp's ``vendor/llama.cpp-current`` with its own
+  series (``patches/current/``, possibly empty) applied. Its CMake options differ from the mission
+  pin's (``cmake_flags(pin=...)``): no curl option any more, no OpenSSL, no unified app binary, no web
+  UI download; its RPC server is ``ggml-rpc-server``.
 
 ``--rpc`` turns on ggml's RPC backend (``-DGGML_RPC=ON``: layers offloaded to ``rpc-server``
 processes on other machines, ``pk.Model(path, rpc=[...])``) and builds ``rpc-server`` itself; the
 manifest says ``"rpc": true``. A later build that does not say ``--rpc`` or ``--no-rpc`` keeps what
 the existing build has, and switching it is a reconfigure in place, not a rebuild.
 
-Each build lives in ``build/<variant>-<backend>/`` with ``manifest.json`` (revision, patch names and
-sha256, backend, CMake flags, time, library path) and ``build.log``. A build whose manifest does not
+Each build lives in ``build/<variant>-<backend>/`` with ``manifest.json`` (pin, revision, patch names
+and sha256, backend, CMake flags, time, library path) and ``build.log``. A build whose manifest does not
 match what would be built now (a patch changed, other flags) is stale and is rebuilt.
 
 ``find_builds()`` only reads manifests: the Python API uses it to locate a library without running
@@ -34,6 +39,7 @@ from .. import _paths
 from .._native.locate import (  # noqa: F401  (find_builds, lib_name: re-exported)
     find_builds,
     lib_name,
+    manifest_pin,
     read_manifest,
     registry_dir,
 )
@@ -41,13 +47,26 @@ from ..errors import BuildError, HarnessError  # noqa: F401  (BuildError: re-exp
 from ..modelfile.download import Log, stderr_log as _stderr
 from . import patch as _patch, vendor as _vendor
 
-VARIANTS = ("patched", "vanilla")
+VARIANTS = ("patched", "vanilla", "current")
+# the pin each variant is built from (_paths.PINS)
+VARIANT_PIN = {"patched": "mission", "vanilla": "mission", "current": "current"}
 BACKENDS = ("cpu", "cuda", "metal")
 # llama.cpp's own programs that `build --tools` adds, for the benchmarks: llama-batched-bench
 # (scripts/bench_binding.py) and llama-server (scripts/bench_server.py; plain HTTP, no curl, no SSL)
 TOOLS = ("llama-batched-bench", "llama-server")
-# ggml's RPC server (tools/rpc at the pin), built with the RPC backend (--rpc)
+# ggml's RPC server (tools/rpc at the pin), built with the RPC backend (--rpc); the current pin names
+# its target ggml-rpc-server
 RPC_SERVER = "rpc-server"
+RPC_SERVERS = {"mission": RPC_SERVER, "current": "ggml-rpc-server"}
+
+
+def variant_pin(variant: str) -> str:
+    """The pin a variant is built from: "mission" (patched, vanilla) or "current"."""
+    try:
+        return VARIANT_PIN[variant]
+    except KeyError:
+        raise BuildError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}") from None
+
 
 def default_backend() -> str:
     return "metal" if platform.system() == "Darwin" else "cpu"
@@ -68,23 +87,49 @@ def _find_cuda(fetch_cublas: bool = False, log: Log = _stderr) -> dict:
     return cuda.find_toolkit(fetch=fetch_cublas, log=log)
 
 
-def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
-                extra: list[str] | None = None, rpc: bool | None = None, cuda_info: dict | None = None) -> list[str]:
-    """The CMake flags of a build. ``rpc``: -DGGML_RPC=ON (True), =OFF (False), or not given (None:
-    CMake's default, off), so that builds made before the option existed stay up to date.
-    ``cuda_arch``: default ``cuda.default_arch()``; ``cuda_info``: ``_find_cuda()``'s toolkit."""
-    flags = [
+# the options of the llama.cpp CMake project per pin; tools are configured always and built only on
+# request (--tools), so that asking for them adds a target instead of changing the configuration of an
+# existing build
+PIN_FLAGS = {
+    "mission": [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
-        # tools are configured always and built only on request (--tools), so that asking for them
-        # adds a target instead of changing the configuration of an existing build
         "-DLLAMA_BUILD_COMMON=ON",
         "-DLLAMA_BUILD_TOOLS=ON",
         "-DLLAMA_BUILD_SERVER=ON",
-    ]
+    ],
+    # the current llama.cpp: LLAMA_CURL is gone (deprecated, ignored); common's HTTP client would look for
+    # OpenSSL (LLAMA_OPENSSL); a standalone build adds the unified `llama` app (LLAMA_BUILD_APP); and
+    # llama-server's web UI would be downloaded from a Hugging Face bucket at build time
+    # (LLAMA_USE_PREBUILT_UI): all off. GGML_NATIVE stays at its default (on), as for the mission pin.
+    "current": [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_APP=OFF",
+        "-DLLAMA_BUILD_COMMON=ON",
+        "-DLLAMA_BUILD_TOOLS=ON",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+    ],
+}
+
+
+def cmake_flags(backend: str, tools: bool = False, cuda_arch: str | None = None,
+                extra: list[str] | None = None, rpc: bool | None = None, cuda_info: dict | None = None,
+                pin: str = "mission") -> list[str]:
+    """The CMake flags of a build of ``pin``. ``rpc``: -DGGML_RPC=ON (True), =OFF (False), or not given
+    (None: CMake's default, off), so that builds made before the option existed stay up to date.
+    ``cuda_arch``: default ``cuda.default_arch()``; ``cuda_info``: ``_find_cuda()``'s toolkit."""
+    if pin not in PIN_FLAGS:
+        raise BuildError(f"unknown pin {pin!r}: choose one of {', '.join(PIN_FLAGS)}")
+    flags = list(PIN_FLAGS[pin])
     if backend == "cpu":
         flags += ["-DGGML_CUDA=OFF", "-DGGML_METAL=OFF"]
     elif backend == "cuda":
@@ -139,17 +184,20 @@ def _patch_records(variant: str, patches: list) -> list[dict]:
 
 
 def _wanted(variant: str, backend: str, flags: list[str], tools: bool, root: Path | None) -> dict:
-    pin = _vendor.Pin.load(_paths.pin_path(root))
-    patches = _patch_records(variant, _patch.series(_paths.patches_dir(root)))
+    pin_name = variant_pin(variant)
+    pin = _vendor.Pin.load(name=pin_name, root=root)
+    patches = _patch_records(variant, _patch.series(_paths.patches_dir(root, pin_name)))
     rpc = bool(_rpc_in(flags))
     return {
+        "pin": pin_name,
         "revision": pin.revision,
+        "pin_source": _vendor.pinned_source(pin),
         "variant": variant,
         "backend": backend,
         "patches": patches,
         "cmake_flags": flags,
         "rpc": rpc,
-        "tools": (list(TOOLS) if tools else []) + ([RPC_SERVER] if rpc else []),
+        "tools": (list(TOOLS) if tools else []) + ([RPC_SERVERS[pin_name]] if rpc else []),
     }
 
 
@@ -172,14 +220,16 @@ def stale_reason(manifest: dict | None, wanted: dict) -> str | None:
 
 
 def _prepare_source(variant: str, root: Path | None, log: Log) -> Path:
-    vdir = _paths.vendor_dir(root)
+    pin = variant_pin(variant)
+    vdir = _paths.vendor_dir(root, pin)
     if not (vdir / "include" / "llama.h").is_file():
         if root is not None or _paths.checkout_root() is not None:
-            raise BuildError(f"{vdir} holds no llama.cpp tree: run `pyllama-kv vendor` first")
+            flag = "" if pin == _paths.DEFAULT_PIN else f" --pin {pin}"
+            raise BuildError(f"{vdir} holds no llama.cpp tree: run `pyllama-kv vendor{flag}` first")
         # an installed package: the pinned tree goes into the cache (from the cached archive if any)
-        _vendor.vendor(log=log)
-    if variant == "patched":
-        applied = _patch.apply(vdir)
+        _vendor.vendor(log=log, pin_name=pin)
+    if variant in ("patched", "current"):
+        applied = _patch.apply(vdir, _patch.series(_paths.patches_dir(root, pin)))
         if applied:
             log(f"applied {len(applied)} patch(es): {', '.join(applied)}")
         return vdir
@@ -252,7 +302,8 @@ def build(
     bdir = build_dir(variant, backend, root)
     if rpc is None:  # as the existing build has it
         rpc = _rpc_in((read_manifest(bdir) or {}).get("cmake_flags") or [])
-    flags = cmake_flags(backend, tools=tools, cuda_arch=cuda_arch, extra=extra_cmake, rpc=rpc, cuda_info=cuda_info)
+    flags = cmake_flags(backend, tools=tools, cuda_arch=cuda_arch, extra=extra_cmake, rpc=rpc, cuda_info=cuda_info,
+                        pin=variant_pin(variant))
     wanted = _wanted(variant, backend, flags, tools, root)
     reason = "forced" if force else stale_reason(read_manifest(bdir), wanted)
     if reason is None:
@@ -276,7 +327,7 @@ def build(
     if reason == "tools not built":  # same sources and flags: earlier tools are still current
         manifest["tools"] = sorted(set(previous.get("tools", [])) | set(manifest["tools"]))
     manifest.update({
-        "lib": str(lib.resolve()),
+        "lib": str(lib.parent.resolve() / lib.name),
         "bin_dir": str((cmake_dir / "bin").resolve()),
         "source_dir": str(src.resolve()),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -306,8 +357,7 @@ def _open_build_dir(bdir: Path, cmake_dir: Path, reason: str, flags: list[str]) 
 def _check_request(variant: str, backend: str | None) -> str:
     """The backend to build for (this machine's default when None), once the variant, the backend
     and cmake are known to be usable here."""
-    if variant not in VARIANTS:
-        raise BuildError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+    variant_pin(variant)  # BuildError for an unknown variant
     backend = backend or default_backend()
     if backend == "metal" and platform.system() != "Darwin":
         raise BuildError("--backend metal needs macOS (Apple's Metal framework); use --backend cpu or cuda here")
@@ -333,7 +383,8 @@ def _compile(src: Path, cmake_dir: Path, flags: list[str], targets: list[str], j
 
 
 def _built_library(cmake_dir: Path, tools: list[str], label: str) -> Path:
-    """The libllama the build wrote; BuildError if it or one of ``tools`` is missing."""
+    """The libllama the build wrote; BuildError if it or one of ``tools`` is missing. On the current
+    pin it is a link (libllama.so -> libllama.so.0 -> libllama.so.0.5.0): the manifest keeps its name."""
     lib = next((p for p in (cmake_dir / "bin" / lib_name(), cmake_dir / "src" / lib_name()) if p.is_file()), None)
     for t in tools:
         if not (cmake_dir / "bin" / t).is_file():
@@ -347,50 +398,90 @@ def _built_library(cmake_dir: Path, tools: list[str], label: str) -> Path:
 # status
 
 
-def status(root: Path | None = None) -> dict:
-    """Pinned revision, vendor tree state, patches applied and builds (for `pyllama-kv status`)."""
-    pin = _vendor.Pin.load(_paths.pin_path(root))
-    vdir = _paths.vendor_dir(root)
-    patches = _patch.series(_paths.patches_dir(root))
-    out: dict = {
+def _vendor_status(vdir: Path, patches: list) -> tuple[dict, list[bool]]:
+    """A vendor tree's state (missing, pristine, patched, partly patched, conflict) and which of
+    ``patches`` it holds."""
+    out: dict = {"path": str(vdir), "present": (vdir / "include" / "llama.h").is_file()}
+    marker = _vendor.read_marker(vdir)
+    out["source"] = marker.get("source") if marker else None
+    out["revision"] = marker.get("revision") if marker else None
+    applied = [False] * len(patches)
+    if not out["present"]:
+        out["state"] = "missing"
+        return out, applied
+    try:
+        st = _patch.state(vdir, patches)
+    except _patch.PatchError as exc:
+        out["state"] = f"error: {exc}"
+        return out, applied
+    out["state"] = ("conflict" if st.conflict else
+                    "patched" if st.complete and patches else
+                    "pristine" if st.n_applied == 0 else  # (with an empty series: nothing to apply)
+                    f"partly patched ({st.n_applied}/{len(patches)})")
+    if st.conflict:
+        out["conflict"] = {"patch": st.conflict, "detail": st.detail}
+    return out, st.applied
+
+
+def pin_status(pin_name: str, root: Path | None = None) -> dict:
+    """One pin: its revision and archive, its vendor tree's state and its patch series."""
+    pin = _vendor.Pin.load(name=pin_name, root=root)
+    patches = _patch.series(_paths.patches_dir(root, pin_name))
+    vendor, applied = _vendor_status(_paths.vendor_dir(root, pin_name), patches)
+    return {
+        "name": pin_name,
         "revision": pin.revision,
-        "pin": {"source": f"{pin.package}=={pin.version}", "filename": pin.filename, "sha256": pin.sha256,
-                "cached": _vendor.cached_archive(pin).is_file()},
-        "vendor": {"path": str(vdir), "present": (vdir / "include" / "llama.h").is_file()},
-        "patches": [],
+        "source": f"{pin.package}=={pin.version}", "filename": pin.filename, "sha256": pin.sha256,
+        "cached": _vendor.cached_archive(pin).is_file(),
+        "vendor": vendor,
+        "patches_dir": str(_paths.patches_dir(root, pin_name)),
+        "patches": [{"name": p.name, "subject": p.subject(), "sha256": p.sha256, "applied": a}
+                    for p, a in zip(patches, applied)],
+    }
+
+
+def _pin_status_or_none(pin_name: str, root: Path | None) -> dict:
+    """``pin_status``; for a second pin whose file is missing (a package installed before it existed),
+    what can be said without it."""
+    try:
+        return pin_status(pin_name, root)
+    except _vendor.VendorError as exc:
+        if pin_name == _paths.DEFAULT_PIN:
+            raise
+        return {"name": pin_name, "revision": None, "error": str(exc), "source": None, "filename": None,
+                "sha256": None, "cached": False, "patches": [], "patches_dir": None,
+                "vendor": {"path": str(_paths.vendor_dir(root, pin_name)), "present": False, "state": "no pin file"}}
+
+
+def status(root: Path | None = None) -> dict:
+    """Both pins (revision, vendor tree state, patches applied) and the builds (for `pyllama-kv status`).
+    The top-level ``revision``, ``pin``, ``vendor`` and ``patches`` are the mission pin's; ``pins`` has
+    both."""
+    pins = {name: _pin_status_or_none(name, root) for name in _paths.PINS}
+    mission = pins[_paths.DEFAULT_PIN]
+    out: dict = {
+        "revision": mission["revision"],
+        "pin": {k: mission[k] for k in ("name", "source", "filename", "sha256", "cached")},
+        "vendor": mission["vendor"],
+        "patches": mission["patches"],
+        "pins": pins,
         "builds": [],
     }
-    marker = _vendor.read_marker(vdir)
-    out["vendor"]["source"] = marker.get("source") if marker else None
-    out["vendor"]["revision"] = marker.get("revision") if marker else None
-    applied = [False] * len(patches)
-    if out["vendor"]["present"]:
-        try:
-            st = _patch.state(vdir, patches)
-            applied = st.applied
-            out["vendor"]["state"] = ("conflict" if st.conflict else
-                                      "patched" if st.complete else
-                                      "pristine" if st.n_applied == 0 else
-                                      f"partly patched ({st.n_applied}/{len(patches)})")
-            if st.conflict:
-                out["vendor"]["conflict"] = {"patch": st.conflict, "detail": st.detail}
-        except _patch.PatchError as exc:
-            out["vendor"]["state"] = f"error: {exc}"
-    else:
-        out["vendor"]["state"] = "missing"
-    for p, a in zip(patches, applied):
-        out["patches"].append({"name": p.name, "subject": p.subject(), "sha256": p.sha256, "applied": a})
     broot = _paths.build_root(root)
     for variant in VARIANTS:
+        pin_name = variant_pin(variant)
+        records = [{"name": p["name"], "sha256": p["sha256"]} for p in pins[pin_name]["patches"]]
         for backend in BACKENDS:
             d = broot / f"{variant}-{backend}"
             m = read_manifest(d)
             if m is None:
                 continue
             # the sources decide staleness here (the flags a build was asked for are its own business)
-            stale = stale_reason(m, dict(m, revision=pin.revision, patches=_patch_records(variant, patches)))
+            stale = stale_reason(m, dict(m, revision=pins[pin_name]["revision"],
+                                         patches=[] if variant == "vanilla" else records))
             out["builds"].append({
-                "variant": variant, "backend": backend, "lib": m.get("lib"), "dir": str(d),
+                "variant": variant, "backend": backend, "pin": manifest_pin(m), "revision": m.get("revision"),
+                "lib": m.get("lib"), "dir": str(d),
                 "built_at": m.get("built_at"), "tools": m.get("tools", []), "bin_dir": m.get("bin_dir"),
                 "rpc": bool(m.get("rpc")),
                 "stale": stale, "patches": [p["name"] for p in m.get("patches", [])],

@@ -1,12 +1,17 @@
 """The strongest peer, built apart: the *current* llama.cpp's ``llama-server`` (``pyllama-kv build --peer``).
 
 Serving and caching claims are measured against the newest llama.cpp the package index carries, not
-only the one at our pin. The newest llama-cpp-python sdist vendors it; ``vendor/peer.pin.json`` names
-that sdist with its sha256 and a fingerprint of the tree. This module fetches the archive with pip
-(hash-checked, cached in ``~/.cache/pyllama-kv/downloads``), unpacks the tree into
-``~/.cache/pyllama-kv/peer/<revision>/src`` (verified by the fingerprint), and builds only
-``llama-server`` there, statically linked (``BUILD_SHARED_LIBS=OFF``: it never loads our libllama),
-CPU only, no OpenSSL, no curl, with ggml's default CPU flags (as our builds). Nothing is patched.
+only the one at our pin. That is our second pin, ``current`` (``vendor/current.pin.json``: the newest
+llama-cpp-python sdist with its sha256 and a fingerprint of the tree; one pin file for both uses). The
+peer is built from the same unpacked tree, ``vendor/llama.cpp-current`` (``pyllama-kv vendor --pin
+current``, run here when it is missing: fetched with pip, hash-checked, cached in
+``~/.cache/pyllama-kv/downloads``), but never patched: while the tree holds none of the current pin's
+series (``patches/current/``) it is used as it is; once it holds some, a copy with the series reversed
+in ``~/.cache/pyllama-kv/peer/<revision>/src`` is. Only ``llama-server`` is built, in
+``~/.cache/pyllama-kv/peer/<revision>/build``, statically linked (``BUILD_SHARED_LIBS=OFF``: it never
+loads our libllama), CPU only, no OpenSSL, with ggml's default CPU flags (as our builds). Its flags are
+those it was measured with (a change would rebuild every peer build made so far: 18 minutes);
+``build.PIN_FLAGS["current"]`` turns off the app binary and the web UI download as well.
 
 The result is recorded in ``~/.cache/pyllama-kv/peer/<revision>/manifest.json`` (pin, sha256, flags,
 binary path) and reused while the pin and flags are the same, so a second ``make`` or benchmark run
@@ -23,8 +28,10 @@ from pathlib import Path
 from .. import _paths
 from ..errors import HarnessError
 from ..modelfile.download import Log, stderr_log as _stderr
-from . import vendor as _vendor
+from . import patch as _patch, vendor as _vendor
 from .build import _run_logged
+
+PIN = "current"
 
 TARGET = "llama-server"
 CMAKE_FLAGS = [
@@ -47,10 +54,11 @@ class PeerError(HarnessError):
 
 
 def peer_pin_path(root: Path | None = None) -> Path:
+    """The current pin's file (the peer has no pin of its own)."""
     root = root or _paths.checkout_root()
     if root is None:
         raise PeerError("the peer build is a benchmark tool of a checkout: run it from a clone of pyllama_kv")
-    return root / "vendor" / "peer.pin.json"
+    return _paths.pin_path(root, PIN)
 
 
 def peer_dir(pin: _vendor.Pin) -> Path:
@@ -64,7 +72,7 @@ def _manifest_path(pin: _vendor.Pin) -> Path:
 def read_manifest(root: Path | None = None) -> dict | None:
     """The peer build's manifest, if it is built for the current pin and flags and its binary exists."""
     try:
-        pin = _vendor.Pin.load(peer_pin_path(root))
+        pin = _vendor.Pin.load(peer_pin_path(root), name=PIN)
         m = json.loads(_manifest_path(pin).read_text())
     except (OSError, ValueError, HarnessError):
         return None
@@ -81,7 +89,7 @@ def find_peer_server(root: Path | None = None) -> Path | None:
 
 def build_peer(jobs: int | None = None, force: bool = False, root: Path | None = None, log: Log = _stderr) -> dict:
     """Fetch, verify, unpack and build the peer's llama-server (reused when up to date); its manifest."""
-    pin = _vendor.Pin.load(peer_pin_path(root))
+    pin = _vendor.Pin.load(peer_pin_path(root), name=PIN)
     if not force:
         m = read_manifest(root)
         if m is not None:
@@ -90,10 +98,9 @@ def build_peer(jobs: int | None = None, force: bool = False, root: Path | None =
     if not shutil.which("cmake"):
         raise PeerError("cmake was not found on PATH: install CMake 3.14 or newer (e.g. `pip install cmake`)")
     base = peer_dir(pin)
-    src, bdir = base / "src", base / "build"
-    marker = _vendor.read_marker(src) or {}
-    if marker.get("sha256") != pin.sha256 or marker.get("fingerprint") != pin.fingerprint_sha256:
-        _vendor.unpack_pinned(pin, src, log)
+    src, bdir = _pristine_tree(pin, root, log), base / "build"
+    if _configured_from(bdir) not in (None, src.resolve()):
+        shutil.rmtree(bdir)  # configured from another tree (the cache's own copy before the pins were one)
     t0 = time.monotonic()
     base.mkdir(parents=True, exist_ok=True)
     log_path = base / "build.log"
@@ -113,7 +120,8 @@ def build_peer(jobs: int | None = None, force: bool = False, root: Path | None =
     if not server.is_file():
         raise PeerError(f"the peer build finished but {server} is missing")
     manifest = {
-        "project": "llama.cpp", "revision": pin.revision, "package": pin.package, "version": pin.version,
+        "project": "llama.cpp", "pin": PIN, "revision": pin.revision, "source_dir": str(src.resolve()),
+        "package": pin.package, "version": pin.version,
         "sha256": pin.sha256, "fingerprint": pin.fingerprint_sha256, "cmake_flags": CMAKE_FLAGS,
         "server": str(server.resolve()), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.monotonic() - t0, 1), "log": str(log_path),
@@ -121,3 +129,35 @@ def build_peer(jobs: int | None = None, force: bool = False, root: Path | None =
     _manifest_path(pin).write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"peer llama-server built in {manifest['build_seconds']}s: {server}")
     return manifest
+
+
+def _pristine_tree(pin: _vendor.Pin, root: Path | None, log: Log) -> Path:
+    """The current pin's tree without any of its series: ``vendor/llama.cpp-current`` itself (vendored
+    first if missing), or a copy with the series reversed when the tree holds some of it."""
+    root = root or _paths.checkout_root()
+    vdir = _paths.vendor_dir(root, PIN)
+    if (_vendor.read_marker(vdir) or {}).get("revision") != pin.revision:
+        _vendor.vendor(root=root, log=log, pin_name=PIN)
+    series = _patch.series(_paths.patches_dir(root, PIN))
+    st = _patch.state(vdir, series)
+    if st.conflict is None and st.n_applied == 0:
+        return vdir
+    copy = peer_dir(pin) / "src"
+    if copy.exists():
+        shutil.rmtree(copy)
+    log(f"{vdir} holds patches of the current pin: building the peer from an unpatched copy in {copy}")
+    shutil.copytree(vdir, copy, symlinks=True, ignore=shutil.ignore_patterns("models", "docs", ".git"))
+    _patch.reverse(copy, series)
+    return copy
+
+
+def _configured_from(bdir: Path) -> Path | None:
+    """The source directory a CMake build directory was configured from (None: not configured)."""
+    try:
+        text = (bdir / "CMakeCache.txt").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("CMAKE_HOME_DIRECTORY:INTERNAL="):
+            return Path(line.split("=", 1)[1]).resolve()
+    return None

@@ -1,6 +1,8 @@
-"""Fetch, verify and unpack the pinned llama.cpp tree (`pyllama-kv vendor`).
+"""Fetch, verify and unpack a pinned llama.cpp tree (`pyllama-kv vendor [--pin mission|current|all]`).
 
-The pin (``vendor/llama.cpp.pin.json``) names the llama.cpp revision, the archive that carries it
+There are two pins (``_paths.PINS``): ``mission`` (``vendor/llama.cpp.pin.json`` into
+``vendor/llama.cpp``, the default) and ``current`` (``vendor/current.pin.json`` into
+``vendor/llama.cpp-current``). Each pin the llama.cpp revision, the archive that carries it
 (the ``llama-cpp-python`` sdist on PyPI, whose ``vendor/llama.cpp/`` is exactly that revision) with
 its sha256, and a fingerprint of the unpatched tree. The archive is downloaded with pip (so the
 machine's index settings apply) into ``~/.cache/pyllama-kv/downloads`` once; later runs use the
@@ -40,6 +42,8 @@ class VendorError(HarnessError):
 
 @dataclass(frozen=True)
 class Pin:
+    """A pin file: which llama.cpp, in which archive, with which hashes. ``name``: "mission" or "current"."""
+
     revision: str
     package: str
     version: str
@@ -48,11 +52,13 @@ class Pin:
     subdir: str
     fingerprint_paths: tuple[str, ...]
     fingerprint_sha256: str
+    name: str = _paths.DEFAULT_PIN
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def load(cls, path: Path | None = None) -> Pin:
-        path = path or _paths.pin_path()
+    def load(cls, path: Path | None = None, name: str = _paths.DEFAULT_PIN, root: Path | None = None) -> Pin:
+        """The pin ``name`` of the checkout (or of the installed package), or the pin file at ``path``."""
+        path = path or pin_file(name, root)
         try:
             data = json.loads(Path(path).read_text())
             src = data["source"]
@@ -66,10 +72,27 @@ class Pin:
                 subdir=src["subdir"].strip("/"),
                 fingerprint_paths=tuple(fp["paths"]),
                 fingerprint_sha256=fp["sha256"].lower(),
+                name=name,
                 raw=data,
             )
         except (OSError, ValueError, KeyError) as exc:
             raise VendorError(f"cannot read the pin file {path}: {exc}") from exc
+
+
+def pin_file(name: str, root: Path | None = None) -> Path:
+    try:
+        return _paths.pin_path(root, name)
+    except ValueError as exc:  # an unknown pin name
+        raise VendorError(str(exc)) from None
+
+
+def pin_names(choice: str) -> list[str]:
+    """The pins a ``--pin`` value names: one of ``_paths.PINS``, or "all"."""
+    if choice == "all":
+        return list(_paths.PINS)
+    if choice not in _paths.PINS:
+        raise VendorError(f"unknown pin {choice!r}: choose one of {', '.join(_paths.PINS)} or all")
+    return [choice]
 
 
 def fingerprint(tree: Path, paths: tuple[str, ...] | list[str]) -> str:
@@ -275,6 +298,7 @@ class VendorResult:
     source: str
     changed: bool
     files: int = 0
+    pin: str = _paths.DEFAULT_PIN
 
 
 def read_marker(dest: Path) -> dict | None:
@@ -363,11 +387,16 @@ def unpack_pinned(pin: Pin, dest: Path, log: Log = _stderr) -> int:
     """Fetch the pinned archive (cache first, hash-checked) and install its llama.cpp tree at ``dest``,
     proven pristine by the pin's fingerprint, with its marker. Returns the number of files."""
     archive = fetch(pin, log)
-    marker = {"revision": pin.revision, "source": pinned_source(pin), "sha256": pin.sha256,
+    marker = {"pin": pin.name, "revision": pin.revision, "source": pinned_source(pin), "sha256": pin.sha256,
               "fingerprint": pin.fingerprint_sha256}
     log(f"unpacking {pin.subdir}/ into {dest} ...")
     return install_tree(archive, pin.subdir, dest, (pin.fingerprint_paths, pin.fingerprint_sha256), marker,
                         expected_sha256=pin.sha256)
+
+
+def _same_revision(head: str, pin: Pin) -> bool:
+    """A git HEAD is the pinned revision (the current pin names a short hash)."""
+    return head == pin.revision or (len(pin.revision) < 40 and head.startswith(pin.revision))
 
 
 def vendor(
@@ -375,14 +404,16 @@ def vendor(
     force: bool = False,
     root: Path | None = None,
     log: Log = _stderr,
+    pin_name: str = _paths.DEFAULT_PIN,
 ) -> VendorResult:
-    """Make ``vendor/llama.cpp`` hold the pinned revision. Idempotent; see the module docstring."""
-    pin = Pin.load(_paths.pin_path(root))
-    dest = _paths.vendor_dir(root)
+    """Make the pin's tree (``vendor/llama.cpp`` for the mission pin, ``vendor/llama.cpp-current`` for
+    the current one) hold the pinned revision. Idempotent; see the module docstring."""
+    pin = Pin.load(name=pin_name, root=root)
+    dest = _paths.vendor_dir(root, pin_name)
     marker_now = read_marker(dest) if dest.exists() else None
     if not force and source is None and marker_now and marker_now.get("revision") == pin.revision:
         log(f"{dest} already holds llama.cpp {pin.revision[:12]} (from {marker_now.get('source')})")
-        return VendorResult(dest, pin.revision, str(marker_now.get("source")), changed=False)
+        return VendorResult(dest, pin.revision, str(marker_now.get("source")), changed=False, pin=pin.name)
 
     fp = (pin.fingerprint_paths, pin.fingerprint_sha256)
     t0 = time.monotonic()
@@ -393,10 +424,11 @@ def vendor(
         source = Path(source).expanduser().resolve()
         if not source.exists():
             raise VendorError(f"--source {source}: no such file or directory")
-        marker = {"revision": pin.revision, "source": str(source), "fingerprint": pin.fingerprint_sha256}
+        marker = {"pin": pin.name, "revision": pin.revision, "source": str(source),
+                  "fingerprint": pin.fingerprint_sha256}
         if source.is_dir():
             head = _git_head(source)
-            if head is not None and head != pin.revision:
+            if head is not None and not _same_revision(head, pin):
                 raise VendorError(f"--source {source} is a git checkout of {head[:12]}, "
                                   f"not the pinned {pin.revision[:12]}")
             log(f"copying {source} into {dest} ...")
@@ -407,5 +439,5 @@ def vendor(
             log(f"unpacking {source}:{prefix or '/'} into {dest} ...")
             n = install_tree(source, prefix, dest, fp, marker)
         src_desc = str(source)
-    log(f"vendored llama.cpp {pin.revision[:12]}: {n} files in {time.monotonic() - t0:.1f}s")
-    return VendorResult(dest, pin.revision, src_desc, changed=True, files=n)
+    log(f"vendored llama.cpp {pin.revision[:12]} ({pin.name} pin): {n} files in {time.monotonic() - t0:.1f}s")
+    return VendorResult(dest, pin.revision, src_desc, changed=True, files=n, pin=pin.name)
