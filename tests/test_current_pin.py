@@ -234,3 +234,22 @@ def test_server_smoke_on_the_current_library(tiny_model, current):
         assert m["pyllama_kv_kv_cells"] >= 512
     finally:
         assert s.stop() == 0, s.log()[-3000:]
+
+
+def test_penalties_and_logit_bias_sample_on_the_current_library(model):
+    """llama_sampler_init_penalties takes n_vocab first on the current llama.h: a penalised, biased,
+    seeded request generates, and a bias of +100 on one token makes it the greedy answer."""
+    from pyllama_kv.engine import SamplingParams
+
+    prompt = toks(8, 11)
+    cfg = EngineConfig(n_ctx=256, parallel=2, prefix_cache=0, **F32)
+    p = SamplingParams(temperature=0.7, seed=3, frequency_penalty=0.5, presence_penalty=0.3, repeat_penalty=1.1,
+                       logit_bias=((42, 2.0),))
+    forced = SamplingParams(temperature=0.0, logit_bias=((42, 100.0),), frequency_penalty=0.1)
+    with Engine(model, cfg) as eng:
+        a = eng.submit(prompt, p, max_tokens=12)
+        b = eng.submit(prompt, p, max_tokens=12)
+        f = eng.submit(prompt, forced, max_tokens=1)
+        eng.run_until_idle()
+        assert len(a.result()[0].tokens) == 12 and a.result()[0].tokens == b.result()[0].tokens
+        assert f.result()[0].tokens == [42]

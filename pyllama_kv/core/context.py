@@ -278,7 +278,7 @@ class Context(_kv.CResource):
         if self.closed:
             return "<pyllama_kv.Context closed>"
         return (f"<pyllama_kv.Context n_ctx={self.n_ctx} sequences={len(self._table)}/{self.n_seq_max} "
-                f"{'patched' if self.patched else 'vanilla'}>")
+                f"{self._libobj.info.get('variant') or self.caps.api}>")
 
     def check_open(self) -> None:
         """InvalidInputError when the context is closed."""
