@@ -34,8 +34,9 @@ def _type_text(node) -> str:
     return gen._generate_type(node, emit_declname=False)
 
 
-def generate_checks(types_cdef: str, funcs_cdef: str) -> str:
-    ffi = _ffi.ffi
+def generate_checks(types_cdef: str, funcs_cdef: str, ffi=None) -> str:
+    """``ffi``: the FFI whose sizes, offsets and enum values are asserted (the mission one by default)."""
+    ffi = _ffi.ffi if ffi is None else ffi
     ast = pycparser.CParser().parse(PRELUDE + types_cdef)
     lines = ["#include <stddef.h>", "#include <stdbool.h>", '#include "llama.h"', "", "/* functions */", funcs_cdef, ""]
     n = 0
@@ -89,22 +90,23 @@ def generate_address_checks(names: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _compile(tmp_path, source: str, name: str = "check_decls.c") -> subprocess.CompletedProcess:
+def _compile(tmp_path, source: str, name: str = "check_decls.c", vdir=None) -> subprocess.CompletedProcess:
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         pytest.fail("no C compiler found (cc/gcc/clang); one is needed to build libllama anyway")
-    vdir = _paths.vendor_dir()
+    vdir = _paths.vendor_dir() if vdir is None else vdir
     src = tmp_path / name
     src.write_text(source)
     return subprocess.run([cc, "-std=c11", "-fsyntax-only", "-Werror", f"-I{vdir / 'include'}",
                            f"-I{vdir / 'ggml' / 'include'}", str(src)], capture_output=True, text=True)
 
 
-def _check(tmp_path, types_cdef: str, funcs_cdef: str) -> list[subprocess.CompletedProcess]:
-    """Both compiles: the redeclarations and static checks, and the addresses without redeclarations."""
+def _check(tmp_path, types_cdef: str, funcs_cdef: str, ffi=None, vdir=None) -> list[subprocess.CompletedProcess]:
+    """Both compiles: the redeclarations and static checks, and the addresses without redeclarations
+    (``ffi``/``vdir``: another API generation's FFI and its llama.cpp tree)."""
     names = declared_functions(types_cdef, funcs_cdef)
-    return [_compile(tmp_path, generate_checks(types_cdef, funcs_cdef)),
-            _compile(tmp_path, generate_address_checks(names), "check_addresses.c")]
+    return [_compile(tmp_path, generate_checks(types_cdef, funcs_cdef, ffi), vdir=vdir),
+            _compile(tmp_path, generate_address_checks(names), "check_addresses.c", vdir=vdir)]
 
 
 def test_declarations_match_the_vendored_header(tmp_path):
@@ -115,6 +117,34 @@ def test_declarations_match_the_vendored_header(tmp_path):
         and len(names) > 50
     for r in _check(tmp_path, _ffi.TYPES_CDEF, _ffi.FUNCS_CDEF + _ffi.PATCHED_FUNCS_CDEF):
         assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _current_tree():
+    vdir = _paths.vendor_dir(pin="current")
+    if not (vdir / "include" / "llama.h").is_file():
+        pytest.skip(f"the current pin's tree is not at {vdir} (pyllama-kv vendor --pin current)")
+    return vdir
+
+
+def test_current_declarations_match_the_current_header(tmp_path):
+    """The second API generation (decl/current/*.h, the current pin's llama.h): its struct layouts
+    (llama_model_params, llama_context_params: cffi's ABI mode trusts them), field types, enum values
+    and every function signature, compiled against vendor/llama.cpp-current."""
+    vdir = _current_tree()
+    src = generate_checks(_ffi.CURRENT_TYPES_CDEF, _ffi.CURRENT_FUNCS_CDEF, _ffi.ffi_current)
+    assert src.count("_Static_assert") > 100
+    names = declared_functions(_ffi.CURRENT_TYPES_CDEF, _ffi.CURRENT_FUNCS_CDEF)
+    assert set(names) == set(_ffi.CURRENT_REQUIRED_FUNCS) and "llama_memory_seq_rm" in names
+    assert not [n for n in names if n.startswith("llama_kv_")]
+    for r in _check(tmp_path, _ffi.CURRENT_TYPES_CDEF, _ffi.CURRENT_FUNCS_CDEF, _ffi.ffi_current, vdir):
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_the_mission_declarations_do_not_fit_the_current_header(tmp_path):
+    """The check sees the generations apart: the mission declarations fail against the current llama.h."""
+    vdir = _current_tree()
+    decls, addresses = _check(tmp_path, _ffi.TYPES_CDEF, _ffi.FUNCS_CDEF, None, vdir)
+    assert decls.returncode != 0 and addresses.returncode != 0
 
 
 def test_a_function_llama_h_lacks_fails_the_check(tmp_path):

@@ -10,6 +10,15 @@ Which library: ``PYLLAMA_KV_LIB`` (a path to a libllama) if set, else the patche
 through the build manifests (locate.py; CPU first). Functions the loaded library lacks (the stats
 API in a vanilla build) are reported by :meth:`Library.has` instead of failing at import.
 
+Two API generations. The mission pin (8733e0c, May 2025: ``llama_kv_self_*``, the cell view, our
+patch series) and the current pin (``vendor/llama.cpp-current``: ``llama_get_memory`` and
+``llama_memory_*``, new ``llama_model_params``/``llama_context_params`` layouts) have different C
+APIs. Each has its own declarations (``decl/*.h`` and ``decl/current/*.h``) and its own cffi FFI;
+:class:`Library` finds out which one a file is from its exports *before* any declaration is bound
+(``llama_get_memory`` present: current), and carries ``.ffi``, ``.api`` ("mission" | "current") and
+``.caps`` (:class:`Caps`: what the library can do). Code above ``_native`` asks ``caps``, never the
+pin's name.
+
 llama.cpp's log goes to the Python logger ``pyllama_kv.llama`` (a NullHandler is attached to
 ``pyllama_kv``, so nothing prints unless the application configures logging).
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import dataclasses
 import logging
 import os
 import re
@@ -52,6 +62,19 @@ ffi.cdef(TYPES_CDEF)
 ffi.cdef(FUNCS_CDEF)
 ffi.cdef(PATCHED_FUNCS_CDEF)
 
+# the current pin's API generation (decl/current/*.h, checked against vendor/llama.cpp-current's headers)
+CURRENT_TYPES_CDEF = _decl("current/llama_types.h")
+CURRENT_FUNCS_CDEF = _decl("current/llama_funcs.h") + _decl("current/ggml_backend.h")
+
+ffi_current = cffi.FFI()
+ffi_current.cdef(CURRENT_TYPES_CDEF)
+ffi_current.cdef(CURRENT_FUNCS_CDEF)
+
+# a function only the current generation exports: what Library looks at before binding a
+# generation's declarations
+_PROBE = cffi.FFI()
+_PROBE.cdef("void * llama_get_memory(void *);")
+
 # the KV cache types (name -> ggml type id) and the quantized ones, under the names scripts use here
 GGML_TYPES = KV_CACHE_TYPES
 QUANTIZED_TYPES = QUANTIZED_KV_TYPES
@@ -64,9 +87,62 @@ _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERR
 
 # every function of FUNCS_CDEF: a library must export them all to be loaded (checked at load, so that a
 # wrong library is a LibraryError naming the file, not an AttributeError in the middle of a call)
-REQUIRED_FUNCS: tuple[str, ...] = tuple(
-    m.group(1) for m in (re.search(r"(\w+)\s*\(", decl) for decl in FUNCS_CDEF.split(";")) if m
-)
+def _func_names(cdef: str) -> tuple[str, ...]:
+    return tuple(m.group(1) for m in (re.search(r"(\w+)\s*\(", decl) for decl in cdef.split(";")) if m)
+
+
+REQUIRED_FUNCS: tuple[str, ...] = _func_names(FUNCS_CDEF)
+CURRENT_REQUIRED_FUNCS: tuple[str, ...] = _func_names(CURRENT_FUNCS_CDEF)
+
+# per API generation: its FFI and the functions a library of it must export
+_GENERATIONS = {"mission": (ffi, REQUIRED_FUNCS), "current": (ffi_current, CURRENT_REQUIRED_FUNCS)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Caps:
+    """What a loaded library can do; the layers above ``_native`` decide by these, never by the pin.
+
+    ``api``: the API generation ("mission" or "current"), for messages and library_info only."""
+
+    api: str
+    defrag: bool                   # an explicit defrag exists (llama_kv_self_defrag: the mission pin)
+    safe_defrag: bool              # defrag and defrag_thold cannot abort the process (patch 0003)
+    stats: bool                    # llama_kv_self_stats' defrag/retry counters (patch 0004)
+    cell_view: bool                # a per-cell view of the cache (llama_kv_cache_view: the mission pin)
+    span_restore: bool             # a span restored onto a sequence keeping its prefix (patch 0014)
+    state_io: bool                 # sequence states in the byte format core/state.py validates
+    kv_shift: bool                 # a K-shift is trusted where the context says it can (patch 0009; current)
+    slot_retry: bool               # a batch finds cells whenever enough are free (defrag-and-retry, or
+                                   # batches written into non-contiguous cells)
+    scattered_cells: bool          # batches go into non-contiguous cells: the largest free block is all free cells
+    partial_remove_may_fail: bool  # seq_rm may refuse a partial range (recurrent/SWA memory): bool false
+    flash_attn_auto: bool          # flash attention "auto" (on where the backend has it)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _caps(api: str, has) -> Caps:
+    """The capabilities of a library of generation ``api`` whose exports ``has(name)`` tells."""
+    if api == "current":
+        return Caps(api="current", defrag=False, safe_defrag=False, stats=False, cell_view=False,
+                    span_restore=False, state_io=False, kv_shift=True, slot_retry=True, scattered_cells=True,
+                    partial_remove_may_fail=True, flash_attn_auto=True)
+    patched = has("llama_kv_self_stats")
+    return Caps(api="mission", defrag=True, safe_defrag=patched, stats=patched, cell_view=True,
+                span_restore=has("llama_state_seq_add_data"), state_io=True, kv_shift=patched,
+                slot_retry=patched, scattered_cells=False, partial_remove_may_fail=False, flash_attn_auto=False)
+
+
+def _api_of(path: Path) -> str:
+    """The API generation of the library at ``path``, from its exports (OSError/ValueError when it
+    cannot be loaded at all)."""
+    probe = _PROBE.dlopen(str(path))
+    try:
+        getattr(probe, "llama_get_memory")  # noqa: B009 - cffi binds the symbol on access: AttributeError when absent
+        return "current"
+    except AttributeError:
+        return "mission"
 
 
 def _callback_error(exc_type, exc_value, tb) -> None:
@@ -84,7 +160,9 @@ class Library:
         self.path = path
         self.info = info
         try:
-            self.lib = ffi.dlopen(str(path))
+            self.api = _api_of(path)
+            self.ffi, required = _GENERATIONS[self.api]
+            self.lib = self.ffi.dlopen(str(path))
         except (OSError, ValueError) as exc:
             # cffi's message: "cannot load library 'P': P: REASON.  Additionally, ctypes.util...": keep REASON
             reason = _one_line(exc).split(" Additionally, ")[0]
@@ -92,13 +170,13 @@ class Library:
             raise LibraryError(f"cannot load {path}: {reason}") from None
         # a library that loads but is not a libllama of the pinned revision (libz, an older llama.cpp)
         # would otherwise fail later with AttributeError at the first missing function
-        missing = [name for name in REQUIRED_FUNCS if not self._exports(name)]
+        missing = [name for name in required if not self._exports(name)]
         if missing:
             try:
-                ffi.dlclose(self.lib)
+                self.ffi.dlclose(self.lib)
             except Exception:  # pragma: no cover - nothing more to free
                 pass
-            more = f" (and {len(missing) - 1} more of the {len(REQUIRED_FUNCS)} functions pyllama_kv needs)" \
+            more = f" (and {len(missing) - 1} more of the {len(required)} functions pyllama_kv needs)" \
                 if len(missing) > 1 else ""
             raise LibraryError(f"{path} is not a usable libllama: it does not export {missing[0]}{more}")
         self._has: dict[str, bool] = {}
@@ -107,11 +185,14 @@ class Library:
         self._pending_level = logging.INFO
         # recent error lines, so that a NULL from C can be explained in the exception
         self.recent_errors: collections.deque[str] = collections.deque(maxlen=8)
-        self._log_cb = ffi.callback("void(enum ggml_log_level, const char *, void *)", self._on_log,
-                                    onerror=_callback_error)
-        self.lib.llama_log_set(self._log_cb, ffi.NULL)
+        self._log_cb = self.ffi.callback("void(enum ggml_log_level, const char *, void *)", self._on_log,
+                                         onerror=_callback_error)
+        self.lib.llama_log_set(self._log_cb, self.ffi.NULL)
         self.lib.llama_backend_init()
-        self.info["has_stats"] = self.has("llama_kv_self_stats")
+        self.caps = _caps(self.api, self.has)
+        self.info["has_stats"] = self.caps.stats
+        self.info["api"] = self.api
+        self.info["caps"] = self.caps.as_dict()
         if self.info.get("variant") in (None, "unknown"):
             self.info["variant"] = "patched" if self.info["has_stats"] else "vanilla"
 
@@ -126,7 +207,7 @@ class Library:
         """The names of the GPU devices this library's backends found (CUDA, Metal, ...; RPC servers
         are not among them until a model connects them): empty on a CPU build or a machine
         without a GPU."""
-        L = self.lib
+        L, ffi = self.lib, self.ffi
         with self.lock:
             devs = [L.ggml_backend_dev_get(i) for i in range(L.ggml_backend_dev_count())]
             return [ffi.string(L.ggml_backend_dev_name(d)).decode("utf-8", "replace") for d in devs
@@ -138,13 +219,19 @@ class Library:
             self._has[name] = self._exports(name)
         return self._has[name]
 
+    def max_parallel_sequences(self) -> int | None:
+        """llama_max_parallel_sequences() where the library has it (the current API), else None."""
+        if self.api != "current":
+            return None
+        return int(self.lib.llama_max_parallel_sequences())
+
     @property
     def patched(self) -> bool:
         return bool(self.info.get("has_stats"))
 
     def _on_log(self, level, text, _user) -> None:
         try:
-            msg = ffi.string(text).decode("utf-8", "replace") if text != ffi.NULL else ""
+            msg = self.ffi.string(text).decode("utf-8", "replace") if text != ffi.NULL else ""
             if level == 5:  # CONT: continues the previous message
                 lvl = self._pending_level
             else:
@@ -230,5 +317,5 @@ def library_info(lib: str | os.PathLike | None = None) -> dict:
     """path, variant, revision, patches applied and backend of the library the API would use."""
     loaded = load(lib)
     out = dict(loaded.info)
-    out["system_info"] = ffi.string(loaded.lib.llama_print_system_info()).decode("utf-8", "replace")
+    out["system_info"] = loaded.ffi.string(loaded.lib.llama_print_system_info()).decode("utf-8", "replace")
     return out

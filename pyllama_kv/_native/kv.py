@@ -8,6 +8,13 @@ function.
 
 ``NativeContext.L`` is the cffi library its calls go through; a benchmark may replace it with a
 wrapper that times ``llama_decode`` (scripts/bench_binding.py).
+
+Two API generations (see ffi.py): every object uses its library's ``ffi``, and the KV methods of
+:class:`NativeContext` map onto the mission pin's ``llama_kv_self_*`` or, in :class:`CurrentContext`,
+onto the current pin's ``llama_memory_*``. The current library has no cell view: a
+:class:`~pyllama_kv._native.cells.CellShadow` mirrors which sequences hold which cells from the
+calls that change them, so that ``used_cells`` and ``view`` answer alike on both (the view's cell
+order is not the cache's there: ``caps.cell_view`` is False).
 """
 from __future__ import annotations
 
@@ -15,12 +22,22 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .ffi import CResource, Library, _callback_error, ffi, library_info, load
+from ..errors import LibraryError
+from .cells import CellShadow
+from .ffi import Caps, CResource, Library, _callback_error, ffi, library_info, load
 
-__all__ = ["CResource", "Library", "library_info", "load_library",
-           "rpc_devices", "ModelInfo", "NativeModel", "NativeBatch", "NativeContext", "NativeSampler"]
+__all__ = ["Caps", "CResource", "Library", "library_info", "load_library", "rpc_devices", "ModelInfo",
+           "NativeModel", "NativeBatch", "NativeContext", "CurrentContext", "NativeSampler"]
 
-_alloc = ffi.new_allocator(should_clear_after_alloc=False)
+_allocators: dict[int, Any] = {}
+
+
+def _alloc(ffi_: Any, ctype: str, n: int) -> Any:
+    """An uncleared ``ctype`` array of ``n`` from ``ffi_`` (one allocator per API generation's FFI)."""
+    a = _allocators.get(id(ffi_))
+    if a is None:
+        a = _allocators[id(ffi_)] = ffi_.new_allocator(should_clear_after_alloc=False)
+    return a(ctype, n)
 
 
 def load_library(lib=None) -> Library:
@@ -34,7 +51,7 @@ def rpc_devices(lib: Library, endpoints: list[str]) -> Any | None:
     add_rpc_devices makes them (the RPC registry's ggml_backend_rpc_add_device; they are not
     registered globally, so other models do not use them). None: the library has no RPC backend.
     Nothing is connected here: llama_model_load_from_file connects."""
-    L = lib.lib
+    L, ffi = lib.lib, lib.ffi
     with lib.lock:
         reg = L.ggml_backend_reg_by_name(b"RPC")
         if reg == ffi.NULL:
@@ -68,16 +85,18 @@ class ModelInfo(NamedTuple):
     desc: str
     size: int
     n_params: int
+    recurrent: bool = False   # layers that keep recurrent state (recurrent or hybrid; current library only)
 
 
 class NativeModel:
     """A ``llama_model *`` and its vocabulary pointer."""
 
-    __slots__ = ("lib", "L", "ptr", "vocab")
+    __slots__ = ("lib", "L", "ffi", "ptr", "vocab")
 
     def __init__(self, lib: Library, ptr: Any):
         self.lib = lib
         self.L = lib.lib
+        self.ffi = lib.ffi
         self.ptr = ptr
         self.vocab = self.L.llama_model_get_vocab(ptr)
 
@@ -90,14 +109,17 @@ class NativeModel:
         L = lib.lib
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.use_mmap = bool(use_mmap)
+        if lib.api == "current":
+            params.load_mode = L.LLAMA_LOAD_MODE_MMAP if use_mmap else L.LLAMA_LOAD_MODE_NONE
+        else:
+            params.use_mmap = bool(use_mmap)
         if devices is not None:
             params.devices = devices
         with lib.lock:
             lib.clear_errors()
             ptr = L.llama_model_load_from_file(path, params)
             err = lib.last_error()
-        if ptr == ffi.NULL:
+        if ptr == lib.ffi.NULL:
             return None, err
         return cls(lib, ptr), ""
 
@@ -108,7 +130,7 @@ class NativeModel:
 
     def info(self) -> ModelInfo:
         """The llama_model_* size getters and llama_vocab_* constants, in one record."""
-        L, p, v = self.L, self.ptr, self.vocab
+        L, p, v, ffi = self.L, self.ptr, self.vocab, self.ffi
         buf = ffi.new("char[256]")
         L.llama_model_desc(p, buf, 256)
         return ModelInfo(
@@ -118,10 +140,12 @@ class NativeModel:
             n_head_kv=int(L.llama_model_n_head_kv(p)), bos=int(L.llama_vocab_bos(v)), eos=int(L.llama_vocab_eos(v)),
             add_bos=bool(L.llama_vocab_get_add_bos(v)), rope_type=int(L.llama_model_rope_type(p)),
             has_encoder=bool(L.llama_model_has_encoder(p)), desc=ffi.string(buf).decode("utf-8", "replace"),
-            size=int(L.llama_model_size(p)), n_params=int(L.llama_model_n_params(p)))
+            size=int(L.llama_model_size(p)), n_params=int(L.llama_model_n_params(p)),
+            recurrent=self.lib.api == "current" and bool(L.llama_model_is_recurrent(p) or L.llama_model_is_hybrid(p)))
 
     def tokenize(self, data: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int]]:
         """llama_tokenize into a buffer of n_max: (n, tokens); n < 0 when -n tokens are needed."""
+        ffi = self.ffi
         buf = ffi.new("llama_token[]", n_max)
         self.lib.clear_errors()
         n = self.L.llama_tokenize(self.vocab, data, len(data), buf, n_max, bool(add_bos), bool(special))
@@ -129,6 +153,7 @@ class NativeModel:
 
     def token_to_piece(self, token: int, cap: int, special: bool) -> tuple[int, bytes]:
         """llama_token_to_piece into a buffer of cap bytes: (n, bytes); n < 0 when -n bytes are needed."""
+        ffi = self.ffi
         buf = ffi.new("char[]", cap)
         n = self.L.llama_token_to_piece(self.vocab, token, buf, cap, 0, bool(special))
         return n, (ffi.unpack(buf, n) if n >= 0 else b"")
@@ -136,6 +161,7 @@ class NativeModel:
     def detokenize(self, tokens: np.ndarray, n_max: int, remove_special: bool,
                    unparse_special: bool) -> tuple[int, bytes]:
         """llama_detokenize of a contiguous int32 array: (n, bytes); n < 0 when -n bytes are needed."""
+        ffi = self.ffi
         cbuf = ffi.from_buffer("llama_token[]", tokens)
         out = ffi.new("char[]", n_max)
         n = self.L.llama_detokenize(self.vocab, cbuf, tokens.size, out, n_max, bool(remove_special),
@@ -152,6 +178,7 @@ class NativeModel:
 
     def meta(self, key: bytes, size: int) -> tuple[int, bytes]:
         """llama_model_meta_val_str into size bytes: (n, the value, cut to size - 1 bytes); n < 0: absent."""
+        ffi = self.ffi
         buf = ffi.new("char[]", size)
         n = self.L.llama_model_meta_val_str(self.ptr, key, buf, size)
         return n, (ffi.unpack(buf, min(n, size - 1)) if n >= 0 else b"")
@@ -159,9 +186,14 @@ class NativeModel:
 
 class NativeBatch:
     """Reusable llama_batch arrays of capacity ``cap``, filled through the numpy views ``np_token``,
-    ``np_pos``, ``np_sid`` and ``np_out`` (one sequence id per token: ``n_seq_id`` is all 1)."""
+    ``np_pos``, ``np_sid`` and ``np_out`` (one sequence id per token: ``n_seq_id`` is all 1), made
+    with ``lib``'s FFI (the mission one when None): a batch goes only to a context of that library."""
 
-    def __init__(self, cap: int):
+    def __init__(self, cap: int, lib: Library | None = None):
+        ffi_ = ffi if lib is None else lib.ffi
+        self._make(cap, ffi_)
+
+    def _make(self, cap: int, ffi: Any) -> None:
         self.cap = cap
         self.token = ffi.new("llama_token[]", cap)
         self.pos = ffi.new("llama_pos[]", cap)
@@ -186,46 +218,57 @@ class NativeBatch:
 
 
 class NativeContext:
-    """A ``llama_context *`` with its KV cache view (for ``view_seq_max`` sequence ids)."""
+    """A ``llama_context *`` of the mission pin's API, with its KV cache view (for ``view_seq_max``
+    sequence ids). :meth:`create` makes a :class:`CurrentContext` for a library of the current API."""
 
     def __init__(self, lib: Library, ptr: Any, view_seq_max: int):
         self.lib = lib
         self.L = lib.lib
+        self.ffi = lib.ffi
         self.ptr = ptr
-        self._view = ffi.new("struct llama_kv_cache_view *", self.L.llama_kv_cache_view_init(ptr, view_seq_max))
+        self._view = self.ffi.new("struct llama_kv_cache_view *", self.L.llama_kv_cache_view_init(ptr, view_seq_max))
         self._abort_cb: Any = None
 
     @classmethod
     def create(cls, lib: Library, model: NativeModel, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
-               flash_attn: bool, type_k: int, type_v: int, n_threads: int,
+               flash_attn: bool | None, type_k: int, type_v: int, n_threads: int,
                defrag_thold: float | None, embeddings: bool = False,
                pooling_type: int | None = None) -> tuple[NativeContext | None, str]:
         """llama_init_from_model: (the context, "") or (None, llama.cpp's last error line).
-        ``embeddings``/``pooling_type``: an embeddings context (pooling None: the model's)."""
+        ``embeddings``/``pooling_type``: an embeddings context (pooling None: the model's).
+        ``flash_attn`` None: "auto" (only where ``caps.flash_attn_auto``; the caller checked)."""
         L = lib.lib
         p = L.llama_context_default_params()
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_ubatch
         p.n_seq_max = n_seq_max
-        p.flash_attn = bool(flash_attn)
         p.type_k = type_k
         p.type_v = type_v
         p.no_perf = True
         p.n_threads = n_threads
         p.n_threads_batch = n_threads
-        if defrag_thold is not None:
-            p.defrag_thold = float(defrag_thold)
         p.embeddings = bool(embeddings)
         if pooling_type is not None:
             p.pooling_type = pooling_type
+        current = lib.api == "current"
+        if current:
+            # one cell buffer for all sequences: seq_cp shares cells (forks) instead of copying a
+            # per-sequence buffer, which aborts on a partial range
+            p.kv_unified = True
+            p.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
+                                 L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        else:
+            p.flash_attn = bool(flash_attn)
+            if defrag_thold is not None:
+                p.defrag_thold = float(defrag_thold)
         with lib.lock:
             lib.clear_errors()
             ptr = L.llama_init_from_model(model.ptr, p)
             err = lib.last_error()
-        if ptr == ffi.NULL:
+        if ptr == lib.ffi.NULL:
             return None, err
-        return cls(lib, ptr, n_seq_max), ""
+        return (CurrentContext if current else cls)(lib, ptr, n_seq_max), ""
 
     def free(self) -> None:
         """llama_kv_cache_view_free and llama_free."""
@@ -253,7 +296,7 @@ class NativeContext:
     def logits(self, n_rows: int, n_vocab: int) -> np.ndarray:
         """A copy of the first n_rows output rows of llama_get_logits, float32 (n_rows, n_vocab)."""
         ptr = self.L.llama_get_logits(self.ptr)
-        rows = np.frombuffer(ffi.buffer(ptr, n_rows * n_vocab * 4), dtype=np.float32)
+        rows = np.frombuffer(self.ffi.buffer(ptr, n_rows * n_vocab * 4), dtype=np.float32)
         return rows.reshape(n_rows, n_vocab).copy()
 
     # -- embeddings (a context made with embeddings=True)
@@ -265,35 +308,36 @@ class NativeContext:
     def embeddings_seq(self, seq_id: int, n: int) -> np.ndarray | None:
         """A copy of llama_get_embeddings_seq's ``n`` floats for seq_id (None: NULL, no such sequence)."""
         ptr = self.L.llama_get_embeddings_seq(self.ptr, seq_id)
-        if ptr == ffi.NULL:
+        if ptr == self.ffi.NULL:
             return None
-        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
+        return np.frombuffer(self.ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
 
     def embeddings_rows(self, n_rows: int, n_embd: int) -> np.ndarray | None:
         """A copy of the first n_rows output rows of llama_get_embeddings (pooling none), float32
         (n_rows, n_embd); None when NULL."""
         ptr = self.L.llama_get_embeddings(self.ptr)
-        if ptr == ffi.NULL:
+        if ptr == self.ffi.NULL:
             return None
-        rows = np.frombuffer(ffi.buffer(ptr, n_rows * n_embd * 4), dtype=np.float32)
+        rows = np.frombuffer(self.ffi.buffer(ptr, n_rows * n_embd * 4), dtype=np.float32)
         return rows.reshape(n_rows, n_embd).copy()
 
     def set_abort_poll(self, poll: Callable[[Any], bool]) -> None:
         """Make ``poll(user_data)`` (never raising) the abort callback that enable_abort installs; a
         Ctrl-C that lands before poll's own handler runs is handed back to the main thread."""
-        self._abort_cb = ffi.callback("bool(void *)", poll, onerror=_callback_error)
+        self._abort_cb = self.ffi.callback("bool(void *)", poll, onerror=_callback_error)
 
     def enable_abort(self, on: bool) -> None:
         """llama_set_abort_callback: the poll of set_abort_poll when ``on``, else none."""
         if on:
-            self.L.llama_set_abort_callback(self.ptr, self._abort_cb, ffi.NULL)
+            self.L.llama_set_abort_callback(self.ptr, self._abort_cb, self.ffi.NULL)
         else:
-            self.L.llama_set_abort_callback(self.ptr, ffi.NULL, ffi.NULL)
+            self.L.llama_set_abort_callback(self.ptr, self.ffi.NULL, self.ffi.NULL)
 
     # -- the KV cache
 
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
-        """llama_kv_self_seq_rm: drop the cells of seq_id with position in [p0, p1) (-1: open end)."""
+        """llama_kv_self_seq_rm: drop the cells of seq_id with position in [p0, p1) (-1: open end).
+        False: the memory refused a partial range and nothing changed."""
         return bool(self.L.llama_kv_self_seq_rm(self.ptr, seq_id, p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
@@ -325,8 +369,8 @@ class NativeContext:
         self.L.llama_kv_cache_view_update(self.ptr, self._view)
         v = self._view
         n = v.n_cells
-        pos = np.frombuffer(ffi.buffer(v.cells, n * 4), dtype=np.int32).copy()
-        seqs = np.frombuffer(ffi.buffer(v.cells_sequences, n * v.n_seq_max * 4), dtype=np.int32)
+        pos = np.frombuffer(self.ffi.buffer(v.cells, n * 4), dtype=np.int32).copy()
+        seqs = np.frombuffer(self.ffi.buffer(v.cells_sequences, n * v.n_seq_max * 4), dtype=np.int32)
         return pos, seqs.reshape(n, v.n_seq_max).copy()
 
     def stats(self) -> dict[str, int]:
@@ -344,13 +388,14 @@ class NativeContext:
 
     def state_seq_get(self, seq_id: int, size: int) -> tuple[int, bytes]:
         """llama_state_seq_get_data into size bytes: (bytes written, the buffer)."""
-        buf = _alloc("uint8_t[]", size)
+        buf = _alloc(self.ffi, "uint8_t[]", size)
         got = int(self.L.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
-        return got, ffi.buffer(buf, size)[:]
+        return got, self.ffi.buffer(buf, size)[:]
 
     def state_seq_set(self, data: bytes, seq_id: int) -> int:
         """llama_state_seq_set_data: the bytes read (0 on failure)."""
-        return int(self.L.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
+        return int(self.L.llama_state_seq_set_data(self.ptr, self.ffi.from_buffer("uint8_t[]", data), len(data),
+                                                   seq_id))
 
     def state_seq_add(self, data: bytes, seq_id: int) -> int | None:
         """llama_state_seq_add_data (patch 0014): the bytes read (0 on failure); None when the library
@@ -359,7 +404,86 @@ class NativeContext:
             fn = self.L.llama_state_seq_add_data
         except AttributeError:
             return None
-        return int(fn(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
+        return int(fn(self.ptr, self.ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
+
+
+class CurrentContext(NativeContext):
+    """A ``llama_context *`` of the current pin's API: the KV calls go to ``llama_memory_*`` on
+    ``llama_get_memory(ctx)``; there is no defrag (a no-op), no explicit update (llama_decode applies
+    pending shifts itself), no cell view (``view`` and ``used_cells`` come from the
+    :class:`CellShadow`) and no stats counters."""
+
+    def __init__(self, lib: Library, ptr: Any, view_seq_max: int):
+        self.lib = lib
+        self.L = lib.lib
+        self.ffi = lib.ffi
+        self.ptr = ptr
+        self.mem = self.L.llama_get_memory(ptr)
+        self._abort_cb = None
+        self.cells = CellShadow(int(self.L.llama_n_ctx(ptr)), view_seq_max)
+
+    def free(self) -> None:
+        """llama_free."""
+        self.L.llama_free(self.ptr)
+        self.ptr = None
+
+    def can_shift(self) -> bool:
+        """llama_memory_can_shift."""
+        return bool(self.L.llama_memory_can_shift(self.mem))
+
+    def decode(self, batch: NativeBatch, n_tokens: int) -> int:
+        """llama_decode; on success the shadow learns the new cells (one per token)."""
+        rc = super().decode(batch, n_tokens)
+        if rc == 0:
+            self.cells.add(batch.np_sid[:n_tokens], batch.np_pos[:n_tokens])
+        return rc
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """llama_memory_seq_rm; False: the memory (recurrent, SWA) refused a partial range, nothing changed."""
+        ok = bool(self.L.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
+        if ok:
+            self.cells.rm(seq_id, p0, p1)
+        return ok
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """llama_memory_seq_cp (the unified cache shares the cells)."""
+        self.L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+        self.cells.cp(src, dst, p0, p1)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """llama_memory_seq_add (applied by the next llama_decode)."""
+        self.L.llama_memory_seq_add(self.mem, seq_id, p0, p1, delta)
+        self.cells.shift(seq_id, p0, p1, delta)
+
+    def clear(self) -> None:
+        """llama_memory_clear, data included."""
+        self.L.llama_memory_clear(self.mem, True)
+        self.cells.clear()
+
+    def defrag(self) -> None:
+        """Nothing: the current library writes batches into non-contiguous cells and has no defrag."""
+
+    def update(self) -> None:
+        """Nothing: llama_decode applies pending shifts itself (there is no llama_kv_self_update)."""
+
+    def used_cells(self) -> int:
+        """The cells some sequence holds (the shadow's count; llama.h has no counter)."""
+        return self.cells.used()
+
+    def view(self) -> tuple[np.ndarray, np.ndarray]:
+        """The shadow's (pos, seqs), shaped as the mission view: which sequences hold each used
+        cell and at which position, the used cells first (not the cache's cell order)."""
+        return self.cells.view()
+
+    def stats(self) -> dict[str, int]:
+        raise LibraryError(f"{self.lib.path} has no KV cache counters (llama_kv_self_stats is patch 0004 of the "
+                           "mission pin's series)")
+
+    def state_seq_set(self, data: bytes, seq_id: int) -> int:
+        raise LibraryError(f"{self.lib.path}: writing a sequence state is not supported on this library's API")
+
+    def state_seq_add(self, data: bytes, seq_id: int) -> int | None:
+        return None
 
 
 class NativeSampler:
@@ -370,6 +494,8 @@ class NativeSampler:
     def __init__(self, lib: Library, n_vocab: int):
         """llama_sampler_chain_init (empty chain; add samplers with the add_* methods)."""
         self.L = lib.lib
+        self.api = lib.api
+        ffi = self.ffi = lib.ffi
         self.n_vocab = n_vocab
         self.ptr = self.L.llama_sampler_chain_init(self.L.llama_sampler_chain_default_params())
         self._cand = ffi.new("llama_token_data[]", n_vocab)
@@ -399,11 +525,15 @@ class NativeSampler:
 
     def add_penalties(self, last_n: int, repeat: float, freq: float, present: float) -> None:
         """llama_sampler_init_penalties, added to the chain (it counts the tokens it accepts)."""
-        self.L.llama_sampler_chain_add(self.ptr, self.L.llama_sampler_init_penalties(last_n, repeat, freq, present))
+        if self.api == "current":   # the current llama.h takes n_vocab first
+            smpl = self.L.llama_sampler_init_penalties(self.n_vocab, last_n, repeat, freq, present)
+        else:
+            smpl = self.L.llama_sampler_init_penalties(last_n, repeat, freq, present)
+        self.L.llama_sampler_chain_add(self.ptr, smpl)
 
     def add_logit_bias(self, bias: dict[int, float]) -> None:
         """llama_sampler_init_logit_bias, added to the chain (it copies the array)."""
-        arr = ffi.new("llama_logit_bias[]", max(1, len(bias)))
+        arr = self.ffi.new("llama_logit_bias[]", max(1, len(bias)))
         for i, (tok, b) in enumerate(bias.items()):
             arr[i].token = tok
             arr[i].bias = b

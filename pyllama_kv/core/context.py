@@ -14,6 +14,14 @@ Contract (what every method guarantees):
 * **Vanilla builds.** The API runs on the unpatched library too (for comparisons): stats counters
   are ``None``, ``remove`` re-evaluates instead of K-shifting, and ``defrag`` refuses when the
   vanilla library would abort the process (see patches/0003).
+* **Capabilities, not pins.** What the loaded library can do is its ``caps``
+  (:class:`pyllama_kv._native.ffi.Caps`); this module asks them and never the pin's name. On a
+  library without a capability an operation that needs it raises :class:`LibraryError` naming both
+  (state export/import, snapshot/restore, the cell view), or takes the documented graceful path:
+  stats counters are None, ``defrag`` is a no-op where batches go into non-contiguous cells (the
+  largest free block is then all free cells), a removal re-evaluates instead of K-shifting. A
+  partial removal the library refuses (recurrent or sliding-window memory: ``seq_rm`` false) raises
+  InvalidInputError with the sequence unchanged.
 
 Ownership. The context is the only writer of what its sequences hold: a table keyed by sequence id
 (``_table``, one :class:`_SeqEntry` per open sequence) has each sequence's handle, its tokens (the
@@ -102,6 +110,30 @@ class _SeqEntry:
 
 
 _NO_TOKENS: tuple = ()
+
+# what each capability a method may need is, for the LibraryError of a library without it
+_CAP_TEXT = {
+    "state_io": "sequence states in the byte format pyllama_kv validates (llama_state_seq_* of the mission pin)",
+    "span_restore": "llama_state_seq_add_data (restoring a span onto a sequence that keeps its prefix: patch 0014)",
+    "cell_view": "a per-cell view of the KV cache in cache order (llama_kv_cache_view)",
+}
+
+
+def _check_library_params(lib: _kv.Library, defrag_thold: float | None, n_seq_max: int) -> None:
+    """InvalidInputError for context parameters the library cannot honour (checked before C)."""
+    caps = lib.caps
+    if defrag_thold is not None and defrag_thold > 0:
+        if not caps.defrag:
+            raise InvalidInputError(f"defrag_thold needs automatic defrag, which the {caps.api} llama.cpp library "
+                                    "does not have (it writes batches into non-contiguous cells, so none is "
+                                    "needed): leave defrag_thold unset")
+        if not caps.safe_defrag:
+            raise InvalidInputError("defrag_thold (automatic defrag) on the vanilla build can abort the process "
+                                    "inside llama_decode (see patches/0003): use the patched build")
+    top = lib.max_parallel_sequences()
+    if top is not None and n_seq_max + 1 > top:   # one spare id (see Context.__init__)
+        raise InvalidInputError(f"n_seq_max={n_seq_max} is more than this library allows ({top - 1}: "
+                                f"llama_max_parallel_sequences() is {top}, one id is the context's spare)")
 _CC = ContextConfig   # the defaults of Context's arguments are ContextConfig's
 
 
@@ -152,9 +184,8 @@ class Context(_kv.CResource):
                                         f"{block}; this model's is {hd}")
 
         lib = model.native_library
-        if defrag_thold is not None and defrag_thold > 0 and not lib.patched:
-            raise InvalidInputError("defrag_thold (automatic defrag) on the vanilla build can abort the process "
-                                    "inside llama_decode (see patches/0003): use the patched build")
+        self.caps: _kv.Caps = lib.caps
+        _check_library_params(lib, defrag_thold, n_seq_max)
         self.model = model
         self._libobj = lib
         # llama.cpp's default is a fixed 4 threads; more threads than cores makes ggml's spinning
@@ -180,7 +211,7 @@ class Context(_kv.CResource):
         self.type_k, self.type_v = type_k, type_v
         self.can_shift: bool = native.can_shift() and model.rope_type != -1
         self.patched: bool = self._libobj.patched
-        self._batch = _kv.NativeBatch(self.n_batch)
+        self._batch = _kv.NativeBatch(self.n_batch, lib)
         self._free_ids = list(range(self.n_seq_max))
         self._table: dict[int, _SeqEntry] = {}   # the open sequences by id: the one record of what they hold
         self._abort_fn: Callable[[], bool] | None = None
@@ -247,7 +278,7 @@ class Context(_kv.CResource):
         if self.closed:
             return "<pyllama_kv.Context closed>"
         return (f"<pyllama_kv.Context n_ctx={self.n_ctx} sequences={len(self._table)}/{self.n_seq_max} "
-                f"{'patched' if self.patched else 'vanilla'}>")
+                f"{self._libobj.info.get('variant') or self.caps.api}>")
 
     def check_open(self) -> None:
         """InvalidInputError when the context is closed."""
@@ -329,9 +360,15 @@ class Context(_kv.CResource):
     # -- raw cell operations (the caller holds critical and validated) ------------------------
 
     def _seq_remove(self, sid: int, p0: int, p1: int) -> None:
-        """Drop the cells of ``sid`` with position in [p0, p1) (-1: open end); no shift."""
+        """Drop the cells of ``sid`` with position in [p0, p1) (-1: open end); no shift. A range the
+        library's memory refuses (recurrent or sliding-window: llama.cpp's seq_rm says false and
+        changes nothing) is InvalidInputError, raised before any table change."""
         assert self._native is not None
-        self._native.seq_rm(sid, p0, p1)
+        if not self._native.seq_rm(sid, p0, p1):
+            raise InvalidInputError(
+                f"llama.cpp cannot remove positions [{p0}, {'end' if p1 < 0 else p1}) of sequence {sid}: this "
+                "model's memory (recurrent or sliding-window) keeps no per-position state to cut; nothing was "
+                "changed (re-create the sequence from its tokens instead)")
 
     def _seq_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
         """Let ``dst`` also hold ``src``'s cells with position in [p0, p1) (-1: open end)."""
@@ -355,9 +392,16 @@ class Context(_kv.CResource):
         finally:
             self._no_abort = prev
 
+    def _need(self, cap: str, what: str) -> None:
+        """LibraryError naming ``what`` and the capability ``cap`` when the library lacks it."""
+        if not getattr(self.caps, cap):
+            raise LibraryError(f"{what} needs {_CAP_TEXT[cap]}, which the {self.caps.api} llama.cpp library "
+                               f"({self._libobj.path}) does not have yet")
+
     def _read_seq_state(self, sid: int) -> bytes:
         """llama.cpp's state of sequence ``sid`` (LlamaError when it cannot be read whole)."""
         assert self._native is not None
+        self._need("state_io", "reading a sequence's state")
         return _spanio.read_seq_state(self._native, sid)
 
     def _write_seq_state(self, data: bytes, sid: int) -> int:
@@ -379,8 +423,7 @@ class Context(_kv.CResource):
     def can_restore(self) -> bool:
         """Whether this context's library can restore a span (llama_state_seq_add_data, patch 0014 of
         the series); False once closed."""
-        native = self._native
-        return native is not None and getattr(native.L, "llama_state_seq_add_data", None) is not None
+        return self._native is not None and self.caps.span_restore
 
     def import_sequence(self, state):
         """A new sequence holding the cells and tokens of ``state`` (from Sequence.export_state).
@@ -397,6 +440,7 @@ class Context(_kv.CResource):
             self.check_open()
             if not isinstance(state, _SequenceState):
                 raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
+            self._need("state_io", "importing a sequence's state")
             s = self.new_sequence()  # LlamaError when no id is free; given back on any failure below
             try:
                 self._import_into(self._table[s.id], state)
@@ -463,6 +507,10 @@ class Context(_kv.CResource):
         with self.critical():
             e = self._entry(seq)
             n = len(e.tokens) if n is None else int_param("n", n, 0, len(e.tokens))
+            if 0 < n < len(e.tokens) and self.model.recurrent:
+                raise InvalidInputError(f"a fork of the first {n} of {len(e.tokens)} tokens needs the state at "
+                                        f"position {n}, which this model's recurrent layers no longer hold: fork "
+                                        "the whole sequence")
             child = self.new_sequence()
             if n > 0:
                 self._seq_copy(e.id, child.id, 0, n)
@@ -504,7 +552,7 @@ class Context(_kv.CResource):
             self._cut(e, start)
             return
         tail = np.asarray(e.tokens[end:], dtype=np.int32)
-        shift_ok = not recompute and self.can_shift and self.patched and not self.shared_in(e.id, end, n)
+        shift_ok = not recompute and self.can_shift and self.caps.kv_shift and not self.shared_in(e.id, end, n)
         if not shift_ok:
             self._rebuild_tail(e, start, tail)
             return
@@ -540,6 +588,9 @@ class Context(_kv.CResource):
         if tail.size == 0:
             self._cut(e, start)
             return
+        if start > 0 and self.model.recurrent:
+            raise InvalidInputError(f"re-evaluating sequence {sid} from position {start} needs its state there, "
+                                    "which this model's recurrent layers no longer hold; nothing was changed")
         free = self._free_cells()
         if free >= tail.size:
             tmp = self._spare_id
@@ -557,9 +608,9 @@ class Context(_kv.CResource):
             self._seq_remove(tmp, -1, -1)
         else:
             exclusive = self._exclusive_cells(sid, start)
-            if not self.patched or free + exclusive < tail.size:
-                why = ("" if self.patched else
-                       "; the vanilla build cannot re-evaluate in place without risking the sequence")
+            if not self.caps.slot_retry or free + exclusive < tail.size:
+                why = ("" if self.caps.slot_retry else
+                       "; this library cannot re-evaluate in place without risking the sequence")
                 raise KVCacheFullError(
                     f"re-evaluating {tail.size} tokens of sequence {sid} needs {tail.size} free cells; {free} are "
                     f"free{why}")
@@ -592,6 +643,7 @@ class Context(_kv.CResource):
         """Sequence.export_state."""
         with self.critical():
             e = self._entry(seq)
+            self._need("state_io", "exporting a sequence's state")
             # a state copies K as stored: a K-shift still pending would be lost
             self._c_update()
             return _state.export_state(self._read_seq_state(e.id), list(e.tokens), e.id, self.n_ctx, self.model)
@@ -600,6 +652,7 @@ class Context(_kv.CResource):
         """Sequence.snapshot: a compact copy of the cells of ``seq`` over positions [start, end)."""
         with self.critical():
             e = self._entry(seq)
+            self._need("state_io", "a snapshot of a sequence's cells")
             end = _spanio.span_end(start, end, len(e.tokens))
             self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
             return _spanio.make_span(self._read_seq_state(e.id), e.tokens, start, end, e.id, self.n_ctx,
@@ -609,6 +662,7 @@ class Context(_kv.CResource):
         """Sequence.restore: add the cells of ``span`` to ``seq``, which holds exactly [0, span.start)."""
         with self.critical():
             e = self._entry(seq)
+            self._need("span_restore", "restoring a span")
             span = _spanio.check_restore(span, self.model, len(e.tokens), e.id, self.n_ctx,
                                          lambda: self._layout_of(self._spare_id))
             self._c_update()   # free cells may still carry the pending delta of a removed cell
@@ -737,7 +791,7 @@ class Context(_kv.CResource):
     def _decode_error(self, rc: int) -> BaseException:
         """The exception for llama_decode's return code ``rc`` (see :mod:`.returncodes`)."""
         exc, self._abort_exc = self._abort_exc, None
-        return _decode_error(rc, self._libobj.last_error(), stats=self.kv_stats, patched=self.patched,
+        return _decode_error(rc, self._libobj.last_error(), stats=self.kv_stats, patched=self.caps.slot_retry,
                              abort_exc=exc)
 
     def decode(self, batch: Mapping[_Sequence, Iterable[int]]) -> dict[_Sequence, np.ndarray]:
@@ -812,11 +866,15 @@ class Context(_kv.CResource):
         """Pack all used cells to the front of the cache now; return the stats after it.
 
         On a vanilla build this refuses (LlamaError) when the library would abort the process
-        (cells in use past n_ctx - n_ubatch and holes to fill: see patches/0003).
+        (cells in use past n_ctx - n_ubatch and holes to fill: see patches/0003). A library without
+        defrag (``caps.defrag`` False: it writes batches into non-contiguous cells, so a batch fits
+        whenever enough cells are free) does nothing here.
         """
         with self.critical():
             self.check_open()
-            if not self.patched:
+            if not self.caps.defrag:
+                return self.kv_stats()
+            if not self.caps.safe_defrag:
                 pos, seqs = self._read_view()
                 used = seqs[:, 0] >= 0
                 n_used = int(used.sum())
@@ -854,6 +912,7 @@ class Context(_kv.CResource):
         are exact."""
         with self.critical():
             self.check_open()
+            self._need("cell_view", "the cell view")
             self._apply_shifts()
             pos, seqs = self._read_view()
         # the view has a column more, for the spare id, which holds no cell between calls
@@ -864,6 +923,7 @@ class Context(_kv.CResource):
         of the one sequence holding the cell."""
         with self.critical():
             self.check_open()
+            self._need("cell_view", "the cell view")
             _, seqs = self._read_view()
         occ = seqs[:, 0].copy()
         shared = (seqs >= 0).sum(axis=1) > 1
@@ -876,10 +936,19 @@ class Context(_kv.CResource):
             self.check_open()
             _, seqs = self._read_view()
             counters = None
-            if self.patched:
+            if self.caps.stats:
                 assert self._native is not None
                 counters = self._native.stats()
         return _kv_stats(seqs, counters)
+
+    def cell_holders(self) -> np.ndarray:
+        """The ids of the sequences holding each cell, int32 (n_cells, n_seq_max), padded with -1 (a free
+        cell: all -1). Which cells are shared and how many each sequence holds, on every library; the
+        rows are in cache order only where ``caps.cell_view`` (see :meth:`kv_view`)."""
+        with self.critical():
+            self.check_open()
+            _, seqs = self._read_view()
+        return np.ascontiguousarray(seqs[:, :self.n_seq_max])
 
     def shared_in(self, sid: int, lo: int, hi: int) -> bool:
         """Whether any cell of sequence ``sid`` with position in [lo, hi) is held by another sequence too

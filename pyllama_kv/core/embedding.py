@@ -187,7 +187,7 @@ class Embedder(_kv.CResource):
         self.n_embd: int = model.n_embd
         self.n_threads = n_threads or default_threads()
         self._lock = threading.RLock()
-        self._batch = _kv.NativeBatch(self.n_batch)
+        self._batch = _kv.NativeBatch(self.n_batch, model.native_library)
         # n_ubatch == n_batch: one decode is one graph (whole sequences for pooling; a non-causal
         # encoder must see its batch at once); the cells hold one decode
         model.open_native_context(self, self._adopt, n_ctx=self.n_batch, n_batch=self.n_batch,

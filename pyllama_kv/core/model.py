@@ -248,6 +248,8 @@ class Model(_kv.CResource):
         self.add_bos: bool = info.add_bos
         self.rope_type: int = info.rope_type
         self.has_encoder: bool = info.has_encoder
+        # layers that keep recurrent state (recurrent or hybrid): no partial removal or partial copy
+        self.recurrent: bool = info.recurrent
         self.desc: str = info.desc
         self.size: int = info.size
         self.n_params: int = info.n_params

@@ -21,12 +21,14 @@ def decode_error(rc: int, err: str | None, *, stats: Callable[[], KVStats], patc
                  abort_exc: BaseException | None) -> BaseException:
     """The exception for return code ``rc`` (not 0). ``err``: llama.cpp's last error line; ``stats``:
     the cache's stats now (read only for a full cache); ``abort_exc``: what the user's abort callback
-    raised, if it did (a KeyboardInterrupt or SystemExit is returned as it is, to be re-raised)."""
+    raised, if it did (a KeyboardInterrupt or SystemExit is returned as it is, to be re-raised);
+    ``patched``: whether the library places a batch whenever enough cells are free (the patched
+    build's defrag-and-retry, the current library's non-contiguous placement: ``caps.slot_retry``)."""
     if rc == 1:
         st = stats()
         return KVCacheFullError(
             f"no room in the KV cache for the batch ({st.free_cells} of {st.n_cells} cells free, largest free "
-            f"block {st.largest_free_block}{'' if patched else '; the vanilla build does not defragment'})"
+            f"block {st.largest_free_block}{'' if patched else '; this library does not defragment'})"
         )
     if rc == 2:
         if abort_exc is not None:

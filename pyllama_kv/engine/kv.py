@@ -233,10 +233,10 @@ class ContextKV(PrefixPolicy):
 
     @property
     def can_shift(self) -> bool:
-        """Whether this cache K-shifts at all: the library says so (llama_kv_self_can_shift: a RoPE
-        model, and a cache type the device holding K can rotate), and it is the patched build (the
-        vanilla one aborts on the K-shift of some cache types while saying it can: patches/0009)."""
-        return bool(self.ctx.can_shift and self.ctx.patched)
+        """Whether this cache K-shifts at all: the library says so (can_shift: a RoPE model, and a
+        cache type the device holding K can rotate), and its ``caps.kv_shift`` trusts that (the
+        vanilla build aborts on the K-shift of some cache types while saying it can: patches/0009)."""
+        return bool(self.ctx.can_shift and self.ctx.caps.kv_shift)
 
     def shift(self, seq, n_keep: int, n_discard: int) -> bool:
         if not self.can_shift:
@@ -274,7 +274,7 @@ class ContextKV(PrefixPolicy):
         kv = ctx.kv_stats().as_dict()
         # which used cells the idle cached prefixes hold, and which only requests hold
         cached = [q.id for q in self.cache.cached]
-        _, seqs = ctx.kv_view()
+        seqs = ctx.cell_holders()
         by_cache = np.isin(seqs, cached).any(axis=1)
         kv["cached_cells"] = int(by_cache.sum())
         kv["request_cells"] = int(((seqs >= 0).any(axis=1) & ~by_cache).sum())

@@ -79,8 +79,8 @@ class PrefixCache:
         if cache_ram == 0 and cache_dir is None:
             self.tier_info.off_reason = "cache_ram is 0 and there is no cache_dir"
         elif not can_restore(ctx):
-            self.tier_info.off_reason = ("the library has no llama_state_seq_add_data (patch 0014): evicted "
-                                         "prefixes are dropped, not paged out")
+            self.tier_info.off_reason = ("the library cannot restore a span (llama_state_seq_add_data, patch 0014 "
+                                         "of the mission pin's series): evicted prefixes are dropped, not paged out")
         else:
             self.tiers = Tiers(ctx, cache_ram << 20, self.tier_info, cache_dir, cache_dir_mib << 20)
         #: the idle cached sequences and the one eviction rule (evicted ones paged out to the tiers)

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import CacheConfig, SamplingParams
+from ..errors import LibraryError
 
 _GREEDY_FULL_LENGTH = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -137,6 +138,9 @@ def run_stress(model, cfg: StressConfig, progress: Callable[[int, int, StressRes
     maps: list[np.ndarray] | None = [] if cfg.record_map else None
     handles: list = []
     nxt = 0
+    if cfg.record_map and not model.native_library.caps.cell_view:
+        raise LibraryError(f"the occupancy map (--map) needs a per-cell view of the KV cache in cache order, which "
+                           f"the {model.native_library.caps.api} llama.cpp library does not have: run without --map")
     eng = Engine(model, ecfg)
     ctx = eng.context
     assert ctx is not None   # (an engine over its own context)
