@@ -190,3 +190,18 @@ def test_the_check_catches_drift(tmp_path, mutate):
     r = _compile(tmp_path, src)
     assert r.returncode != 0, "a drifted declaration compiled cleanly"
     assert "error" in r.stderr
+
+
+@pytest.mark.parametrize("api", ["mission", "current"])
+def test_the_architecture_lists_are_the_vendored_trees(api):
+    """_native/archs.py holds LLM_ARCH_NAMES of each pin's llama-arch.cpp (what a GGUF file's architecture
+    is checked against before the library sees it): regenerate it when a pin moves."""
+    import re
+
+    from pyllama_kv._native import archs
+
+    src = (_paths.vendor_dir(pin=api) / "src/llama-arch.cpp").read_text()
+    table = src[src.index("LLM_ARCH_NAMES"):]
+    table = table[:table.index("};")]
+    names = set(re.findall(r'\{\s*LLM_ARCH_\w+\s*,\s*"([^"]+)"\s*\}', table)) - {"(unknown)"}
+    assert archs.BY_API[api][0] == names

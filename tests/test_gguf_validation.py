@@ -185,8 +185,8 @@ HOSTILE = {
     "alignment_string": (dict(kv_overrides={"general.alignment": ("32", T.STRING)}),
                          r"general\.alignment is STRING '32': expected a UINT32"),
     "arch_unknown": (dict(kv_overrides={"general.architecture": "nosucharch"}),
-                     r"unknown model architecture 'nosucharch': the pinned llama\.cpp \(8733e0c\) does not "
-                     r"implement it"),
+                     r"unknown model architecture 'nosucharch': no llama\.cpp library pyllama_kv builds "
+                     r"implements it"),
     # another architecture gets the checks every loader needs: its own keys must be there
     "arch_qwen2": (dict(kv_overrides={"general.architecture": "qwen2"}),
                    r"qwen2\.context_length is missing: expected a UINT32 in \[1, 2147483647\]"),
@@ -537,3 +537,17 @@ def test_a_wordpiece_vocabulary_with_a_byte_token_is_refused(tmp_path):
                        {"tokenizer.ggml.token_type": (types, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)})
     with pytest.raises(pk.ModelLoadError, match=r"byte token in a 'bert'"):
         check_gguf_header(read_gguf_header(bad))
+
+
+def test_an_architecture_only_the_current_library_has_names_it(tmp_path):
+    """A SmolLM3 file on the mission pin's library: the refusal says which library implements it and
+    how to choose it; with the current library's architectures the file passes that check."""
+    from pyllama_kv._native import archs
+
+    path = make_tiny_model(tmp_path / "m.gguf", kv_overrides={"general.architecture": "smollm3"})
+    with pytest.raises(pk.ModelLoadError, match=r"unknown model architecture 'smollm3' for this llama\.cpp "
+                                                 r"library; the 'current' library implements it: load the model "
+                                                 r"with lib='current' \(--lib current"):
+        check_gguf_header(read_gguf_header(path))
+    with pytest.raises(pk.ModelLoadError, match=r"smollm3\.context_length is missing"):
+        check_gguf_header(read_gguf_header(path), archs.CURRENT)

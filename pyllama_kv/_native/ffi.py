@@ -37,6 +37,7 @@ import cffi
 
 from ..errors import InvalidInputError, LibraryError
 from ..limits import KV_CACHE_TYPES, QUANTIZED_KV_TYPES
+from . import archs
 from .locate import _one_line, resolve
 
 DECL_DIR = Path(__file__).resolve().parent / "decl"
@@ -117,9 +118,12 @@ class Caps:
     scattered_cells: bool          # batches go into non-contiguous cells: the largest free block is all free cells
     partial_remove_may_fail: bool  # seq_rm may refuse a partial range (recurrent/SWA memory): bool false
     flash_attn_auto: bool          # flash attention "auto" (on where the backend has it)
+    architectures: frozenset = frozenset()   # the model architectures it implements (archs.py)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["architectures"] = len(self.architectures)   # a count: the names are in _native/archs.py
+        return d
 
 
 def _caps(api: str, has) -> Caps:
@@ -127,11 +131,12 @@ def _caps(api: str, has) -> Caps:
     if api == "current":
         return Caps(api="current", defrag=False, safe_defrag=False, stats=False, cell_view=False,
                     span_restore=False, state_io=False, kv_shift=True, slot_retry=True, scattered_cells=True,
-                    partial_remove_may_fail=True, flash_attn_auto=True)
+                    partial_remove_may_fail=True, flash_attn_auto=True, architectures=archs.CURRENT)
     patched = has("llama_kv_self_stats")
     return Caps(api="mission", defrag=True, safe_defrag=patched, stats=patched, cell_view=True,
                 span_restore=has("llama_state_seq_add_data"), state_io=True, kv_shift=patched,
-                slot_retry=patched, scattered_cells=False, partial_remove_may_fail=False, flash_attn_auto=False)
+                slot_retry=patched, scattered_cells=False, partial_remove_may_fail=False, flash_attn_auto=False,
+                architectures=archs.MISSION)
 
 
 def _api_of(path: Path) -> str:

@@ -143,7 +143,7 @@ def _validate_gguf(path: Path, fd: int, level: str, lib: _kv.Library, n_gpu_laye
     ``fd`` (``path`` names it in messages); returns its header."""
     from ..modelfile.validate import validated_header
 
-    header, complete = validated_header(path, fd)
+    header, complete = validated_header(path, fd, lib.caps.architectures)
     if not complete and level == "full":
         from ..modelfile.vetting import vet
 

@@ -59,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._native import archs
 from ..errors import GGUFFileError, ModelLoadError
 from ..limits import INT32_MAX, UINT32_MAX
 
@@ -84,14 +85,9 @@ LLAMA_MAX_LAYERS = 512     # llama-hparams.h
 
 VALIDATED_ARCHITECTURES = ("llama",)
 
-# the architectures the pinned llama.cpp knows (llama-arch.cpp LLM_ARCH_NAMES)
-KNOWN_ARCHITECTURES = frozenset("""
-llama llama4 deci falcon grok gpt2 gptj gptneox mpt baichuan starcoder refact bert nomic-bert
-nomic-bert-moe jina-bert-v2 bloom stablelm qwen qwen2 qwen2moe qwen2vl qwen3 qwen3moe phi2 phi3 phimoe
-plamo codeshell orion internlm2 minicpm minicpm3 gemma gemma2 gemma3 starcoder2 mamba xverse command-r
-cohere2 dbrx olmo olmo2 olmoe openelm arctic deepseek deepseek2 chatglm glm4 bitnet t5 t5encoder jais
-nemotron exaone rwkv6 rwkv6qwen2 rwkv7 arwkv7 granite granitemoe chameleon wavtokenizer-dec plm
-bailingmoe""".split())
+# the architectures the mission pin's llama.cpp knows (llama-arch.cpp LLM_ARCH_NAMES); each loaded
+# library says its own (Library.caps.architectures), which the loader passes to the checks
+KNOWN_ARCHITECTURES = archs.MISSION
 
 # weight matrices: the types the CPU backend can multiply (type_traits_cpu has a vec_dot) and gather
 # (get_rows, for token_embd); q8_1, q8_K, the integer types and f64 would crash in mul_mat
@@ -196,7 +192,8 @@ class _Checker:
         return kv.value
 
 
-def validate_gguf(path: str | os.PathLike, fd: int | None = None) -> bool:
+def validate_gguf(path: str | os.PathLike, fd: int | None = None,
+                  architectures: frozenset | None = None) -> bool:
     """Raise ModelLoadError unless ``path`` passes the static checks (see the module docstring).
     True: a dense llama model, validated completely (the pinned llama.cpp loads and runs it without
     crashing); False: another architecture, of which the structure, the common hyperparameters and
@@ -204,10 +201,11 @@ def validate_gguf(path: str | os.PathLike, fd: int | None = None) -> bool:
 
     Reads the header and tensor table only (of the open file ``fd`` if given, ``path`` naming it).
     Reusable anywhere a file is about to reach llama.cpp."""
-    return validated_header(path, fd)[1]
+    return validated_header(path, fd, architectures)[1]
 
 
-def validated_header(path: str | os.PathLike, fd: int | None = None) -> tuple[GGUFHeader, bool]:
+def validated_header(path: str | os.PathLike, fd: int | None = None,
+                     architectures: frozenset | None = None) -> tuple[GGUFHeader, bool]:
     """:func:`validate_gguf`, returning the header it read with the verdict (for a caller that needs
     the header too: the model's fingerprint)."""
     path = Path(path)
@@ -221,20 +219,22 @@ def validated_header(path: str | os.PathLike, fd: int | None = None) -> tuple[GG
         raise ModelLoadError(str(exc)) from None
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read: {exc}") from None
-    return header, check_gguf_header(header)
+    return header, check_gguf_header(header, architectures)
 
 
-def check_gguf_header(header: GGUFHeader) -> bool:
+def check_gguf_header(header: GGUFHeader, architectures: frozenset | None = None) -> bool:
     """The checks of :func:`validate_gguf` on an already read header. True: the file is validated
     completely (a dense llama model); False: only what holds for every architecture was checked
     (structure, the hyperparameters every loader reads, the vocabulary), and the file needs a
-    vetting run (:mod:`pyllama_kv.modelfile.vetting`) before it is safe to load."""
+    vetting run (:mod:`pyllama_kv.modelfile.vetting`) before it is safe to load. ``architectures``:
+    those the library that will load the file implements (its ``caps.architectures``; default: the
+    mission pin's)."""
     c = _Checker(header)
     arch = c.string("general.architecture")
     if arch is None:
         raise c.error("general.architecture is missing: unknown model architecture")
-    if arch not in KNOWN_ARCHITECTURES:
-        raise c.error(f"unknown model architecture {arch!r}: the pinned llama.cpp (8733e0c) does not implement it")
+    if arch not in (KNOWN_ARCHITECTURES if architectures is None else architectures):
+        raise c.error(_unknown_architecture(arch, KNOWN_ARCHITECTURES if architectures is None else architectures))
     c.string("general.name")
     c.u32("general.file_type")
     n_split = c.u16("split.count")
@@ -249,6 +249,15 @@ def check_gguf_header(header: GGUFHeader) -> bool:
     _check_common_hparams(c, arch)
     _check_vocab(c)
     return False
+
+
+def _unknown_architecture(arch: str, known: frozenset) -> str:
+    """The refusal of an architecture the loading library lacks, naming the library that has it."""
+    have = [lib for names, lib in archs.BY_API.values() if names is not known and arch in names]
+    if have:
+        return (f"unknown model architecture {arch!r} for this llama.cpp library; the {have[0]!r} library "
+                f"implements it: load the model with lib={have[0]!r} (--lib {have[0]} on the command line)")
+    return f"unknown model architecture {arch!r}: no llama.cpp library pyllama_kv builds implements it"
 
 
 def _has_experts(c: _Checker, arch: str) -> bool:

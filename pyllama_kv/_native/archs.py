@@ -1,0 +1,38 @@
+"""The model architectures each llama.cpp API generation implements (``LLM_ARCH_NAMES`` of its
+``src/llama-arch.cpp``), as ``Caps.architectures`` reports them: a GGUF file's architecture is
+checked against the loaded library's, and one the loaded library lacks but the other has gets a hint.
+
+Regenerate on a pin move (``tests/test_ffi_header.py`` compares them with the vendored trees).
+"""
+from __future__ import annotations
+
+# vendor/llama.cpp (8733e0c)
+MISSION = frozenset("""
+llama llama4 deci falcon grok gpt2 gptj gptneox mpt baichuan starcoder refact bert nomic-bert
+nomic-bert-moe jina-bert-v2 bloom stablelm qwen qwen2 qwen2moe qwen2vl qwen3 qwen3moe phi2 phi3
+phimoe plamo codeshell orion internlm2 minicpm minicpm3 gemma gemma2 gemma3 starcoder2 mamba xverse
+command-r cohere2 dbrx olmo olmo2 olmoe openelm arctic deepseek deepseek2 chatglm glm4 bitnet t5
+t5encoder jais nemotron exaone rwkv6 rwkv6qwen2 rwkv7 arwkv7 granite granitemoe chameleon
+wavtokenizer-dec plm bailingmoe
+""".split())
+
+# vendor/llama.cpp-current (0c1e57098)
+CURRENT = frozenset("""
+clip llama llama4 deci falcon grok gpt2 gptj gptneox mpt baichuan starcoder refact bert modern-bert
+nomic-bert nomic-bert-moe neo-bert jina-bert-v2 jina-bert-v3 eurobert bloom stablelm qwen qwen2
+qwen2moe qwen2vl qwen3 qwen3moe qwen3next qwen3vl qwen3vlmoe qwen35 qwen35moe qwen4exp phi2 phi3
+phimoe plamo plamo2 plamo3 codeshell orion internlm2 minicpm minicpm3 gemma gemma2 gemma3 gemma3n
+gemma4 gemma4-assistant gemma-embedding starcoder2 mamba mamba2 maple jamba falcon-h1 xverse
+command-r cohere2 cohere2moe dbrx olmo olmo2 olmoe muse-glimmer openelm arctic deepseek deepseek2
+deepseek2-ocr deepseek32 deepseek4 chatglm glm4 glm4moe glm-dsa bitnet t5 t5encoder jais jais2
+nemotron nemotron_h nemotron_h_moe exaone exaone4 exaone-moe rwkv6 rwkv6qwen2 rwkv7 arwkv7 granite
+granitemoe granitehybrid graniteswitch granite_swa chameleon wavtokenizer-dec plm bailingmoe
+bailingmoe2 bailingmoe3 dots1 dots3note arcee afmoe laguna ernie4_5 ernie4_5-moe hunyuan-moe
+hunyuan-dense hunyuan_vl hy_v3 hy_v4 smollm3 gpt-oss lfm2 lfm2moe dream smallthinker llada llada-moe
+seed_oss grovemoe apertus minimax-01 hrm_text minimax-m2 minimax-m3 cogvlm rnd1 pangu-embedded
+mistral3 eagle3 dflash mistral4 paddleocr mimo2 step35 spark2_5 llama-embed maincoder kimi-linear
+kimi-k3 glm5-next talkie mellum nanbeige qwen3tts pockettts
+""".split())
+
+#: api generation -> (its architectures, the ``lib`` that loads it)
+BY_API: dict[str, tuple[frozenset, str]] = {"mission": (MISSION, "patched"), "current": (CURRENT, "current")}
