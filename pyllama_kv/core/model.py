@@ -192,10 +192,10 @@ class Model(_kv.CResource):
         self.path = Path(path)
         if "\0" in str(self.path):
             raise ModelLoadError("the model path contains a NUL byte")
-        if not self.path.is_file():  # a catalogue name: its cached GGUF, pulled on first use
-            from ..modelfile import catalogue
+        # a name (catalogue, Hugging Face, ollama:, lmstudio:) or a split model's part: one GGUF file
+        from ..modelfile import names
 
-            self.path = catalogue.resolve(path)
+        self.path = names.resolve(path)
         if not isinstance(use_mmap, bool):
             raise InvalidInputError(f"use_mmap must be a bool, got {type(use_mmap).__name__}")
         from ..modelfile.vetting import validate_level
@@ -288,6 +288,31 @@ class Model(_kv.CResource):
             return int(v) if v is not None else self.n_embd // max(1, self.n_head)
         except ValueError:
             return self.n_embd // max(1, self.n_head)
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str | None = None, *, quant: str | None = None,
+                        revision: str | None = None, **kwargs) -> Model:
+        """A GGUF model of the Hugging Face hub, downloaded into the Hugging Face cache on first use
+        (huggingface_hub: ``HF_TOKEN``, ``HF_ENDPOINT``, ``HF_HUB_OFFLINE``), its sha256 checked
+        against the hub's, then loaded as :class:`Model` (``kwargs`` are its arguments).
+
+        >>> Model.from_pretrained("bartowski/Qwen2.5-0.5B-Instruct-GGUF")          # Q4_K_M by default
+        >>> Model.from_pretrained("bartowski/Qwen2.5-0.5B-Instruct-GGUF", quant="Q8_0")
+        >>> Model.from_pretrained("Qwen/Qwen2.5-0.5B-Instruct-GGUF", "*q4_0.gguf")  # a file or a glob
+
+        ``filename``: a file of the repo or a glob pattern (exactly one model must match); ``quant``:
+        a quant its file name has (``Q8_0``); neither: the quant rule of
+        :mod:`pyllama_kv.modelfile.hub` (the only model, else Q4_K_M, Q4_K_S, Q4_0, Q5_K_M, Q8_0).
+        ``revision``: a branch, tag or commit. ModelLoadError (one line) for a repo that does not
+        exist, is gated without a token, has no GGUF or no model matching, or cannot be reached and
+        is not cached."""
+        from ..modelfile import hub
+
+        if not isinstance(repo_id, str) or hub.parse(repo_id, explicit=True) != hub.HubName(repo_id):
+            raise InvalidInputError(f"repo_id must be 'OWNER/REPO', got {repo_id!r}")
+        if filename is not None and quant is not None:
+            raise InvalidInputError("give filename or quant, not both")
+        return cls(hub.fetch(hub.HubName(repo_id, revision, quant, filename)), **kwargs)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from ...chat.conversation import Conversation
 from .. import options
 from ..common import (
+    MODEL_HELP,
     add_lib_flag,
     chat_template,
     context_size,
@@ -59,7 +60,7 @@ def register(subparsers) -> None:
                "When the conversation no longer fits the context (--ctx), its oldest turns are dropped (the\n"
                "system prompt stays) and it goes on; /stats counts the dropped tokens. With --context-shift\n"
                "off the turn is refused instead: /reset starts a new one.")
-    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
+    s.add_argument("model", help=MODEL_HELP)
     s.add_argument("--system", metavar="TEXT", help="the system prompt (default: the template's own, if any)")
     s.add_argument("--template", metavar="FILE",
                    help="a jinja2 chat template to use instead of the model's (rendered in the same sandbox); "

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import options
-from ..common import CLIError, UsageError, add_deprecated_flag, positive, resolve_model
+from ..common import MODEL_HELP, CLIError, UsageError, add_deprecated_flag, positive, resolve_model
 from ..render import human_bytes, print_json
 
 
@@ -13,7 +13,7 @@ def register(subparsers) -> None:
                                                      "not loaded) and report its architecture, sizes, tensors, "
                                                      "vocabulary, and the KV cache bytes per token and in total for "
                                                      "a context.")
-    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
+    s.add_argument("model", help=MODEL_HELP)
     options.add(s, "n_ctx", "type_k", "type_v", defaults={"n_ctx": None},
                 helps={"n_ctx": "context cells for the KV total (default: n_ctx_train)"})
     s.add_argument("--parallel", type=int, default=1,

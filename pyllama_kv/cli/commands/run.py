@@ -20,6 +20,7 @@ from ...limits import MAX_SEQUENCES, prompt_too_long
 from .. import options
 from ..common import (
     EXIT_INTERRUPTED,
+    MODEL_HELP,
     CLIError,
     UsageError,
     add_lib_flag,
@@ -41,7 +42,7 @@ def register(subparsers) -> None:
                                                  "no recompute), then decode all sequences together, one batch per "
                                                  "step. Streams the text (prefixed by sequence for N>1) and ends with "
                                                  "a summary.")
-    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
+    s.add_argument("model", help=MODEL_HELP)
     s.add_argument("-p", "--prompt", help="the prompt text")
     s.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin); stdin is read when piped")
     s.add_argument("--chat", action="store_true",

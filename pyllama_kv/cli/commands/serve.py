@@ -10,7 +10,17 @@ import os
 from pathlib import Path
 
 from .. import options
-from ..common import CLIError, add_lib_flag, context_size, open_model, positive, resolve_model, set_phase, setup_logging
+from ..common import (
+    MODEL_HELP,
+    CLIError,
+    add_lib_flag,
+    context_size,
+    open_model,
+    positive,
+    resolve_model,
+    set_phase,
+    setup_logging,
+)
 from ..render import log
 
 API_KEY_ENV = "PYLLAMA_KV_API_KEY"
@@ -49,7 +59,7 @@ def register(subparsers) -> None:
                     "conversations) are forked instead of evaluated again, and requests that do not fit wait "
                     "in a bounded queue (HTTP 429 when it is full). Listens on 127.0.0.1 unless --host says "
                     "otherwise. Stops on SIGINT/SIGTERM: running requests get --shutdown-grace seconds.")
-    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
+    s.add_argument("model", help=MODEL_HELP)
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "cache_ram", "cache_dir", "cache_dir_mib",
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",

@@ -10,6 +10,7 @@ from .. import options
 from ..common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
+    MODEL_HELP,
     CLIError,
     add_deprecated_flag,
     add_lib_flag,
@@ -36,7 +37,7 @@ def register(subparsers) -> None:
                                                     "leave, so the cache fragments. Reports decode calls, tokens/s, "
                                                     "slot failures (batches refused although enough cells were "
                                                     "free), defrags, moves, graphs, retries and peak fragmentation.")
-    s.add_argument("model", help="GGUF model file, or a catalogue name (`pyllama-kv models`)")
+    s.add_argument("model", help=MODEL_HELP)
     add_lib_flag(s)
     s.add_argument("--parallel", type=int, default=_default("parallel"),
                    help="requests served at once (default %(default)s)")

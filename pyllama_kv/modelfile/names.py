@@ -1,0 +1,55 @@
+"""A MODEL argument as a GGUF file: the one resolver behind every command and ``pk.Model(...)``.
+
+In order: an existing file (the parts of a split model, ``NAME-00001-of-0000N.gguf``, merged once
+into one file: :func:`.ggufsplit.merged`); a catalogue name (:mod:`.catalogue`); ``ollama:NAME`` and
+``lmstudio:PATH`` (:mod:`.local`: read in place); a Hugging Face name (:mod:`.hub`: ``hf:`` and the
+rules of :func:`.hub.parse`); anything else is a path, as given (loading says "no such file").
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import catalogue, hub, local
+from .download import Log, stderr_log
+from .ggufsplit import merged, part_name, split_name
+
+__all__ = ["resolve"]
+
+
+def _split_parts(p: Path) -> list[Path] | None:
+    """The parts of the split model whose part ``p`` is, when every one is beside it."""
+    s = split_name(p.name)
+    if s is None or s[2] == 1:
+        return None
+    parts = [p.with_name(part_name(s[0], i, s[2])) for i in range(1, s[2] + 1)]
+    return parts if all(q.is_file() for q in parts) else None
+
+
+def resolve(spec: str | os.PathLike, log: Log = stderr_log) -> Path:
+    """``spec`` (a MODEL argument) as the path of one GGUF file (see the module docstring). Raises a
+    ModelLoadError subclass (one line) for a name that cannot be found, fetched or verified."""
+    p = Path(spec)
+    if p.is_file():
+        parts = _split_parts(p)
+        return merged(parts, log) if parts else p
+    s = os.fspath(spec)
+    if not isinstance(s, str) or p.exists():
+        return p
+    if s in catalogue.entries():
+        return catalogue.resolve(s, log=log)
+    if s.startswith("ollama:"):
+        return local.resolve_ollama(s[len("ollama:"):])
+    if s.startswith("lmstudio:"):
+        return merged(local.resolve_lmstudio(s[len("lmstudio:"):]), log)
+    name = hub.parse(s[len("hf:"):], explicit=True) if s.startswith("hf:") else hub.parse(s)
+    if name is not None:
+        return hub.fetch(name, log)
+    if s.startswith("hf:"):
+        raise hub.HubError(f"{s!r} is not a Hugging Face model name (hf:OWNER/REPO[@REVISION][:QUANT] or "
+                           "hf:OWNER/REPO[@REVISION]/FILE.gguf)")
+    if catalogue.looks_like_path(s):
+        return p
+    raise catalogue.CatalogueError(
+        f"{s}: no such file, and not a model name in the catalogue (known: {', '.join(catalogue.names()) or 'none'}), "
+        "nor OWNER/REPO[:QUANT] on Hugging Face, ollama:NAME or lmstudio:PATH (`pyllama-kv models --local`)")
