@@ -44,7 +44,11 @@ def resolve(spec: str | os.PathLike, log: Log = stderr_log) -> Path:
         return merged(local.resolve_lmstudio(s[len("lmstudio:"):]), log)
     name = hub.parse(s[len("hf:"):], explicit=True) if s.startswith("hf:") else hub.parse(s)
     if name is not None:
-        return hub.fetch(name, log)
+        try:
+            return hub.fetch(name, log)
+        except hub.HubError as exc:   # it may have been meant as a path
+            raise hub.HubError(str(exc) if s.startswith("hf:") else f"{s}: no such file; as a Hugging Face name: "
+                               f"{exc}") from None
     if s.startswith("hf:"):
         raise hub.HubError(f"{s!r} is not a Hugging Face model name (hf:OWNER/REPO[@REVISION][:QUANT] or "
                            "hf:OWNER/REPO[@REVISION]/FILE.gguf)")
