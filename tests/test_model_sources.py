@@ -425,3 +425,12 @@ def test_bad_ollama_stores(env, ggufs, tmp_path):
     assert "outside the store" in (listed["ollama:escape:latest"].error or "")
     assert listed["ollama:lying:latest"].error is None       # listing reads headers; using it checks the digest
     assert outside.read_bytes() == ggufs["a"]
+
+
+@pytest.mark.parametrize("cmd", [["serve"], ["chat"], ["inspect"], ["pull"], ["run", "-p", "x"]])
+def test_every_model_argument_takes_hub_names(env, cmd):
+    """Each command's MODEL goes through the one resolver: a hub name's error is its one line, exit 1."""
+    r = run_cli([cmd[0], "tiny/nosuch-GGUF", *cmd[1:]], env=env, input="")
+    assert r.returncode == 1, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "no such model repo on the Hugging Face hub" in ln]
+    assert len(errors) == 1, r.stderr
