@@ -352,8 +352,8 @@ from pyllama_kv.tools import gguf_check
 path, bad = sys.argv[1], sys.argv[2]
 check = gguf_check.validated_header   # what Model's static checks call
 
-def check_then_swap(p, fd=None):
-    ok = check(p, fd)
+def check_then_swap(p, fd=None, *rest):
+    ok = check(p, fd, *rest)
     os.replace(bad, path)          # the path now names a lying file: hashing, vetting and loading follow
     return ok
 

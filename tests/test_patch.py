@@ -330,3 +330,13 @@ def test_the_peer_builds_from_the_current_tree_without_its_series(tmp_path, monk
     assert copy == tmp_path / "cache" / "peer" / "0c1e57098" / "src"
     assert P.state(copy, series).n_applied == 0 and P.state(tree, series).complete
     assert (copy / "include" / "llama.h").read_bytes() == pristine
+
+
+def test_every_file_the_series_touches_is_in_the_pin_fingerprint():
+    """The pristine check (vendor, reverse, the fixtures above) covers the fingerprint's paths only: a
+    patch outside them (0015 edits ggml-cuda) would apply unchecked. Every path a patch names is inside."""
+    import re
+
+    for patch in P.series():
+        for path in re.findall(r"^diff --git a/(\S+) b/", patch.path.read_text(), flags=re.M):
+            assert any(path == fp or path.startswith(fp + "/") for fp in PIN.fingerprint_paths), (patch.name, path)

@@ -411,7 +411,10 @@ def vendor(
     pin = Pin.load(name=pin_name, root=root)
     dest = _paths.vendor_dir(root, pin_name)
     marker_now = read_marker(dest) if dest.exists() else None
-    if not force and source is None and marker_now and marker_now.get("revision") == pin.revision:
+    # the same revision under another fingerprint (the pin file now covers more paths) is vendored
+    # again, so that the marker and the pristine checks agree with the pin file
+    if (not force and source is None and marker_now and marker_now.get("revision") == pin.revision
+            and marker_now.get("fingerprint", pin.fingerprint_sha256) == pin.fingerprint_sha256):
         log(f"{dest} already holds llama.cpp {pin.revision[:12]} (from {marker_now.get('source')})")
         return VendorResult(dest, pin.revision, str(marker_now.get("source")), changed=False, pin=pin.name)
 
