@@ -266,12 +266,7 @@ def _tiny_tensors(rng: np.random.Generator, np_dtype, arch: str, *, n_layer: int
     tensors["output_norm.weight"] = norm(n_embd)
     if arch == "llama":   # qwen2 and gemma3 models tie the output to token_embd, as the real ones do
         tensors["output.weight"] = mat(n_vocab, n_embd, 2.0 * s_in)
-    for name, t in (overrides or {}).items():
-        if t is None:
-            tensors.pop(name, None)
-        else:
-            tensors[name] = t
-    return tensors
+    return _apply_overrides(tensors, overrides)
 
 
 def _bert_vocab_meta(vocab_meta: dict) -> dict:
@@ -315,6 +310,12 @@ def _bert_tensors(rng: np.random.Generator, np_dtype, *, n_layer: int, n_embd: i
             b + "ffn_down.weight": mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)), b + "attn_output.bias": vec(n_embd),
             b + "ffn_up.bias": vec(n_ff), b + "ffn_down.bias": vec(n_embd),
             b + "layer_output_norm.weight": vec(n_embd, 1.0), b + "layer_output_norm.bias": vec(n_embd)})
+    return _apply_overrides(tensors, overrides)
+
+
+def _apply_overrides(tensors: dict, overrides: dict | None) -> dict:
+    """``tensors`` with make_tiny_model's ``tensor_overrides`` applied: None drops a tensor, anything
+    else replaces it (or is appended, for a new name)."""
     for name, t in (overrides or {}).items():
         if t is None:
             tensors.pop(name, None)
