@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import socket
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from pyllama_kv._native.ffi import ffi
 from pyllama_kv.harness import build as _build
 from pyllama_kv.limits import POOLING_TYPES
 from pyllama_kv.tools.gguf import make_tiny_model
-from test_server import ServerProc
+from test_server import ServerProc, wait_healthy
 
 TEXTS = ["the cache model", "a fork of the sequence", "people work here", "batch prefix token defrag",
          "the old man and the sea"]
@@ -139,17 +138,9 @@ class LlamaServer:
         self.proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", port, "-t", "1",
                                       "-c", "512", "-b", "512", "-ub", "512", *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise AssertionError("llama-server did not become healthy")
-            time.sleep(0.2)
+        if not wait_healthy(self.url, self.proc, timeout):
+            self.stop()
+            raise AssertionError("llama-server did not become healthy")
 
     def post(self, path: str, body: dict) -> dict:
         r = httpx.post(self.url + path, json=body, timeout=60)
@@ -318,11 +309,8 @@ def test_closing_the_model_closes_its_embedders(bert_path):
 
 @pytest.fixture(scope="module")
 def bert_server(bert_path):
-    s = ServerProc(bert_path, "--parallel", "1", "--batch", "256")
-    try:
+    with ServerProc(bert_path, "--parallel", "1", "--batch", "256") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def post(server, path: str, body) -> httpx.Response:

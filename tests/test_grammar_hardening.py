@@ -45,11 +45,8 @@ def tool(params) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(real_model):
-    s = ServerProc(MODEL, "--ctx", "1024", "--parallel", "2", "--max-tokens-cap", "64")
-    try:
+    with ServerProc(MODEL, "--ctx", "1024", "--parallel", "2", "--max-tokens-cap", "64") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def post(server, body: dict, path: str = "/chat/completions", timeout: float = 60) -> httpx.Response:

@@ -20,11 +20,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
 
 @pytest.fixture(scope="module")
 def server(real_model):
-    s = ServerProc(MODEL, "--ctx", "2048", "--parallel", "4", "--max-tokens-cap", "256")
-    try:
+    with ServerProc(MODEL, "--ctx", "2048", "--parallel", "4", "--max-tokens-cap", "256") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

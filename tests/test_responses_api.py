@@ -27,11 +27,9 @@ ESSAY = "Write a very long essay about the history of the bicycle, with many det
 
 @pytest.fixture(scope="module")
 def server(real_model):
-    s = ServerProc(MODEL, "--ctx", "2048", "--parallel", "4", "--max-tokens-cap", "256", "--max-body", "65536")
-    try:
+    with ServerProc(MODEL, "--ctx", "2048", "--parallel", "4", "--max-tokens-cap", "256",
+                    "--max-body", "65536") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,21 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence, without any p
 THREADS = "2"
 
 
+def wait_healthy(root: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Poll ``root``/health until it answers 200 (True), or the process ends or ``timeout`` seconds pass
+    (False): a bounded wait for any server a test starts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(root + "/health", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            return False
+        time.sleep(0.2)
+
+
 class ServerProc:
     """`pyllama-kv serve MODEL ARGS --port 0` in a subprocess; its stderr is read by a thread (so the
     pipe never fills), the URL is taken from its startup line."""
@@ -48,17 +63,15 @@ class ServerProc:
         if not self._url.wait(timeout):
             self.stop()
             raise AssertionError("the server printed no URL:\n" + self.log())
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(self.root + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise AssertionError("the server did not become healthy:\n" + self.log())
-            time.sleep(0.2)
+        if not wait_healthy(self.root, self.proc, timeout):
+            self.stop()
+            raise AssertionError("the server did not become healthy:\n" + self.log())
+
+    def __enter__(self) -> ServerProc:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -116,11 +129,9 @@ class ServerProc:
 
 @pytest.fixture(scope="module")
 def server(real_model):
-    s = ServerProc(MODEL, "--ctx", "2048", "--parallel", "8", "--max-tokens-cap", "256", "--max-body", "65536")
-    try:
+    with ServerProc(MODEL, "--ctx", "2048", "--parallel", "8", "--max-tokens-cap", "256",
+                    "--max-body", "65536") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -247,12 +258,9 @@ def test_stop_strings(client):
 @pytest.fixture(scope="module")
 def small(real_model):
     """One request at a time, one waiting, no prefix cache: every request starts from an empty cache."""
-    s = ServerProc(MODEL, "--ctx", "512", "--parallel", "1", "--max-queue", "1", "--prefix-cache", "0",
-                   "--shutdown-grace", "30")
-    try:
+    with ServerProc(MODEL, "--ctx", "512", "--parallel", "1", "--max-queue", "1", "--prefix-cache", "0",
+                    "--shutdown-grace", "30") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_seed_reproducibility(small):
@@ -483,11 +491,8 @@ def tiny(models):
     from pyllama_kv.tools.gguf import make_tiny_model
 
     path = make_tiny_model(models / "echo-role.gguf", kv_overrides={"tokenizer.chat_template": ECHO_TEMPLATE})
-    s = ServerProc(path, "--ctx", "256", "--body-timeout", "1", key=None)
-    try:
+    with ServerProc(path, "--ctx", "256", "--body-timeout", "1", key=None) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_template_errors_and_odd_values(tiny):

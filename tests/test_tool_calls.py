@@ -279,11 +279,8 @@ def test_control_tokens_in_tool_data_stay_plain(qwen):
 
 @pytest.fixture(scope="module")
 def smol(real_model):
-    s = ServerProc(MODEL, "--ctx", "2048", "--parallel", "2", "--max-tokens-cap", "256")
-    try:
+    with ServerProc(MODEL, "--ctx", "2048", "--parallel", "2", "--max-tokens-cap", "256") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _calls(msg):

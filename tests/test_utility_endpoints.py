@@ -12,11 +12,8 @@ from test_server import MODEL, ServerProc
 
 @pytest.fixture(scope="module")
 def server(real_model):
-    s = ServerProc(MODEL, "--ctx", "512", "--parallel", "1")
-    try:
+    with ServerProc(MODEL, "--ctx", "512", "--parallel", "1") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

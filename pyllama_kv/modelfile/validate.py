@@ -234,7 +234,7 @@ def check_gguf_header(header: GGUFHeader, architectures: frozenset | None = None
     if arch is None:
         raise c.error("general.architecture is missing: unknown model architecture")
     if arch not in (KNOWN_ARCHITECTURES if architectures is None else architectures):
-        raise c.error(_unknown_architecture(arch, KNOWN_ARCHITECTURES if architectures is None else architectures))
+        raise c.error(_unknown_architecture(arch))
     c.string("general.name")
     c.u32("general.file_type")
     n_split = c.u16("split.count")
@@ -251,9 +251,9 @@ def check_gguf_header(header: GGUFHeader, architectures: frozenset | None = None
     return False
 
 
-def _unknown_architecture(arch: str, known: frozenset) -> str:
-    """The refusal of an architecture the loading library lacks, naming the library that has it."""
-    have = [lib for names, lib in archs.BY_API.values() if names is not known and arch in names]
+def _unknown_architecture(arch: str) -> str:
+    """The refusal of an architecture the loading library lacks, naming a library that has it."""
+    have = [lib for names, lib in archs.BY_API.values() if arch in names]
     if have:
         return (f"unknown model architecture {arch!r} for this llama.cpp library; the {have[0]!r} library "
                 f"implements it: load the model with lib={have[0]!r} (--lib {have[0]} on the command line)")
