@@ -14,6 +14,7 @@ import pyllama_kv as pk
 from conftest import F32, run_cli, toks
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig
 from pyllama_kv.errors import InvalidInputError, LibraryError
+from test_engine import greedy_run
 
 TOL = 1e-4
 
@@ -44,18 +45,6 @@ def fresh(model, tokens) -> np.ndarray:
     """The next-token logits of ``tokens`` evaluated alone, in a context of their own."""
     with model.context(n_ctx=512, n_seq_max=1, **F32) as c:
         return c.new_sequence().extend(tokens)
-
-
-def greedy_run(model, prompt, n) -> list[int]:
-    with model.context(n_ctx=512, n_seq_max=1, **F32) as c:
-        s = c.new_sequence()
-        logits = s.extend(prompt)
-        out = []
-        for _ in range(n):
-            t = int(np.argmax(logits))
-            out.append(t)
-            logits = s.extend([t])
-        return out
 
 
 def test_the_current_library_is_detected_with_its_capabilities(model, current):
@@ -198,7 +187,7 @@ def test_what_the_current_library_lacks_is_a_clear_error(model):
 
 def test_the_engine_generates_as_a_plain_decode_loop(model):
     prompt = toks(12, 2)
-    want = greedy_run(model, prompt, 16)
+    want = greedy_run(model, prompt, 16, n_ctx=512)
     cfg = EngineConfig(n_ctx=512, parallel=4, prefix_cache=2, cache_ram=8, **F32)
     with Engine(model, cfg) as eng:
         assert "patch 0014" in (eng.stats.prefix_tier.off_reason or "")

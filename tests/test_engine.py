@@ -21,8 +21,8 @@ def model(tiny_model):
         yield m
 
 
-def greedy_run(model, prompt, n):
-    with model.context(n_ctx=1024, n_seq_max=1, **F32) as c:
+def greedy_run(model, prompt, n, n_ctx=1024):
+    with model.context(n_ctx=n_ctx, n_seq_max=1, **F32) as c:
         s = c.new_sequence()
         logits = s.extend(prompt)
         out = []

@@ -18,18 +18,22 @@ def _digest(tree: Path) -> dict:
             for p in sorted(tree.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture
-def fresh_tree(tmp_path) -> Path:
-    """A pristine copy of the parts of the pinned tree the fingerprint covers (proven pristine)."""
-    vdir = _paths.vendor_dir()
-    t = tmp_path / "llama.cpp"
-    for part in PIN.fingerprint_paths:
+def _copy_fingerprinted(pin: V.Pin, vdir: Path, t: Path) -> Path:
+    """A copy at ``t`` of the parts of the tree ``vdir`` that ``pin``'s fingerprint covers."""
+    for part in pin.fingerprint_paths:
         src = vdir / part
         if src.is_dir():
             shutil.copytree(src, t / part)
         else:
             (t / part).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, t / part)
+    return t
+
+
+@pytest.fixture
+def fresh_tree(tmp_path) -> Path:
+    """A pristine copy of the parts of the pinned tree the fingerprint covers (proven pristine)."""
+    t = _copy_fingerprinted(PIN, _paths.vendor_dir(), tmp_path / "llama.cpp")
     P.reverse(t)
     assert V.fingerprint(t, PIN.fingerprint_paths) == PIN.fingerprint_sha256, "copy is not the pinned pristine tree"
     return t
@@ -202,15 +206,7 @@ def _throwaway_patch(tree: Path, patches: Path, name: str = "0001-throwaway.patc
 @pytest.fixture
 def current_tree(tmp_path) -> Path:
     """A pristine copy of the parts of the current pin's tree its fingerprint covers (proven pristine)."""
-    vdir = _paths.vendor_dir(pin="current")
-    t = tmp_path / "llama.cpp-current"
-    for part in CURRENT.fingerprint_paths:
-        src = vdir / part
-        if src.is_dir():
-            shutil.copytree(src, t / part)
-        else:
-            (t / part).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, t / part)
+    t = _copy_fingerprinted(CURRENT, _paths.vendor_dir(pin="current"), tmp_path / "llama.cpp-current")
     P.reverse(t, P.series(_paths.patches_dir(pin="current")))
     assert V.fingerprint(t, CURRENT.fingerprint_paths) == CURRENT.fingerprint_sha256, "not the pristine current tree"
     return t
