@@ -295,8 +295,9 @@ def summarize(name: str, results: list[dict], wall: float, before: dict, after: 
 
     reused, source = prompt_reused(ok)
     delta = {k: round(after[k] - before.get(k, 0.0), 3) for k in sorted(after)
-             if any(w in k for w in ("prompt_tokens", "tokens_predicted", "slot_failures", "slot_retries", "defrag"))
-             and "seconds" not in k and not k.endswith("_created")}
+             if any(w in k for w in ("prompt_tokens", "tokens_predicted", "slot_failures", "slot_retries", "defrag",
+                                     "prefix_page", "prefix_restore", "seconds", "decode_calls"))
+             and not k.endswith("_created")}
     return {
         "server": name, "requests": len(results), "errors": len(results) - len(ok),
         "error_samples": sorted({r["error"] for r in results if r["error"]})[:3],
@@ -391,6 +392,10 @@ def main(argv=None) -> int:
                       f"{row['ttft_p95_s']} s, latency p50/p95 {row['latency_p50_s']}/{row['latency_p95_s']} s, "
                       f"{row['errors']} errors, prompt tokens evaluated {row['prompt_evaluated']} / reused "
                       f"{row['prompt_reused']}", file=sys.stderr)
+                secs = {k.removeprefix("pyllama_kv_").removesuffix("_total"): v
+                        for k, v in (row.get("metrics_delta") or {}).items() if "seconds" in k}
+                if secs:
+                    print(f"{name}: where the time went (s): {secs}", file=sys.stderr)
             else:
                 print(f"{name}: {row['errors']} errors: {row['error_samples'][:1]}", file=sys.stderr)
     by = {r["server"]: r for r in out["rows"]}

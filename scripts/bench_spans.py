@@ -6,6 +6,11 @@ For each model: a sequence holds a prefix of ``--prefix`` tokens; its next ``--s
 back with ``restore`` (patch 0014's ``llama_state_seq_add_data``: a memcpy into free cells) after
 truncating the sequence to its prefix. Medians of ``--repeat`` runs; the ratio is (a) / (b restore).
 
+``--interleave N`` adds what a server's page-out meets: N sequences generate ``--span`` tokens
+(at most 256) one step at a time, so each one's cells alternate with the others' (one cell range per
+token); the snapshot of one of them, and its restore, per token. ``--flash-attn off,on`` runs each
+setting (without flash attention the V cache is transposed: a V row per cell range to copy).
+
     .venv/bin/python scripts/bench_spans.py --json
 """
 from __future__ import annotations
@@ -25,12 +30,43 @@ import pyllama_kv as pk  # noqa: E402
 from pyllama_kv.modelfile import catalogue  # noqa: E402
 
 
-def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None) -> dict:
+def interleaved(model, prefix: int, span: int, n: int, repeat: int, threads: int | None, fa: bool) -> dict:
+    """Snapshot and restore of a sequence whose ``span`` tokens were generated among ``n - 1`` others."""
+    rng = np.random.default_rng(1)
+    k = min(span, 256)
+    toks = [int(t) for t in rng.integers(10, min(model.n_vocab, 30000), prefix + k)]
+    snaps, restores = [], []
+    with model.context(n_ctx=prefix + n * k + k + 16, n_seq_max=n + 1, n_batch=512, n_threads=threads,
+                       flash_attn=fa) as ctx:
+        root = ctx.new_sequence()
+        root.extend(toks[:prefix])
+        seqs = [root.fork() for _ in range(n)]
+        for i in range(k):
+            ctx.decode({s: [toks[prefix + i]] for s in seqs})
+        s = seqs[0]
+        s.logits()
+        for _ in range(repeat):
+            t = time.perf_counter()
+            sp = s.snapshot(prefix)
+            snaps.append(time.perf_counter() - t)
+            s.truncate(prefix)
+            t = time.perf_counter()
+            s.restore(sp)
+            restores.append(time.perf_counter() - t)
+    med = statistics.median
+    return {"interleaved_sequences": n, "interleaved_tokens": k,
+            "interleaved_snapshot_ms_per_token": round(1e3 * med(snaps) / k, 4),
+            "interleaved_restore_ms_per_token": round(1e3 * med(restores) / k, 4)}
+
+
+def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None, fa: bool = False,
+            interleave: int = 0) -> dict:
     model = pk.Model(name if Path(name).is_file() else catalogue.resolve(name))
     rng = np.random.default_rng(0)
     toks = [int(t) for t in rng.integers(10, min(model.n_vocab, 30000), prefix + span)]
     evals, snaps, restores = [], [], []
-    with model.context(n_ctx=prefix + span + 16, n_seq_max=2, n_batch=512, n_threads=threads) as ctx:
+    with model.context(n_ctx=prefix + span + 16, n_seq_max=2, n_batch=512, n_threads=threads,
+                       flash_attn=fa) as ctx:
         s = ctx.new_sequence()
         s.extend(toks[:prefix])
         for _ in range(repeat):
@@ -47,9 +83,10 @@ def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None)
             restores.append(time.perf_counter() - t)
             s.truncate(prefix)
         nbytes = sp.nbytes
+    extra = interleaved(model, prefix, span, interleave, repeat, threads, fa) if interleave > 1 else {}
     model.close()
     med = statistics.median
-    return {"model": name, "prefix": prefix, "span_tokens": span, "span_bytes": nbytes,
+    return {"model": name, "flash_attn": fa, "prefix": prefix, "span_tokens": span, "span_bytes": nbytes, **extra,
             "evaluate_ms_per_token": round(1e3 * med(evals) / span, 4),
             "snapshot_ms_per_token": round(1e3 * med(snaps) / span, 4),
             "restore_ms_per_token": round(1e3 * med(restores) / span, 4),
@@ -64,17 +101,26 @@ def main() -> int:
     p.add_argument("--span", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--flash-attn", default="off", help="off, on, or off,on (default off)")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="also time a sequence generated among N (>1) sequences (default: not)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    rows = [measure(n, a.prefix, a.span, a.repeat, a.threads) for n in a.models.split(",")]
+    fas = [{"off": False, "on": True}[v.strip()] for v in a.flash_attn.split(",")]
+    rows = [measure(n, a.prefix, a.span, a.repeat, a.threads, fa, a.interleave)
+            for n in a.models.split(",") for fa in fas]
     if a.json:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
-            print(f"{r['model']:<24} evaluate {r['evaluate_ms_per_token']:.3f} ms/token, restore "
+            fa = "on " if r["flash_attn"] else "off"
+            print(f"{r['model']:<24} fa {fa} evaluate {r['evaluate_ms_per_token']:.3f} ms/token, restore "
                   f"{r['restore_ms_per_token']:.4f} ms/token ({r['evaluate_over_restore']}x), snapshot "
                   f"{r['snapshot_ms_per_token']:.4f} ms/token; {r['span_bytes'] / 2**20:.1f} MiB for "
-                  f"{r['span_tokens']} tokens")
+                  f"{r['span_tokens']} tokens" + (
+                      f"; interleaved among {r['interleaved_sequences']}: snapshot "
+                      f"{r['interleaved_snapshot_ms_per_token']:.4f}, restore "
+                      f"{r['interleaved_restore_ms_per_token']:.4f} ms/token" if "interleaved_sequences" in r else ""))
     return 0
 
 

@@ -12,7 +12,8 @@
 #
 # Usage: scripts/gpu_check.sh [--src DIR] [--build DIR] [--backend cuda|cpu] [--cuda-arch N]
 #                             [--wheels DIR] [--deadline SECONDS] [--tests "FILE ..."] [--workers N]
-#                             [--results DIR] [--no-tests] [--no-bench] [--quick]
+#                             [--results DIR] [--no-tests] [--no-bench] [--bench "NAME ..."] [--quick]
+#   --bench        the benchmarks to run, in this order, of: server spans binding defrag (default all)
 #   --backend cpu  the same run on a CPU build (a dry run of this script on a machine without a GPU)
 #   --quick        small benchmark sizes (a dry run)
 #   --fetch-wheels DIR  download, for the GPU machine's Python (3.12, manylinux x86-64), the wheels of
@@ -36,6 +37,7 @@ WORKERS=12
 QUICK=0
 RUN_TESTS=1
 RUN_BENCH=1
+BENCHES="server spans binding defrag"
 RESULTS=$ROOT/gpu-out
 TESTS="tests/test_oracle.py tests/test_defrag_paths.py tests/test_spans.py tests/test_state.py
 tests/test_tier_exactness.py tests/test_prefix_tier.py tests/test_engine.py tests/test_kv_policy.py
@@ -55,6 +57,7 @@ while [ $# -gt 0 ]; do
         --workers) WORKERS=${2:?}; shift 2 ;;
         --no-tests) RUN_TESTS=0; shift ;;
         --no-bench) RUN_BENCH=0; shift ;;
+        --bench) BENCHES=${2:?}; shift 2 ;;
         --quick) QUICK=1; shift ;;
         --results) RESULTS=${2:?}; shift 2 ;;
         --fetch-wheels)
@@ -184,28 +187,45 @@ if [ "$RUN_BENCH" = 1 ]; then
     BIN=$BUILD/bin
     if [ "$QUICK" = 1 ]; then
         B1=(--npl 1,4 --pp 32 --tg 8 --repeat 1); B2=(--cells 2048 --layers 8); B3=(--prefix 64 --span 256)
-        B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64)
+        B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64); B5=()
     else
         B1=(--npl 1,8,32 --pp 128 --tg 32 --repeat 1); B2=(--cells 8192,32768); B3=(--prefix 256 --span 4096)
-        B4=(--clients 32 --requests 64 --max-tokens 32 --system-tokens 500)
+        B4=(--clients 8 --requests 16 --max-tokens 16 --system-tokens 300)
+        B5=(--clients 32 --requests 64 --max-tokens 32 --system-tokens 500)
     fi
-    log "bench: binding and engine vs llama-batched-bench"
-    timeout -k 5 "$(left 50)" $PY scripts/bench_binding.py --model "$TM" --batched-bench "$BIN/llama-batched-bench" \
-        --flash-attn on "${B1[@]}" --json > "$OUT/bench_binding.json" 2> "$OUT/bench_binding.log"
-    tail -4 "$OUT/bench_binding.log"
-    log "bench: spans vs evaluation"
-    timeout -k 5 "$(left 25)" $PY scripts/bench_spans.py --models "$TM" "${B3[@]}" --repeat 3 --json \
-        > "$OUT/bench_spans.json" 2> "$OUT/bench_spans.log"
-    cat "$OUT/bench_spans.json"
-    log "bench: server vs llama-server, shared prompts"
-    timeout -k 5 "$(left 90)" $PY scripts/bench_server.py --model "$TM" --only patched,llama-server \
-        --patched-lib "$LIB" --llama-server "$BIN/llama-server" "${B4[@]}" --json \
-        > "$OUT/bench_server.json" 2> "$OUT/bench_server.log"
-    tail -6 "$OUT/bench_server.log"
-    log "bench: defrag paths on a device cache"
-    timeout -k 5 "$(left 60)" $PY scripts/bench_defrag.py --paths gather,moves,host "${B2[@]}" --json \
-        > "$OUT/bench_defrag.json" 2> "$OUT/bench_defrag.log"
-    tail -8 "$OUT/bench_defrag.log"
+    for bench in $BENCHES; do
+        case "$bench" in
+        server)
+            k=0
+            for load in "${B4[*]}" "${B5[*]}"; do
+                [ -n "$load" ] || continue
+                k=$((k + 1))
+                log "bench: server vs llama-server, shared prompts ($load)"
+                # shellcheck disable=SC2086
+                timeout -k 5 "$(left 90)" $PY scripts/bench_server.py --model "$TM" --only patched,llama-server \
+                    --patched-lib "$LIB" --llama-server "$BIN/llama-server" $load --json \
+                    > "$OUT/bench_server$k.json" 2> "$OUT/bench_server$k.log"
+                tail -3 "$OUT/bench_server$k.log"
+            done ;;
+        spans)
+            log "bench: spans vs evaluation (flash attention off and on; a sequence generated among 8)"
+            timeout -k 5 "$(left 40)" $PY scripts/bench_spans.py --models "$TM" "${B3[@]}" --repeat 3 \
+                --flash-attn off,on --interleave 8 --json > "$OUT/bench_spans.json" 2> "$OUT/bench_spans.log"
+            cat "$OUT/bench_spans.json" ;;
+        binding)
+            log "bench: binding and engine vs llama-batched-bench"
+            timeout -k 5 "$(left 50)" $PY scripts/bench_binding.py --model "$TM" \
+                --batched-bench "$BIN/llama-batched-bench" --flash-attn on "${B1[@]}" --json \
+                > "$OUT/bench_binding.json" 2> "$OUT/bench_binding.log"
+            tail -4 "$OUT/bench_binding.log" ;;
+        defrag)
+            log "bench: defrag paths on a device cache"
+            timeout -k 5 "$(left 60)" $PY scripts/bench_defrag.py --paths gather,moves,host "${B2[@]}" --json \
+                > "$OUT/bench_defrag.json" 2> "$OUT/bench_defrag.log"
+            tail -8 "$OUT/bench_defrag.log" ;;
+        *) log "unknown benchmark: $bench" ;;
+        esac
+    done
 fi
 log "done"
 exit $([ "$STATUS" = 0 ] && echo 0 || echo 1)

@@ -84,6 +84,8 @@ _MIN_SHARED = 16       # prompt tokens shared with a prompt being evaluated that
 class EngineStats:
     steps: int = 0
     decode_calls: int = 0
+    step_seconds: float = 0.0     # wall time of the steps that decoded something (all of step())
+    decode_seconds: float = 0.0   # of which in the KV layer's decode (llama_decode and its logits)
     prompt_tokens: int = 0        # prompt tokens of admitted requests (their length, as Usage.prompt_tokens)
     evaluated_tokens: int = 0     # prompt tokens decoded (including resumed continuations)
     reused_tokens: int = 0        # prompt tokens served from cached cells
@@ -315,6 +317,7 @@ class Engine:
 
     def step(self) -> int:
         """One decode (see the module docstring); returns the tokens decoded (0 when idle)."""
+        t0 = time.perf_counter()
         self._drain_inbox()
         emb = self._embeddings
         n_emb = emb.step() if emb is not None and emb.has_work() else 0   # one embedding decode at most
@@ -323,6 +326,12 @@ class Engine:
         if not batch:
             return n_emb
         self.stats.steps += 1
+        try:
+            return self._step(batch, owners)
+        finally:
+            self.stats.step_seconds += time.perf_counter() - t0
+
+    def _step(self, batch: dict, owners: dict) -> int:
         out = self._decode(batch, owners)
         n = 0
         for seq, logits in out.items():
@@ -574,7 +583,11 @@ class Engine:
         while batch:
             try:
                 self.stats.decode_calls += 1
-                return self.kv.decode(batch)
+                t = time.perf_counter()
+                try:
+                    return self.kv.decode(batch)
+                finally:
+                    self.stats.decode_seconds += time.perf_counter() - t
             except KVCacheFullError as exc:
                 needed = sum(len(t) for t in batch.values())
                 if needed <= self.kv.free_cells():

@@ -27,6 +27,7 @@ on the vanilla one they are off and evicted prefixes are dropped (``TierStats.of
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -54,12 +55,14 @@ class TierStats:
     paged_out_tokens: int = 0    # cumulative: tokens copied out of the context (tails not already stored)
     paged_out_bytes: int = 0
     page_outs: int = 0           # evicted sequences that stored something
+    page_out_seconds: float = 0.0  # cumulative: wall time of page-outs (the device-to-host copies)
     evicted_nodes: int = 0       # spans dropped from host memory for the budget (to disk, if there is one)
     evicted_bytes: int = 0
     not_stored: int = 0          # spans larger than what the budget could free (to disk, if there is one)
     # restores (host and disk) against evaluation
     restores: int = 0            # prompts that restored spans instead of evaluating them
     restored_tokens: int = 0     # tokens put back from host memory or disk (not evaluated)
+    restore_seconds: float = 0.0  # cumulative: wall time of restores (host and disk)
     disk_restored_tokens: int = 0
     evaluated_tokens: int = 0    # prompt tokens that no tier held (evaluated)
     # disk: the span files of cache_dir (files and bytes: every span file there; tokens: this model's)
@@ -305,10 +308,13 @@ class Tiers:
         in host memory. A sequence whose cells cannot be copied (not a clean [0, n)) stores nothing."""
         if not len(seq):
             return 0
+        t0 = time.perf_counter()
         try:
             return self.trie.insert(seq.tokens, seq.snapshot)
         except LlamaError:
             return 0
+        finally:
+            self.stats.page_out_seconds += time.perf_counter() - t0
 
     def _restore(self, seq, span: Span, make_room: Callable[[], bool] | None) -> bool:
         """``seq.restore(span)``, evicting with ``make_room`` while the cache is full; False when it
@@ -327,6 +333,13 @@ class Tiers:
         of ``tokens``): host memory first, then the directory; returns the tokens restored. Stops
         early, with ``seq`` valid, when the cache has no room (``make_room()``, if given, is asked
         to evict first)."""
+        t0 = time.perf_counter()
+        try:
+            return self._restore_into(seq, tokens, limit, make_room)
+        finally:
+            self.stats.restore_seconds += time.perf_counter() - t0
+
+    def _restore_into(self, seq, tokens: Sequence[int], limit: int, make_room: Callable[[], bool] | None) -> int:
         tokens = [int(t) for t in tokens]
         got = disk_got = 0
         plan = self.trie.spans_for(tokens, len(seq), limit)

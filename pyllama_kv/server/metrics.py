@@ -128,6 +128,9 @@ def _engine_metrics(st: dict):
                    st["reused_tokens"])
     yield _counter("completion_tokens", "tokens generated", st["generated_tokens"])
     yield _counter("decode_calls", "llama_decode calls", st["decode_calls"])
+    yield _counter("step_seconds", "wall time of the engine's steps that decoded something (admission, "
+                   "page-outs and restores, the decode, sampling and streaming)", st["step_seconds"])
+    yield _counter("decode_seconds", "of which in llama_decode (and the copy of its logits)", st["decode_seconds"])
 
 
 def _embedding_metrics(st: dict):
@@ -155,6 +158,10 @@ def _host_metrics(tier: dict):
     yield _counter("prefix_restores", "prompts that restored paged-out prefixes", tier["restores"])
     yield _counter("prefix_restored_tokens", "prompt tokens restored from host memory or disk "
                    "(not evaluated)", tier["restored_tokens"])
+    yield _counter("prefix_page_out_seconds", "wall time of page-outs (the copies out of the KV cache)",
+                   tier["page_out_seconds"])
+    yield _counter("prefix_restore_seconds", "wall time of restores from host memory or disk",
+                   tier["restore_seconds"])
     yield _counter("prefix_host_evicted_bytes", "paged-out bytes dropped for the host budget",
                    tier["evicted_bytes"])
 
