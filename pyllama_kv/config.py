@@ -52,6 +52,16 @@ def on_off(text: str) -> bool:
     raise ValueError(f"expected on or off, got {text!r}")
 
 
+def on_off_auto(text: str) -> bool | None:
+    """A command-line switch that may also be left to the program: on/off as :func:`on_off`, or auto (None)."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        return on_off(text)
+    except ValueError:
+        raise ValueError(f"expected on, off or auto, got {text!r}") from None
+
+
 def int_param(name: str, v, lo: int, hi: int = INT32_MAX) -> int:
     """``v`` as an int in [lo, hi], else InvalidInputError (bools and floats are refused; numpy
     integers are fine)."""
@@ -160,12 +170,15 @@ class CacheConfig(_Config):
     ``n_batch`` is the most tokens one decode takes, ``n_ubatch`` the most one compute graph takes;
     as llama.cpp does, a batch is never bigger than the cache (``n_batch`` is brought down to ``n_ctx``)
     nor a graph than the batch (``n_ubatch`` to ``n_batch``). A quantized V cache needs ``flash_attn``.
+    ``flash_attn`` None is auto: on where the model's layers are on a GPU (where it is faster, and a
+    V cache that is not transposed is copied out in a few transfers), off on the CPU, as llama.cpp's own
+    "auto" has been since mid-2025; a quantized V cache turns it on.
     """
 
     n_ctx: int = DEFAULT_N_CTX
     n_batch: int = 512
     n_ubatch: int = 512
-    flash_attn: bool = False
+    flash_attn: bool | None = None   # None: auto (see the class docstring)
     type_k: str = "f16"
     type_v: str = "f16"
     n_threads: int | None = None   # None: every core this process may use
@@ -181,8 +194,9 @@ class CacheConfig(_Config):
             t = getattr(self, name)
             if not isinstance(t, str) or t not in KV_CACHE_TYPES:
                 raise InvalidInputError(f"{name}={t!r} is not a KV cache type: one of {', '.join(KV_CACHE_TYPES)}")
-        object.__setattr__(self, "flash_attn", _bool("flash_attn", self.flash_attn))
-        if self.type_v in QUANTIZED_KV_TYPES and not self.flash_attn:
+        if self.flash_attn is not None:
+            object.__setattr__(self, "flash_attn", _bool("flash_attn", self.flash_attn))
+        if self.type_v in QUANTIZED_KV_TYPES and self.flash_attn is False:
             raise InvalidInputError(f"a quantized V cache (type_v={self.type_v!r}) needs flash_attn=True")
         if self.n_threads is not None:
             object.__setattr__(self, "n_threads", _int("n_threads", self.n_threads, 1, MAX_THREADS))

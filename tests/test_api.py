@@ -168,7 +168,7 @@ def test_context_parameter_errors(model):
     with pytest.raises(pk.InvalidInputError, match="n_ubatch"):
         model.context(n_ctx=256, n_ubatch=0)
     with pytest.raises(pk.InvalidInputError, match="flash_attn"):
-        model.context(n_ctx=256, type_v="q8_0")
+        model.context(n_ctx=256, type_v="q8_0", flash_attn=False)
     with pytest.raises(pk.InvalidInputError, match="KV cache type"):
         model.context(n_ctx=256, type_k="f8")
     with pytest.raises(pk.InvalidInputError):
@@ -324,12 +324,12 @@ def test_bad_inputs_raise_and_change_nothing(model, ctx):
     assert a.tokens == toks(10)
 
 
-def test_vanilla_out_of_range_token_never_reaches_c(tiny_model):
+def test_vanilla_out_of_range_token_never_reaches_c(tiny_model, vanilla_lib):
     """On vanilla, such a token kills the process in C (tests/test_reproducers.py). The wrapper must
     refuse it in Python: the subprocess survives and reports the exception."""
     code = f"""
 import pyllama_kv as pk
-m = pk.Model({str(tiny_model)!r}, lib="vanilla")
+m = pk.Model({str(tiny_model)!r}, lib={vanilla_lib!r})
 assert not m.library["has_stats"]
 c = m.context(n_ctx=64, n_seq_max=1)
 s = c.new_sequence()
@@ -435,9 +435,12 @@ def test_fragmentation_vanilla_raises_patched_retries(tiny_model, vanilla_lib):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["memcpy", "graph"])
-def test_explicit_defrag_packs_and_counts(ctx, ref, graph, monkeypatch):
+def test_explicit_defrag_packs_and_counts(model, ctx, ref, graph, monkeypatch):
     """Both execution paths of the patched defrag: memcpy for a host cache (0006), ggml graphs
-    otherwise (forced here with LLAMA_KV_DEFRAG_GRAPH=1)."""
+    otherwise (forced here with LLAMA_KV_DEFRAG_GRAPH=1; always for a cache on a GPU)."""
+    from conftest import cache_on_device
+
+    graph = graph or cache_on_device(model)
     if graph:
         monkeypatch.setenv("LLAMA_KV_DEFRAG_GRAPH", "1")
     seqs = [ctx.new_sequence() for _ in range(6)]

@@ -70,7 +70,8 @@ def test_kv_cache_types_are_ggmls():
     with pytest.raises(InvalidInputError, match="not a KV cache type: one of f32, f16"):
         ContextConfig(type_k="q6_K")
     with pytest.raises(InvalidInputError, match="needs flash_attn"):
-        EngineConfig(type_v="q8_0")
+        EngineConfig(type_v="q8_0", flash_attn=False)
+    assert EngineConfig(type_v="q8_0").flash_attn is None   # auto: a context turns it on for a quantized V
     assert ContextConfig(type_k="q8_0", type_v="q4_0", flash_attn=True).type_v == "q4_0"
 
 
@@ -130,6 +131,7 @@ def test_the_flash_attn_flag_maps_onto_the_configs():
     # a quantized V cache needs it: a usage error that names the flag's value
     assert options.from_args(EngineConfig, p.parse_args(["--flash-attn", "on", "--type-v", "q8_0"])).type_v == "q8_0"
     with pytest.raises(UsageError, match="flash_attn"):
-        options.from_args(EngineConfig, p.parse_args(["--type-v", "q8_0"]))
+        options.from_args(EngineConfig, p.parse_args(["--flash-attn", "off", "--type-v", "q8_0"]))
+    assert options.from_args(EngineConfig, p.parse_args(["--flash-attn", "auto"])).flash_attn is None
     with pytest.raises(SystemExit):
         p.parse_args(["--flash-attn", "maybe"])

@@ -67,7 +67,12 @@ def test_page_out_and_back_in(model, ctx):
     assert a.export_state().data == before and len(a) == 50
     fresh = ctx.new_sequence()
     fresh.extend(a.tokens)
-    assert float(np.abs(a.logits() - fresh.logits()).max()) < 1e-4   # logits() recomputes the last token
+    # logits() recomputes the last token; the cells are byte-exact (above), but on a GPU an F16 cache
+    # read from other cells sums in another order (measured 6e-3 on an H200)
+    from conftest import cache_on_device
+
+    tol = 1e-2 if cache_on_device(model) and ctx.type_k == "f16" else 1e-4
+    assert float(np.abs(a.logits() - fresh.logits()).max()) < tol
 
 
 def test_split_and_merge_are_inverse_and_restore_piecewise(model, ctx):
@@ -142,8 +147,8 @@ def test_a_span_of_another_model_is_refused(model, tmp_path):
             s1.restore(span)
 
 
-def test_the_vanilla_library_says_it_cannot_restore(tiny_model):
-    with pk.Model(tiny_model, lib="vanilla") as m, m.context(n_ctx=64, n_seq_max=2) as ctx:
+def test_the_vanilla_library_says_it_cannot_restore(tiny_model, vanilla_lib):
+    with pk.Model(tiny_model, lib=vanilla_lib) as m, m.context(n_ctx=64, n_seq_max=2) as ctx:
         a = ctx.new_sequence()
         a.extend(tokens(m, 12))
         span = a.snapshot(6)

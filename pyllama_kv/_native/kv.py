@@ -386,10 +386,13 @@ class NativeContext:
         """llama_state_seq_get_size."""
         return int(self.L.llama_state_seq_get_size(self.ptr, seq_id))
 
-    def state_seq_get(self, seq_id: int, size: int) -> tuple[int, bytes]:
-        """llama_state_seq_get_data into size bytes: (bytes written, the buffer)."""
+    def state_seq_get(self, seq_id: int, size: int, copy: bool = True) -> tuple[int, bytes | memoryview]:
+        """llama_state_seq_get_data into size bytes: (bytes written, the buffer: bytes, or with
+        ``copy=False`` a read-only memoryview of the C buffer itself, which it keeps alive)."""
         buf = _alloc(self.ffi, "uint8_t[]", size)
         got = int(self.L.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
+        if not copy:
+            return got, memoryview(self.ffi.buffer(buf, size)).toreadonly()
         return got, self.ffi.buffer(buf, size)[:]
 
     def state_seq_set(self, data: bytes, seq_id: int) -> int:

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, TypeVar
 
-from ..config import ContextConfig, EngineConfig, SamplingParams, default_threads, on_off
+from ..config import ContextConfig, EngineConfig, SamplingParams, default_threads, on_off, on_off_auto
 from ..errors import InvalidInputError
 from ..limits import DEFAULT_N_CTX, KV_CACHE_TYPES, POOLING_TYPES
 from .common import UsageError
@@ -93,9 +93,9 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          metavar="TYPE"),
     Flag(ContextConfig, "type_v", ("--type-v",), f"V cache type: {_KV_TYPES}; a quantized one needs "
          "--flash-attn on (default {default})", str, metavar="TYPE"),
-    Flag(ContextConfig, "flash_attn", ("--flash-attn",), "flash attention: on or off (default off, as llama.cpp "
-         "at the pin; on is faster on a long or full cache, and the V cache is then not transposed)", on_off,
-         metavar="on|off"),
+    Flag(ContextConfig, "flash_attn", ("--flash-attn",), "flash attention: on, off or auto (default auto: on "
+         "where the model's layers are on a GPU, off on the CPU, as llama.cpp's auto; on is faster on a long or "
+         "full cache, and the V cache is then not transposed)", on_off_auto, metavar="on|off|auto"),
     Flag(ContextConfig, "n_batch", ("--batch",), "tokens per decode (default {default})", metavar="N"),
     # EngineConfig: the generation engine
     Flag(EngineConfig, "parallel", ("--parallel",), "continuations generated at once (default {default})",

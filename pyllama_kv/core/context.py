@@ -74,7 +74,7 @@ import numpy as np
 from .._native import kv as _kv
 from ..config import ContextConfig, default_threads, int_param
 from ..errors import InvalidInputError, KVCacheFullError, LibraryError, LlamaError
-from ..limits import KV_CACHE_TYPES, kv_type_block
+from ..limits import KV_CACHE_TYPES, QUANTIZED_KV_TYPES, kv_type_block
 from . import _signals, spanio as _spanio, state as _state
 from .batching import (
     POLL_TOKENS as _POLL_TOKENS,
@@ -160,7 +160,7 @@ class Context(_kv.CResource):
     """
 
     def __init__(self, model: Model, n_ctx: int = _CC.n_ctx, n_seq_max: int = _CC.n_seq_max,
-                 n_batch: int = _CC.n_batch, n_ubatch: int = _CC.n_ubatch, flash_attn: bool = _CC.flash_attn,
+                 n_batch: int = _CC.n_batch, n_ubatch: int = _CC.n_ubatch, flash_attn: bool | None = _CC.flash_attn,
                  type_k: str = _CC.type_k, type_v: str = _CC.type_v, n_threads: int | None = _CC.n_threads,
                  defrag_thold: float | None = _CC.defrag_thold):
         if not _is_model(model):
@@ -172,6 +172,8 @@ class Context(_kv.CResource):
                             defrag_thold=defrag_thold)
         n_ctx, n_seq_max, n_batch, n_ubatch = cfg.n_ctx, cfg.n_seq_max, cfg.n_batch, cfg.n_ubatch
         flash_attn, type_k, type_v, defrag_thold = cfg.flash_attn, cfg.type_k, cfg.type_v, cfg.defrag_thold
+        if flash_attn is None:   # auto: on a GPU, and for a quantized V cache (see CacheConfig)
+            flash_attn = model.on_gpu or type_v in QUANTIZED_KV_TYPES
         if n_ctx > model.n_ctx_train:
             raise InvalidInputError(
                 f"n_ctx={n_ctx} is larger than the model supports (n_ctx_train={model.n_ctx_train})")
@@ -400,9 +402,15 @@ class Context(_kv.CResource):
 
     def _read_seq_state(self, sid: int) -> bytes:
         """llama.cpp's state of sequence ``sid`` (LlamaError when it cannot be read whole)."""
+        data = self._read_seq_view(sid, copy=True)
+        assert isinstance(data, bytes)
+        return data
+
+    def _read_seq_view(self, sid: int, copy: bool = False) -> bytes | memoryview:
+        """The same, by default as a view of llama.cpp's buffer: one copy less (see spanio.read_seq_state)."""
         assert self._native is not None
         self._need("state_io", "reading a sequence's state")
-        return _spanio.read_seq_state(self._native, sid)
+        return _spanio.read_seq_state(self._native, sid, copy)
 
     def _write_seq_state(self, data: bytes, sid: int) -> int:
         """Write a checked state into the empty sequence ``sid``: the bytes llama.cpp read (0: no slot)."""
@@ -655,7 +663,7 @@ class Context(_kv.CResource):
             self._need("state_io", "a snapshot of a sequence's cells")
             end = _spanio.span_end(start, end, len(e.tokens))
             self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
-            return _spanio.make_span(self._read_seq_state(e.id), e.tokens, start, end, e.id, self.n_ctx,
+            return _spanio.make_span(self._read_seq_view(e.id), e.tokens, start, end, e.id, self.n_ctx,
                                      self.model)
 
     def sequence_restore(self, seq, span: _Span) -> None:

@@ -254,6 +254,8 @@ class Model(_kv.CResource):
         self.size: int = info.size
         self.n_params: int = info.n_params
         self.n_gpu_layers = n_gpu_layers
+        # layers on a GPU of this machine (not only on RPC servers): flash attention's auto turns on
+        self.on_gpu: bool = bool(n_gpu_layers) and not endpoints and bool(self._lib.gpu_devices())
 
     def _load(self, load_path: Path, n_gpu_layers: int, use_mmap: bool, endpoints: list[str]) -> _kv.NativeModel:
         """llama_model_load_from_file on ``load_path`` (the checked open file, or the path itself
@@ -617,7 +619,7 @@ class Model(_kv.CResource):
     # -- contexts -------------------------------------------------------------------------------
 
     def context(self, n_ctx: int = _CC.n_ctx, n_seq_max: int = _CC.n_seq_max, n_batch: int = _CC.n_batch,
-                n_ubatch: int = _CC.n_ubatch, flash_attn: bool = _CC.flash_attn, type_k: str = _CC.type_k,
+                n_ubatch: int = _CC.n_ubatch, flash_attn: bool | None = _CC.flash_attn, type_k: str = _CC.type_k,
                 type_v: str = _CC.type_v, **kwargs):
         """A new :class:`~pyllama_kv.core.context.Context` over this model (see its docstring; the defaults
         are :class:`~pyllama_kv.config.ContextConfig`'s)."""

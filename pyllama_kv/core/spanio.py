@@ -16,12 +16,13 @@ if TYPE_CHECKING:
 __all__ = ["check_restore", "make_span", "no_block", "read_seq_state", "span_end"]
 
 
-def read_seq_state(native: NativeContext, sid: int) -> bytes:
-    """llama.cpp's state of sequence ``sid`` (LlamaError when it cannot be read whole)."""
+def read_seq_state(native: NativeContext, sid: int, copy: bool = True) -> bytes | memoryview:
+    """llama.cpp's state of sequence ``sid`` (LlamaError when it cannot be read whole): bytes, or with
+    ``copy=False`` a read-only view of the buffer llama.cpp wrote (one copy less, for a snapshot)."""
     n = native.state_seq_size(sid)
     if n == 0:
         raise LlamaError(f"llama.cpp could not size the state of sequence {sid}")
-    got, data = native.state_seq_get(sid, n)
+    got, data = native.state_seq_get(sid, n, copy)
     if got != n:
         raise LlamaError(f"llama.cpp wrote {got} bytes of the state of sequence {sid}, expected {n}")
     return data
@@ -40,7 +41,7 @@ def span_end(start, end, n: int) -> int:
     return end
 
 
-def make_span(data: bytes, tokens: list[int], start: int, end: int, sid: int, n_ctx: int, model) -> Span:
+def make_span(data: bytes | memoryview, tokens: list[int], start: int, end: int, sid: int, n_ctx: int, model) -> Span:
     """The span of positions [start, end) of sequence ``sid``, whose state is ``data`` and whose
     tokens are ``tokens``: the cells' rows in position order, copied."""
     p, order = _state.position_order(data, len(tokens), sid, n_ctx)

@@ -113,7 +113,7 @@ class ParsedState:
 
 
 class _Reader:
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes | memoryview):
         self.data = data
         self.off = 0
 
@@ -133,7 +133,7 @@ class _Reader:
 
 # long: one reader that follows the bytes in the order llama.cpp writes them (state_write_data: cells,
 # V layout, K per layer, V per layer), each field checked where it is read
-def parse(data: bytes, max_cells: int, expect: Layout | None = None) -> ParsedState:
+def parse(data: bytes | memoryview, max_cells: int, expect: Layout | None = None) -> ParsedState:
     """Read a sequence state completely, bounds-checking every field before it is used.
 
     ``max_cells`` bounds the cell count before anything is sized by it. With ``expect`` (the
@@ -199,40 +199,68 @@ def parse(data: bytes, max_cells: int, expect: Layout | None = None) -> ParsedSt
                        tuple(k_off), tuple(v_off))
 
 
-def reorder(data: bytes, p: ParsedState, order: np.ndarray) -> bytes:
-    """``data`` with its cells (positions, K rows, V rows or transposed-V columns) permuted by ``order``."""
+def _gather(data, p: ParsedState, order: np.ndarray) -> np.ndarray:
+    """``data`` (bytes-like) with its cells (positions, K rows, V rows or transposed-V columns) replaced by
+    its cells ``order``, in that order, written once into one new array (the cell count field is left
+    as it was). Consecutive cells are sliced, not gathered."""
     c = p.cell_count
     buf = np.frombuffer(data, dtype=np.uint8)
-    order = np.asarray(order, dtype=np.intp)
-    if order.size and order[0] >= 0 and np.array_equal(order, np.arange(order[0], order[0] + order.size)):
-        # consecutive cells (a span of a sequence whose cells are in position order, the common case):
-        # slices instead of a gather, several times faster on a transposed V of 2-byte elements
-        order = slice(int(order[0]), int(order[0]) + order.size)  # type: ignore[assignment]
-    out = [data[:p.meta_off], buf[p.meta_off:p.meta_off + 8 * c].reshape(c, 8)[order].tobytes()]
-    cur = p.meta_off + 8 * c
+    idx = np.asarray(order, dtype=np.intp)
+    n = int(idx.size)
+    sel: slice | np.ndarray = idx
+    if n and idx[0] >= 0 and np.array_equal(idx, np.arange(idx[0], idx[0] + n)):
+        # consecutive cells (a span of a sequence whose cells are in position order, the common case)
+        sel = slice(int(idx[0]), int(idx[0]) + n)
+    per_cell = 8 + sum(ly.k_row + ly.v_row for ly in p.layout.layers)
+    out = np.empty(buf.size - (c - n) * per_cell, dtype=np.uint8)
+    w = cur = 0
+
+    def raw(end: int) -> None:   # the header bytes from cur to end, as they are
+        nonlocal w, cur
+        k = end - cur
+        out[w:w + k] = buf[cur:end]
+        w, cur = w + k, end
+
+    def cells(off: int, shape: tuple, axis: int) -> None:   # the cells of the block at off, of shape
+        nonlocal w, cur
+        raw(off)
+        src = buf[off:off + int(np.prod(shape))].reshape(shape)
+        dshape = shape[:axis] + (n,) + shape[axis + 1:]
+        k = int(np.prod(dshape))
+        dst = out[w:w + k].reshape(dshape)
+        if isinstance(sel, slice):
+            dst[...] = src[(slice(None),) * axis + (sel,)]
+        else:   # mode="clip": no buffering of the output (the indices are valid)
+            np.take(src, sel, axis=axis, out=dst, mode="clip")
+        w, cur = w + k, off + src.size
+
+    cells(p.meta_off, (c, 8), 0)
     for il, ly in enumerate(p.layout.layers):
-        off = p.k_off[il]
-        out += [data[cur:off], buf[off:off + c * ly.k_row].reshape(c, ly.k_row)[order].tobytes()]
-        cur = off + c * ly.k_row
+        cells(p.k_off[il], (c, ly.k_row), 0)
     for il, ly in enumerate(p.layout.layers):
-        off = p.v_off[il]
-        v = buf[off:off + c * ly.v_row]
-        v = v.reshape(ly.n_embd_v, c, ly.v_elem)[:, order, :] if p.layout.v_trans else v.reshape(c, ly.v_row)[order]
-        out += [data[cur:off], v.tobytes()]
-        cur = off + c * ly.v_row
-    out.append(data[cur:])
-    return b"".join(out)
+        if p.layout.v_trans:
+            cells(p.v_off[il], (ly.n_embd_v, c, ly.v_elem), 1)
+        else:
+            cells(p.v_off[il], (c, ly.v_row), 0)
+    raw(buf.size)
+    assert w == out.size
+    return out
+
+
+def reorder(data: bytes, p: ParsedState, order: np.ndarray) -> bytes:
+    """``data`` with its cells (positions, K rows, V rows or transposed-V columns) permuted by ``order``."""
+    return _gather(data, p, order).tobytes()
 
 
 # -- a context's layout ------------------------------------------------------------------------
 
 
-def select(data: bytes, p: ParsedState, idx: np.ndarray) -> bytes:
-    """``data`` reduced to its cells ``idx``, in that order (positions, K rows, V rows or
+def select(data, p: ParsedState, idx: np.ndarray) -> bytes:
+    """``data`` (bytes-like) reduced to its cells ``idx``, in that order (positions, K rows, V rows or
     transposed-V columns), with the cell count to match: a compact copy of just those cells."""
-    idx = np.asarray(idx, dtype=np.intp)
-    return struct.pack("=I", int(idx.size)) + reorder(data, p, idx)[4:]
-
+    out = _gather(data, p, idx)
+    out[:4] = np.frombuffer(struct.pack("=I", int(np.asarray(idx).size)), dtype=np.uint8)
+    return out.tobytes()
 
 def concat(a: bytes, pa: ParsedState, b: bytes, pb: ParsedState) -> bytes:
     """The state holding the cells of ``a`` then those of ``b`` (the same layout, checked by the caller)."""
@@ -348,7 +376,8 @@ def state_digest(tokens, data: bytes, model: str) -> str:
 # -- export and import --------------------------------------------------------------------------
 
 
-def position_order(data: bytes, n_tokens: int, seq_id: int, max_cells: int) -> tuple[ParsedState, np.ndarray]:
+def position_order(data: bytes | memoryview, n_tokens: int, seq_id: int,
+                   max_cells: int) -> tuple[ParsedState, np.ndarray]:
     """llama.cpp's state ``data`` of sequence ``seq_id`` parsed, and the order that puts its cells in
     position order. LlamaError when the cells do not hold exactly positions 0..n_tokens-1."""
     try:

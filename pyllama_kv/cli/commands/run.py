@@ -78,7 +78,7 @@ class RunSpec:
     n_threads: int | None = None
     type_k: str = _CACHE.type_k
     type_v: str = _CACHE.type_v
-    flash_attn: bool = _CACHE.flash_attn
+    flash_attn: bool | None = _CACHE.flash_attn
     lib: str | None = None
     json: bool = False
     chat: bool = False             # render the prompt (UTF-8) as one user message with the chat template
