@@ -13,7 +13,8 @@
 # Usage: scripts/gpu_check.sh [--src DIR] [--build DIR] [--backend cuda|cpu] [--cuda-arch N]
 #                             [--wheels DIR] [--deadline SECONDS] [--tests "FILE ..."] [--workers N]
 #                             [--results DIR] [--no-tests] [--no-bench] [--bench "NAME ..."] [--bench-first] [--quick]
-#   --bench        the benchmarks to run, in this order, of: server spans binding defrag (default all)
+#   --bench        the benchmarks to run, in this order, of: server spans binding defrag (default all);
+#                  "tests" in the list runs the tests at that point
 #   --bench-first  the benchmarks before the tests (when the device time is short)
 #   --backend cpu  the same run on a CPU build (a dry run of this script on a machine without a GPU)
 #   --quick        small benchmark sizes (a dry run)
@@ -230,12 +231,14 @@ run_bench() {
                 timeout -k 5 "$(left 60)" $PY scripts/bench_defrag.py --paths gather,moves,host "${B2[@]}" --json \
                     > "$OUT/bench_defrag.json" 2> "$OUT/bench_defrag.log"
                 tail -8 "$OUT/bench_defrag.log" ;;
-            *) log "unknown benchmark: $bench" ;;
+            tests) run_tests; TESTS_DONE=1 ;;   # the tests at this point of the list
+        *) log "unknown benchmark: $bench" ;;
             esac
         done
     fi
 }
 
-if [ "$BENCH_FIRST" = 1 ]; then run_bench; run_tests; else run_tests; run_bench; fi
+TESTS_DONE=0
+if [ "$BENCH_FIRST" = 1 ]; then run_bench; [ "$TESTS_DONE" = 1 ] || run_tests; else run_tests; run_bench; fi
 log "done"
 exit $([ "$STATUS" = 0 ] && echo 0 || echo 1)

@@ -125,7 +125,7 @@ def test_the_flash_attn_flag_maps_onto_the_configs():
 
     p = argparse.ArgumentParser()
     options.add(p, "flash_attn", "type_v")
-    assert options.from_args(EngineConfig, p.parse_args([])).flash_attn is False
+    assert options.from_args(EngineConfig, p.parse_args([])).flash_attn is None   # auto
     assert options.from_args(EngineConfig, p.parse_args(["--flash-attn", "on"])).flash_attn is True
     assert options.from_args(ContextConfig, p.parse_args(["--flash-attn", "off"])).flash_attn is False
     # a quantized V cache needs it: a usage error that names the flag's value

@@ -295,9 +295,14 @@ class NativeContext:
 
     def logits(self, n_rows: int, n_vocab: int) -> np.ndarray:
         """A copy of the first n_rows output rows of llama_get_logits, float32 (n_rows, n_vocab)."""
+        return self.logits_view(n_rows, n_vocab).copy()
+
+    def logits_view(self, n_rows: int, n_vocab: int) -> np.ndarray:
+        """The same rows as a read-only view of llama.cpp's buffer: valid until the next decode."""
         ptr = self.L.llama_get_logits(self.ptr)
         rows = np.frombuffer(self.ffi.buffer(ptr, n_rows * n_vocab * 4), dtype=np.float32)
-        return rows.reshape(n_rows, n_vocab).copy()
+        rows.flags.writeable = False
+        return rows.reshape(n_rows, n_vocab)
 
     # -- embeddings (a context made with embeddings=True)
 

@@ -89,8 +89,8 @@ class KVCache(Protocol):
 
     def decode(self, batch: dict) -> dict:
         """Append ``{seq: tokens}`` in one continuous-batching step; ``{seq: logits}`` (float32,
-        n_vocab) after each sequence's last token. Atomic: KVCacheFullError (no room, nothing
-        changed) or another LlamaError."""
+        n_vocab) after each sequence's last token, read-only and valid only until the next decode
+        (sample them first). Atomic: KVCacheFullError (no room, nothing changed) or another LlamaError."""
 
     def shift(self, seq: Hashable, n_keep: int, n_discard: int) -> bool:
         """Context shift without a decode: drop positions [n_keep, n_keep + n_discard) of ``seq`` and
@@ -229,7 +229,8 @@ class ContextKV(PrefixPolicy):
         return child
 
     def decode(self, batch: dict) -> dict:
-        return self.ctx.decode(batch)
+        # views of llama.cpp's output rows: the engine samples every row before its next decode
+        return self.ctx.decode(batch, copy=False)
 
     @property
     def can_shift(self) -> bool:
