@@ -118,11 +118,15 @@ class Caps:
     scattered_cells: bool          # batches go into non-contiguous cells: the largest free block is all free cells
     partial_remove_may_fail: bool  # seq_rm may refuse a partial range (recurrent/SWA memory): bool false
     flash_attn_auto: bool          # flash attention "auto" (on where the backend has it)
+    # head sizes the GPU backend has flash-attention kernels for, where the library has no "auto" of
+    # its own (the mission pin: patch 0015 makes CUDA claim exactly these; others run on the CPU)
+    gpu_flash_attn_head_sizes: frozenset = frozenset()
     architectures: frozenset = frozenset()   # the model architectures it implements (archs.py)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["architectures"] = len(self.architectures)   # a count: the names are in _native/archs.py
+        d["gpu_flash_attn_head_sizes"] = sorted(self.gpu_flash_attn_head_sizes)
         return d
 
 
@@ -136,7 +140,7 @@ def _caps(api: str, has) -> Caps:
     return Caps(api="mission", defrag=True, safe_defrag=patched, stats=patched, cell_view=True,
                 span_restore=has("llama_state_seq_add_data"), state_io=True, kv_shift=patched,
                 slot_retry=patched, scattered_cells=False, partial_remove_may_fail=False, flash_attn_auto=False,
-                architectures=archs.MISSION)
+                gpu_flash_attn_head_sizes=frozenset({64, 80, 96, 112, 128, 256}), architectures=archs.MISSION)
 
 
 def _api_of(path: Path) -> str:

@@ -94,8 +94,9 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     Flag(ContextConfig, "type_v", ("--type-v",), f"V cache type: {_KV_TYPES}; a quantized one needs "
          "--flash-attn on (default {default})", str, metavar="TYPE"),
     Flag(ContextConfig, "flash_attn", ("--flash-attn",), "flash attention: on, off or auto (default auto: on "
-         "where the model's layers are on a GPU, off on the CPU, as llama.cpp's auto; on is faster on a long or "
-         "full cache, and the V cache is then not transposed)", on_off_auto, metavar="on|off|auto"),
+         "where the model's layers are on a GPU with a kernel for its head size, as llama.cpp's auto; off on the "
+         "CPU; on is faster on a long or full cache, and the V cache is then not transposed)", on_off_auto,
+         metavar="on|off|auto"),
     Flag(ContextConfig, "n_batch", ("--batch",), "tokens per decode (default {default})", metavar="N"),
     # EngineConfig: the generation engine
     Flag(EngineConfig, "parallel", ("--parallel",), "continuations generated at once (default {default})",

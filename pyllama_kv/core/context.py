@@ -144,6 +144,20 @@ def _is_model(obj) -> bool:
         and callable(getattr(obj, "open_native_context", None))
 
 
+
+def _auto_flash_attn(model: Model, type_v: str) -> bool | None:
+    """Flash attention's "auto" for ``model``: on for a quantized V cache (it needs it); off on the CPU;
+    on a GPU, the library's own auto (None) where it has one, else on where the GPU backend has a
+    kernel for the model's head size (the mission pin's CUDA set, patch 0015)."""
+    if type_v in QUANTIZED_KV_TYPES:
+        return True
+    if not model.on_gpu:
+        return False
+    caps = model.native_library.caps
+    if caps.flash_attn_auto:
+        return None
+    return model.head_dim_k == model.head_dim_v and model.head_dim_k in caps.gpu_flash_attn_head_sizes
+
 class Context(_kv.CResource):
     """A context over a :class:`~pyllama_kv.core.model.Model` with a KV cache of ``n_ctx`` cells.
 
@@ -172,8 +186,8 @@ class Context(_kv.CResource):
                             defrag_thold=defrag_thold)
         n_ctx, n_seq_max, n_batch, n_ubatch = cfg.n_ctx, cfg.n_seq_max, cfg.n_batch, cfg.n_ubatch
         flash_attn, type_k, type_v, defrag_thold = cfg.flash_attn, cfg.type_k, cfg.type_v, cfg.defrag_thold
-        if flash_attn is None:   # auto: on a GPU, and for a quantized V cache (see CacheConfig)
-            flash_attn = model.on_gpu or type_v in QUANTIZED_KV_TYPES
+        if flash_attn is None:   # auto (see CacheConfig)
+            flash_attn = _auto_flash_attn(model, type_v)
         if n_ctx > model.n_ctx_train:
             raise InvalidInputError(
                 f"n_ctx={n_ctx} is larger than the model supports (n_ctx_train={model.n_ctx_train})")
