@@ -34,5 +34,11 @@ mistral3 eagle3 dflash mistral4 paddleocr mimo2 step35 spark2_5 llama-embed main
 kimi-k3 glm5-next talkie mellum nanbeige qwen3tts pockettts
 """.split())
 
+#: architectures with layers that apply no RoPE, which llama.cpp's K-shift rotates all the same (both
+#: pins: the current one skips only the layers ``{arch}.attention.rope_pattern`` marks, which these
+#: never read; smollm3 leaves RoPE out of every 4th layer, llama4 and afmoe of every
+#: ``n_no_rope_layer_step``-th): a K-shift of their cache continues wrongly, so they re-evaluate
+NOPE_LAYERS = frozenset(("smollm3", "llama4", "afmoe"))
+
 #: api generation -> (its architectures, the ``lib`` that loads it)
 BY_API: dict[str, tuple[frozenset, str]] = {"mission": (MISSION, "patched"), "current": (CURRENT, "current")}

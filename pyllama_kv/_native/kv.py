@@ -86,6 +86,9 @@ class ModelInfo(NamedTuple):
     size: int
     n_params: int
     recurrent: bool = False   # layers that keep recurrent state (recurrent or hybrid; current library only)
+    # the sliding window of a cache that reuses the cells of positions outside it (llama_model_n_swa of
+    # the current library; 0: none, and on the mission pin, whose SWA masks a full cache)
+    n_swa: int = 0
 
 
 class NativeModel:
@@ -141,7 +144,8 @@ class NativeModel:
             add_bos=bool(L.llama_vocab_get_add_bos(v)), rope_type=int(L.llama_model_rope_type(p)),
             has_encoder=bool(L.llama_model_has_encoder(p)), desc=ffi.string(buf).decode("utf-8", "replace"),
             size=int(L.llama_model_size(p)), n_params=int(L.llama_model_n_params(p)),
-            recurrent=self.lib.api == "current" and bool(L.llama_model_is_recurrent(p) or L.llama_model_is_hybrid(p)))
+            recurrent=self.lib.api == "current" and bool(L.llama_model_is_recurrent(p) or L.llama_model_is_hybrid(p)),
+            n_swa=int(L.llama_model_n_swa(p)) if self.lib.api == "current" else 0)
 
     def tokenize(self, data: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int]]:
         """llama_tokenize into a buffer of n_max: (n, tokens); n < 0 when -n tokens are needed."""
@@ -345,6 +349,11 @@ class NativeContext:
         False: the memory refused a partial range and nothing changed."""
         return bool(self.L.llama_kv_self_seq_rm(self.ptr, seq_id, p0, p1))
 
+    def seq_pos_min(self, seq_id: int) -> int:
+        """0: the mission pin's cache drops no position a sequence holds (its sliding window is a mask
+        over a full cache)."""
+        return 0
+
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         """llama_kv_self_seq_cp: dst also holds src's cells with position in [p0, p1)."""
         self.L.llama_kv_self_seq_cp(self.ptr, src, dst, p0, p1)
@@ -452,6 +461,11 @@ class CurrentContext(NativeContext):
         if ok:
             self.cells.rm(seq_id, p0, p1)
         return ok
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """llama_memory_seq_pos_min: the smallest position the memory holds for seq_id (-1: none). A
+        sliding-window cache raises it when it reuses the cells of positions outside the window."""
+        return int(self.L.llama_memory_seq_pos_min(self.mem, seq_id))
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         """llama_memory_seq_cp (the unified cache shares the cells)."""

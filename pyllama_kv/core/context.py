@@ -22,6 +22,13 @@ Contract (what every method guarantees):
   largest free block is then all free cells), a removal re-evaluates instead of K-shifting. A
   partial removal the library refuses (recurrent or sliding-window memory: ``seq_rm`` false) raises
   InvalidInputError with the sequence unchanged.
+* **Memory that cannot go back.** A fork, truncation, removal or re-evaluation that keeps the first
+  n positions of a sequence (0 < n < its length) needs the memory's state at n: recurrent layers
+  (a recurrent or hybrid model) hold only the state after the last token, and a sliding-window cache
+  of the current llama.cpp reuses the cells of positions that fell out of the window. Where the state
+  at n is gone, the call raises InvalidInputError before anything changes (never a continuation from
+  the wrong state). Such a model's context cannot K-shift either (``can_shift`` False), nor can one
+  with layers without RoPE that llama.cpp rotates all the same (``Model.k_shift_exact``).
 
 Ownership. The context is the only writer of what its sequences hold: a table keyed by sequence id
 (``_table``, one :class:`_SeqEntry` per open sequence) has each sequence's handle, its tokens (the
@@ -43,7 +50,7 @@ the package reads a Context's private attributes):
 * ``critical()`` (``with ctx.critical():`` the lock, Ctrl-C held back, re-entry from a callback
   refused: several calls as one step), ``check_open()``, ``check_sequence(seq)`` (InvalidInputError
   for a closed context / a sequence not open in it), ``shared_in(sid, lo, hi)``, ``cache_layout()``
-  and ``can_restore`` (for the prefix cache's tiers);
+  and ``can_restore`` (for the prefix cache's tiers), ``can_fork(seq, n)`` (for its prefix matches);
 * **the sequence channel**: ``sequence_tokens``, ``sequence_closed``, ``sequence_logits`` (and
   ``sequence_logits_lent``), ``sequence_fork``, ``sequence_truncate``, ``sequence_remove``,
   ``sequence_shift_out``, ``sequence_export``, ``sequence_snapshot``, ``sequence_restore`` and
@@ -225,7 +232,8 @@ class Context(_kv.CResource):
         self._spare_id: int = n_seq_max
         self.flash_attn = flash_attn
         self.type_k, self.type_v = type_k, type_v
-        self.can_shift: bool = native.can_shift() and model.rope_type != -1
+        # llama.cpp's word, unless a K-shift of this model would continue wrongly (Model.k_shift_exact)
+        self.can_shift: bool = native.can_shift() and model.k_shift_exact
         self.patched: bool = self._libobj.patched
         self._batch = _kv.NativeBatch(self.n_batch, lib)
         self._free_ids = list(range(self.n_seq_max))
@@ -386,6 +394,29 @@ class Context(_kv.CResource):
                 "model's memory (recurrent or sliding-window) keeps no per-position state to cut; nothing was "
                 "changed (re-create the sequence from its tokens instead)")
 
+    def _check_cut(self, e: _SeqEntry, n: int, what: str) -> None:
+        """InvalidInputError, raised before anything changes, when sequence ``e`` cannot continue
+        from its first ``n`` positions (0 < n < its length: a fork, truncation, removal or
+        re-evaluation that keeps them): recurrent layers hold the state after its last token only,
+        and a sliding-window cache that reused the cells of positions outside the window of its last
+        token (llama_memory_seq_pos_min rose) no longer holds the positions the token at ``n``
+        attends to, [n - n_swa + 1, n)."""
+        if n <= 0 or n >= len(e.tokens):
+            return
+        if self.model.recurrent:
+            raise InvalidInputError(f"{what} needs the state of sequence {e.id} at position {n}, which this "
+                                    "model's recurrent layers no longer hold (only the state after its last "
+                                    "token); nothing was changed")
+        w = self.model.n_swa
+        if w > 0:
+            assert self._native is not None
+            lo = self._native.seq_pos_min(e.id)
+            if lo > max(0, n - w + 1):
+                raise InvalidInputError(
+                    f"{what} needs positions [{max(0, n - w + 1)}, {n}) of sequence {e.id} (the {w}-token sliding "
+                    f"window of position {n}), but its sliding-window cache holds them only from position {lo} "
+                    "on (the cells of older positions were reused); nothing was changed")
+
     def _seq_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
         """Let ``dst`` also hold ``src``'s cells with position in [p0, p1) (-1: open end)."""
         assert self._native is not None
@@ -529,10 +560,7 @@ class Context(_kv.CResource):
         with self.critical():
             e = self._entry(seq)
             n = len(e.tokens) if n is None else int_param("n", n, 0, len(e.tokens))
-            if 0 < n < len(e.tokens) and self.model.recurrent:
-                raise InvalidInputError(f"a fork of the first {n} of {len(e.tokens)} tokens needs the state at "
-                                        f"position {n}, which this model's recurrent layers no longer hold: fork "
-                                        "the whole sequence")
+            self._check_cut(e, n, f"a fork of the first {n} of {len(e.tokens)} tokens")
             child = self.new_sequence()
             if n > 0:
                 self._seq_copy(e.id, child.id, 0, n)
@@ -541,6 +569,18 @@ class Context(_kv.CResource):
             if n == len(e.tokens) and e.logits is not None:
                 c.logits = e.logits.copy()
             return child
+
+    def can_fork(self, seq, n: int) -> bool:
+        """Whether ``seq.fork(n)`` (or a truncation to ``n``) can be made: False where the memory no
+        longer holds the state at position ``n`` (recurrent layers; a sliding-window cache that reused
+        the cells of older positions: see the module docstring). Always True for none or all of it."""
+        with self.critical():
+            e = self._entry(seq)
+            try:
+                self._check_cut(e, int_param("n", n, 0, len(e.tokens)), "")
+            except InvalidInputError:
+                return False
+            return True
 
     def sequence_truncate(self, seq, n: int) -> None:
         """Sequence.truncate."""
@@ -552,6 +592,7 @@ class Context(_kv.CResource):
         """Keep the first ``n`` (validated) positions of ``e``."""
         if n == len(e.tokens):
             return
+        self._check_cut(e, n, f"truncating to {n} tokens")
         self._seq_remove(e.id, n, -1)
         del e.tokens[n:]
         e.logits = None
@@ -578,6 +619,7 @@ class Context(_kv.CResource):
         if not shift_ok:
             self._rebuild_tail(e, start, tail)
             return
+        self._check_cut(e, start, f"removing positions [{start}, {end})")
         self._seq_remove(e.id, start, end)
         self._seq_shift(e.id, end, -1, -(end - start))
         del e.tokens[start:end]
@@ -610,9 +652,7 @@ class Context(_kv.CResource):
         if tail.size == 0:
             self._cut(e, start)
             return
-        if start > 0 and self.model.recurrent:
-            raise InvalidInputError(f"re-evaluating sequence {sid} from position {start} needs its state there, "
-                                    "which this model's recurrent layers no longer hold; nothing was changed")
+        self._check_cut(e, start, f"re-evaluating sequence {sid} from position {start}")
         free = self._free_cells()
         if free >= tail.size:
             tmp = self._spare_id

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .._native import kv as _kv
+from .._native import archs as _archs, kv as _kv
 from ..config import ContextConfig as _CC
 from ..errors import InvalidInputError, LibraryError, LlamaError, ModelLoadError
 from ..limits import INT32_MAX, INT32_MIN
@@ -250,6 +250,14 @@ class Model(_kv.CResource):
         self.has_encoder: bool = info.has_encoder
         # layers that keep recurrent state (recurrent or hybrid): no partial removal or partial copy
         self.recurrent: bool = info.recurrent
+        # the sliding window of a cache that reuses the cells of positions outside it (0: none, or a
+        # cache that keeps them): a cut back to a position whose window it no longer holds is refused
+        self.n_swa: int = info.n_swa
+        # whether a K-shift continues exactly: RoPE in every layer (llama.cpp rotates the K of
+        # archs.NOPE_LAYERS' layers without it all the same) and no recurrent state (a shift of
+        # positions takes no token out of it)
+        self.k_shift_exact: bool = info.rope_type != -1 and not info.recurrent and \
+            self.meta("general.architecture") not in _archs.NOPE_LAYERS
         self.desc: str = info.desc
         self.size: int = info.size
         self.n_params: int = info.n_params

@@ -1,8 +1,9 @@
 """The child process of a vetting run (:mod:`pyllama_kv.modelfile.vetting`): it loads the model and
 uses it once at every stage that has crashed llama.cpp on a file the static checks cannot validate
-completely (load, context, tokenize, decode a batch and a token, fork, K-shift, defrag, state), printing
-each stage's name before it starts and the verdict as a JSON line last. The parent reads those lines;
-a crash here kills only this process. ``python -m pyllama_kv.core.vetting_child PATH --lib LIB``."""
+completely (load, context, tokenize, decode a batch and a token, fork, K-shift, defrag, state where the
+library has it), printing each stage's name before it starts and the verdict as a JSON line last. The
+parent reads those lines; a crash here kills only this process.
+``python -m pyllama_kv.core.vetting_child PATH --lib LIB``."""
 from __future__ import annotations
 
 import json
@@ -49,11 +50,12 @@ def vet_here(path: str, lib: str, n_gpu_layers: int, use_mmap: bool) -> dict:
         stage("defrag")
         b.close()
         ctx.defrag()
-        stage("state")
-        st = a.export_state()
-        a.close()
-        c = ctx.import_sequence(st)
-        c.extend([toks[0]])
+        if ctx.caps.state_io:   # the current llama.cpp has no sequence states pyllama_kv reads
+            stage("state")
+            st = a.export_state()
+            a.close()
+            c = ctx.import_sequence(st)
+            c.extend([toks[0]])
     model.close()
     return {"ok": True, "can_shift": can_shift}
 

@@ -96,12 +96,14 @@ class KVCache(Protocol):
         """Context shift without a decode: drop positions [n_keep, n_keep + n_discard) of ``seq`` and
         move the later ones down by ``n_discard`` (a K-shift of their cells), so that ``seq`` holds
         0..n-1 again. False, with nothing changed, where that cannot be done in place: a cache that
-        cannot K-shift, or a tail whose cells another sequence shares (the caller then truncates
-        and re-evaluates)."""
+        cannot K-shift, a tail whose cells another sequence shares, or a sliding-window cache that no
+        longer holds the window of position ``n_keep`` (the caller then truncates and re-evaluates)."""
 
     def truncate(self, seq: Hashable, n: int) -> None:
         """Keep the first ``n`` positions of ``seq`` and free the rest (cells shared with another
-        sequence stay for it)."""
+        sequence stay for it). InvalidInputError, nothing changed, where its memory cannot go back to
+        ``n`` (Context.can_fork: recurrent layers, a sliding-window cache that reused older cells); 0
+        always works."""
 
     def finish(self, seq: Hashable, keep: bool) -> None:
         """Done with live ``seq``: kept as an idle cached prefix for later prompts when ``keep`` (it may
@@ -234,9 +236,10 @@ class ContextKV(PrefixPolicy):
 
     @property
     def can_shift(self) -> bool:
-        """Whether this cache K-shifts at all: the library says so (can_shift: a RoPE model, and a
-        cache type the device holding K can rotate), and its ``caps.kv_shift`` trusts that (the
-        vanilla build aborts on the K-shift of some cache types while saying it can: patches/0009)."""
+        """Whether this cache K-shifts at all: the library says so (can_shift: a RoPE model whose
+        K-shift continues exactly, and a cache type the device holding K can rotate), and its
+        ``caps.kv_shift`` trusts that (the vanilla build aborts on the K-shift of some cache types
+        while saying it can: patches/0009)."""
         return bool(self.ctx.can_shift and self.ctx.caps.kv_shift)
 
     def shift(self, seq, n_keep: int, n_discard: int) -> bool:
@@ -247,6 +250,8 @@ class ContextKV(PrefixPolicy):
             end = n_keep + n_discard
             if end < len(seq) and ctx.shared_in(seq.id, end, len(seq)):
                 return False   # copy-on-write: the engine re-evaluates the tail into cells of its own
+            if not ctx.can_fork(seq, n_keep):
+                return False   # a sliding-window cache no longer holds the window of position n_keep
             seq.remove(n_keep, end)
         return True
 

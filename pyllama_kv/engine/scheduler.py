@@ -740,7 +740,8 @@ class Engine:
     def _shift(self, cont: _Continuation) -> bool:
         """Context shift of a full continuation: keep ``n_keep`` tokens, drop half of the rest (the
         oldest), by a K-shift of the kept tail where the cache can, else by cutting the sequence after
-        ``n_keep`` and re-evaluating the tail in the next batches. False when nothing can be dropped."""
+        ``n_keep`` (after nothing, where its memory cannot go back there) and re-evaluating the rest
+        in the next batches. False when nothing can be dropped."""
         req = cont.req
         held = len(cont.tokens) - len(cont.pending)       # positions the sequence holds
         n_keep = min(req.n_keep, held)
@@ -751,8 +752,15 @@ class Engine:
         if not self.kv.shift(cont.seq, n_keep, discard):
             # re-evaluate: the sequence keeps [0, n_keep); the kept tail (with the pending token) is
             # decoded again at its new positions, chunked and batched like a prompt
-            self.kv.truncate(cont.seq, n_keep)
-            cont.pending = cont.tokens[end:]
+            kept = n_keep
+            try:
+                self.kv.truncate(cont.seq, n_keep)
+            except InvalidInputError:
+                # a memory that cannot go back to n_keep (recurrent layers; a sliding-window cache
+                # that reused the cells of older positions): the kept start is decoded again too
+                self.kv.truncate(cont.seq, 0)
+                kept = 0
+            cont.pending = cont.tokens[kept:n_keep] + cont.tokens[end:]
             self.stats.shifts_reevaluated += 1
             self.stats.reevaluated_tokens += len(cont.pending) - 1
         # (K-shift: positions [end, held) are now [n_keep, held - discard), nothing to decode)

@@ -20,7 +20,8 @@ fork                  a prefix copy of the sequence, and one token decoded for b
 k-shift               drop tokens in the middle and K-shift the tail (where the cache can shift; a
                       cache that cannot is recorded, not an error)
 defrag                a full defragmentation of the cache
-state                 a sequence's state exported and imported into a new sequence (round trip)
+state                 a sequence's state exported and imported into a new sequence (round trip;
+                      where the library has sequence states: not on the current llama.cpp)
 ====================  ==============================================================================
 
 A signal or abort in the child (SIGABRT from GGML_ASSERT, SIGSEGV, SIGFPE, ...) becomes a

@@ -114,6 +114,12 @@ class PrefixCache:
         """The idle cached sequence with the longest common prefix with ``toks``, and its length."""
         return self.idle.best(toks)
 
+    def _forkable(self, best, n: int) -> int:
+        """``n`` when ``best.fork(n)`` can be made, else 0: a model whose memory cannot go back to
+        position n (recurrent layers, a sliding-window cache that reused older cells: see
+        Context.can_fork) evaluates the prompt afresh instead."""
+        return n if best is None or n <= 0 or self.ctx.can_fork(best, n) else 0
+
     def _resident_changed(self) -> None:
         st = self.tier_info
         st.resident_sequences = len(self.idle)
@@ -156,9 +162,14 @@ class PrefixCache:
     # -- API ------------------------------------------------------------------------------------
 
     def longest(self, tokens) -> int:
-        """How many leading tokens of ``tokens`` an idle cached sequence already holds."""
+        """How many leading tokens of ``tokens`` an idle cached sequence already holds (0 where
+        :meth:`fork_prefix` could not fork it: see Context.can_fork)."""
         with self.ctx.critical():
-            return self._best(self.ctx.model.check_tokens(tokens))[1]
+            toks = self.ctx.model.check_tokens(tokens)
+            best, n = self._best(toks)
+            # fork_prefix forks at most all but the last token: counted where that fork can be made
+            m = min(n, toks.size - 1)
+            return 0 if m > 0 and self._forkable(best, m) == 0 else n
 
     def fork_prefix(self, tokens):
         """A new sequence holding the longest cached prefix of ``tokens`` (at most all but the last
@@ -172,7 +183,7 @@ class PrefixCache:
             if toks.size == 0:
                 raise InvalidInputError("a prompt needs at least one token")
             best, n = self._best(toks)
-            n = min(n, toks.size - 1)
+            n = self._forkable(best, min(n, toks.size - 1))
             if best is not None:
                 self.idle.touch(best)
             seq = self._with_room(lambda: best.fork(n) if (best is not None and n > 0) else ctx.new_sequence(),

