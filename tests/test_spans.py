@@ -199,3 +199,32 @@ def test_the_windowed_state_reads_give_the_same_bytes(tiny_model, patched_lib):
         assert r.returncode == 0, r.stderr[-2000:]
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
     assert runs[0] == runs[1] and len(runs[0]) == 2
+
+
+def test_a_span_read_by_range_equals_the_span_cut_from_the_whole_state(model, ctx):
+    """Patch 0017 reads only the span's cells; the bytes equal those cut out of the whole sequence's
+    state, for cells in position order and for cells that interleave with another sequence's."""
+    import dataclasses
+
+    assert ctx.caps.span_range_read   # the patched library
+    a = ctx.new_sequence()
+    a.extend(tokens(model, 20, seed=5))
+    b = a.fork(12)
+    for k in range(6):   # a's and b's new cells alternate
+        ctx.decode({a: [3 + k], b: [9 + k]})
+    whole = dataclasses.replace(ctx.caps, span_range_read=False)
+    for seq, start in ((a, 0), (a, 12), (a, 20), (b, 12), (b, 15)):
+        by_range = seq.snapshot(start)
+        ranged_caps, ctx.caps = ctx.caps, whole
+        try:
+            cut = seq.snapshot(start)
+        finally:
+            ctx.caps = ranged_caps
+        assert (by_range.start, by_range.tokens) == (cut.start, cut.tokens)
+        assert bytes(by_range.data) == bytes(cut.data) and by_range.layout == cut.layout
+    # and such a span goes back exactly
+    before = b.export_state().data
+    span = b.snapshot(13)
+    b.truncate(13)
+    b.restore(span)
+    assert b.export_state().data == before

@@ -111,6 +111,7 @@ class Caps:
     stats: bool                    # llama_kv_self_stats' defrag/retry counters (patch 0004)
     cell_view: bool                # a per-cell view of the cache (llama_kv_cache_view: the mission pin)
     span_restore: bool             # a span restored onto a sequence keeping its prefix (patch 0014)
+    span_range_read: bool          # a position range of a sequence's state read alone (patch 0017)
     state_io: bool                 # sequence states in the byte format core/state.py validates
     kv_shift: bool                 # a K-shift is trusted where the context says it can (patch 0009; current)
     slot_retry: bool               # a batch finds cells whenever enough are free (defrag-and-retry, or
@@ -134,11 +135,13 @@ def _caps(api: str, has) -> Caps:
     """The capabilities of a library of generation ``api`` whose exports ``has(name)`` tells."""
     if api == "current":
         return Caps(api="current", defrag=False, safe_defrag=False, stats=False, cell_view=False,
-                    span_restore=False, state_io=False, kv_shift=True, slot_retry=True, scattered_cells=True,
+                    span_restore=False, span_range_read=False, state_io=False, kv_shift=True, slot_retry=True,
+                    scattered_cells=True,
                     partial_remove_may_fail=True, flash_attn_auto=True, architectures=archs.CURRENT)
     patched = has("llama_kv_self_stats")
     return Caps(api="mission", defrag=True, safe_defrag=patched, stats=patched, cell_view=True,
-                span_restore=has("llama_state_seq_add_data"), state_io=True, kv_shift=patched,
+                span_restore=has("llama_state_seq_add_data"),
+                span_range_read=has("llama_state_seq_get_data_range"), state_io=True, kv_shift=patched,
                 slot_retry=patched, scattered_cells=False, partial_remove_may_fail=False, flash_attn_auto=False,
                 gpu_flash_attn_head_sizes=frozenset({64, 80, 96, 112, 128, 256}), architectures=archs.MISSION)
 

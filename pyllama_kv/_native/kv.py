@@ -40,6 +40,12 @@ def _alloc(ffi_: Any, ctype: str, n: int) -> Any:
     return a(ctype, n)
 
 
+def _readonly(arr: np.ndarray) -> memoryview:
+    """A read-only memoryview of ``arr`` (which it keeps alive)."""
+    arr.flags.writeable = False
+    return arr.data
+
+
 def load_library(lib=None) -> Library:
     """The loaded libllama for ``lib`` (a path, "patched", "vanilla" or None: see ffi.load)."""
     return load(lib)
@@ -402,19 +408,39 @@ class NativeContext:
 
     def state_seq_get(self, seq_id: int, size: int, copy: bool = True) -> tuple[int, bytes | memoryview]:
         """llama_state_seq_get_data into size bytes: (bytes written, the buffer: bytes, or with
-        ``copy=False`` a read-only memoryview of the C buffer itself, which it keeps alive)."""
+        ``copy=False`` a read-only view of a numpy buffer that C wrote into: no copy, and numpy's large
+        buffers take huge pages, so the first touch of a fresh buffer is cheap)."""
+        if not copy:
+            arr = np.empty(size, dtype=np.uint8)
+            got = int(self.L.llama_state_seq_get_data(self.ptr, self.ffi.from_buffer("uint8_t[]", arr), size, seq_id))
+            return got, _readonly(arr)
         buf = _alloc(self.ffi, "uint8_t[]", size)
         got = int(self.L.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
-        if not copy:
-            return got, memoryview(self.ffi.buffer(buf, size)).toreadonly()
         return got, self.ffi.buffer(buf, size)[:]
+
+    def state_seq_range_size(self, seq_id: int, p0: int, p1: int) -> int | None:
+        """llama_state_seq_get_size_range (patch 0017): the size of the state of positions [p0, p1) of
+        seq_id; None when the library lacks it."""
+        try:
+            fn = self.L.llama_state_seq_get_size_range
+        except AttributeError:
+            return None
+        return int(fn(self.ptr, seq_id, p0, p1))
+
+    def state_seq_range_get(self, seq_id: int, p0: int, p1: int, size: int) -> tuple[int, memoryview]:
+        """llama_state_seq_get_data_range (patch 0017) into a new numpy buffer of size bytes: (bytes
+        written, a read-only view of it)."""
+        arr = np.empty(size, dtype=np.uint8)
+        got = int(self.L.llama_state_seq_get_data_range(self.ptr, self.ffi.from_buffer("uint8_t[]", arr), size,
+                                                        seq_id, p0, p1))
+        return got, _readonly(arr)
 
     def state_seq_set(self, data: bytes, seq_id: int) -> int:
         """llama_state_seq_set_data: the bytes read (0 on failure)."""
         return int(self.L.llama_state_seq_set_data(self.ptr, self.ffi.from_buffer("uint8_t[]", data), len(data),
                                                    seq_id))
 
-    def state_seq_add(self, data: bytes, seq_id: int) -> int | None:
+    def state_seq_add(self, data: bytes | memoryview, seq_id: int) -> int | None:
         """llama_state_seq_add_data (patch 0014): the bytes read (0 on failure); None when the library
         lacks it (the vanilla build)."""
         try:
@@ -504,7 +530,7 @@ class CurrentContext(NativeContext):
     def state_seq_set(self, data: bytes, seq_id: int) -> int:
         raise LibraryError(f"{self.lib.path}: writing a sequence state is not supported on this library's API")
 
-    def state_seq_add(self, data: bytes, seq_id: int) -> int | None:
+    def state_seq_add(self, data: bytes | memoryview, seq_id: int) -> int | None:
         return None
 
 

@@ -717,6 +717,9 @@ class Context(_kv.CResource):
             self._need("state_io", "a snapshot of a sequence's cells")
             end = _spanio.span_end(start, end, len(e.tokens))
             self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
+            if self.caps.span_range_read:   # just the span's cells (patch 0017)
+                assert self._native is not None
+                return _spanio.read_span(self._native, e.id, list(e.tokens), start, end, self.n_ctx, self.model)
             return _spanio.make_span(self._read_seq_view(e.id), e.tokens, start, end, e.id, self.n_ctx,
                                      self.model)
 

@@ -1,11 +1,12 @@
 """Spans: a compact host copy of one sequence's cells over positions [start, end).
 
-A :class:`Span` owns the K and V rows of every layer for its cells (bytes in llama.cpp's
-one-sequence state format, cells in position order), its tokens, and the identity of the model and
-cache layout they belong to. It never refers to the context it came from: a span outlives the cells
-it copied, and restoring it is a memcpy into free cells (llama.cpp's ``llama_state_seq_add_data``,
-patch 0014), not an evaluation. This is the unit a prefix cache larger than the KV cache pages out
-to host memory and back in (Ollama's MLX runner calls it a snapshot).
+A :class:`Span` owns the K and V rows of every layer for its cells (read-only bytes, or a read-only
+memoryview of the buffer llama.cpp wrote them into, in llama.cpp's one-sequence state format, cells in
+position order), its tokens, and the identity of the model and cache layout they belong to. It never
+refers to the context it came from: a span outlives the cells it copied, and restoring it is a memcpy
+into free cells (llama.cpp's ``llama_state_seq_add_data``, patch 0014), not an evaluation. This is the
+unit a prefix cache larger than the KV cache pages out to host memory and back in (Ollama's MLX runner
+calls it a snapshot).
 
 * ``seq.snapshot(start, end)`` (:meth:`pyllama_kv.Sequence.snapshot`) copies a span out; the
   sequence is unchanged.
@@ -43,7 +44,7 @@ class Span:
 
     start: int
     tokens: tuple[int, ...]
-    data: bytes
+    data: bytes | memoryview   # read-only: bytes, or a view of the numpy buffer it was gathered into
     layout: _state.Layout
     model: str
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError
 from . import state as _state
 from .span import Span
@@ -13,7 +15,7 @@ if TYPE_CHECKING:
     from .._native.kv import NativeContext
     from .kvstats import KVStats
 
-__all__ = ["check_restore", "make_span", "no_block", "read_seq_state", "span_end"]
+__all__ = ["check_restore", "make_span", "no_block", "read_seq_state", "read_span", "span_end"]
 
 
 def read_seq_state(native: NativeContext, sid: int, copy: bool = True) -> bytes | memoryview:
@@ -47,6 +49,23 @@ def make_span(data: bytes | memoryview, tokens: list[int], start: int, end: int,
     p, order = _state.position_order(data, len(tokens), sid, n_ctx)
     return Span(start, tuple(tokens[start:end]), _state.select(data, p, order[start:end]), p.layout,
                 _state.model_fingerprint(model))
+
+
+def read_span(native: NativeContext, sid: int, tokens: list[int], start: int, end: int, n_ctx: int,
+              model) -> Span:
+    """The span of positions [start, end) of sequence ``sid`` read by range (patch 0017): llama.cpp
+    writes just those cells, into the buffer the span keeps when they are in position order (the
+    usual case), else gathered once into position order. LlamaError when it cannot be read."""
+    n = native.state_seq_range_size(sid, start, end)
+    if not n:
+        raise LlamaError(f"llama.cpp could not size positions [{start}, {end}) of sequence {sid}")
+    got, data = native.state_seq_range_get(sid, start, end, n)
+    if got != n:
+        raise LlamaError(f"llama.cpp wrote {got} bytes of positions [{start}, {end}) of sequence {sid}, expected {n}")
+    p, order = _state.position_order(data, end - start, sid, n_ctx, first=start)
+    if not np.array_equal(order, np.arange(order.size)):
+        data = _state.select(data, p, order)
+    return Span(start, tuple(tokens[start:end]), data, p.layout, _state.model_fingerprint(model))
 
 
 def check_restore(span, model, n_held: int, sid: int, n_ctx: int, layout: Callable[[], _state.Layout]) -> Span:

@@ -255,14 +255,17 @@ def reorder(data: bytes, p: ParsedState, order: np.ndarray) -> bytes:
 # -- a context's layout ------------------------------------------------------------------------
 
 
-def select(data, p: ParsedState, idx: np.ndarray) -> bytes:
+def select(data, p: ParsedState, idx: np.ndarray) -> memoryview:
     """``data`` (bytes-like) reduced to its cells ``idx``, in that order (positions, K rows, V rows or
-    transposed-V columns), with the cell count to match: a compact copy of just those cells."""
+    transposed-V columns), with the cell count to match: a compact copy of just those cells, as a
+    read-only view of one new numpy buffer (no further copy into a bytes object)."""
     out = _gather(data, p, idx)
     out[:4] = np.frombuffer(struct.pack("=I", int(np.asarray(idx).size)), dtype=np.uint8)
-    return out.tobytes()
+    out.flags.writeable = False
+    return out.data
 
-def concat(a: bytes, pa: ParsedState, b: bytes, pb: ParsedState) -> bytes:
+
+def concat(a: bytes | memoryview, pa: ParsedState, b: bytes | memoryview, pb: ParsedState) -> bytes:
     """The state holding the cells of ``a`` then those of ``b`` (the same layout, checked by the caller)."""
     ca, cb = pa.cell_count, pb.cell_count
     A, B = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
@@ -277,10 +280,10 @@ def concat(a: bytes, pa: ParsedState, b: bytes, pb: ParsedState) -> bytes:
         if pa.layout.v_trans:   # V is stored [n_embd_v][cell]: the cells of b go after a's in each row
             va = A[off:off + ca * ly.v_row].reshape(ly.n_embd_v, ca, ly.v_elem)
             vb = B[boff:boff + cb * ly.v_row].reshape(ly.n_embd_v, cb, ly.v_elem)
-            v = np.concatenate([va, vb], axis=1).tobytes()
+            parts: list[bytes | memoryview] = [np.concatenate([va, vb], axis=1).tobytes()]
         else:
-            v = a[off:off + ca * ly.v_row] + b[boff:boff + cb * ly.v_row]
-        out += [a[cur:off], v]
+            parts = [a[off:off + ca * ly.v_row], b[boff:boff + cb * ly.v_row]]
+        out += [a[cur:off], *parts]
         cur = off + ca * ly.v_row
     out.append(a[cur:])
     return b"".join(out)
@@ -377,15 +380,15 @@ def state_digest(tokens, data: bytes, model: str) -> str:
 
 
 def position_order(data: bytes | memoryview, n_tokens: int, seq_id: int,
-                   max_cells: int) -> tuple[ParsedState, np.ndarray]:
+                   max_cells: int, first: int = 0) -> tuple[ParsedState, np.ndarray]:
     """llama.cpp's state ``data`` of sequence ``seq_id`` parsed, and the order that puts its cells in
-    position order. LlamaError when the cells do not hold exactly positions 0..n_tokens-1."""
+    position order. LlamaError when the cells do not hold exactly positions first..first+n_tokens-1."""
     try:
         p = parse(data, max_cells=max_cells)
     except InvalidInputError as exc:
         raise LlamaError(f"llama.cpp's state of sequence {seq_id} is not in the expected format: {exc}") from None
     order = np.argsort(p.pos, kind="stable")
-    if p.cell_count != n_tokens or not np.array_equal(p.pos[order], np.arange(n_tokens)):
+    if p.cell_count != n_tokens or not np.array_equal(p.pos[order], np.arange(first, first + n_tokens)):
         raise LlamaError(f"sequence {seq_id} has {n_tokens} tokens but its cells hold positions "
                          f"{sorted(p.pos.tolist())[:12]}{'...' if p.cell_count > 12 else ''}")
     return p, order
