@@ -30,6 +30,17 @@ import pyllama_kv as pk  # noqa: E402
 from pyllama_kv.modelfile import catalogue  # noqa: E402
 
 
+def round_trip(s, prefix: int) -> tuple[float, float, pk.Span]:
+    """Snapshot ``s``'s positions from ``prefix`` on, truncate, restore: (snapshot s, restore s, the span)."""
+    t = time.perf_counter()
+    sp = s.snapshot(prefix)
+    t_snap = time.perf_counter() - t
+    s.truncate(prefix)
+    t = time.perf_counter()
+    s.restore(sp)
+    return t_snap, time.perf_counter() - t, sp
+
+
 def interleaved(model, prefix: int, span: int, n: int, repeat: int, threads: int | None, fa: bool) -> dict:
     """Snapshot and restore of a sequence whose ``span`` tokens were generated among ``n - 1`` others."""
     rng = np.random.default_rng(1)
@@ -46,13 +57,9 @@ def interleaved(model, prefix: int, span: int, n: int, repeat: int, threads: int
         s = seqs[0]
         s.logits()
         for _ in range(repeat):
-            t = time.perf_counter()
-            sp = s.snapshot(prefix)
-            snaps.append(time.perf_counter() - t)
-            s.truncate(prefix)
-            t = time.perf_counter()
-            s.restore(sp)
-            restores.append(time.perf_counter() - t)
+            t_snap, t_restore, _ = round_trip(s, prefix)
+            snaps.append(t_snap)
+            restores.append(t_restore)
     med = statistics.median
     return {"interleaved_sequences": n, "interleaved_tokens": k,
             "interleaved_snapshot_ms_per_token": round(1e3 * med(snaps) / k, 4),
@@ -74,13 +81,9 @@ def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None,
             s.extend(toks[prefix:])
             s.logits()   # on a GPU, decode returns before the graph has run: wait for it
             evals.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            sp = s.snapshot(prefix)
-            snaps.append(time.perf_counter() - t)
-            s.truncate(prefix)
-            t = time.perf_counter()
-            s.restore(sp)
-            restores.append(time.perf_counter() - t)
+            t_snap, t_restore, sp = round_trip(s, prefix)
+            snaps.append(t_snap)
+            restores.append(t_restore)
             s.truncate(prefix)
         nbytes = sp.nbytes
     extra = interleaved(model, prefix, span, interleave, repeat, threads, fa) if interleave > 1 else {}
