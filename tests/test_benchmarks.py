@@ -6,9 +6,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 from test_defrag_paths import gather_nodes
 
 from conftest import ROOT, run_py
+from pyllama_kv.harness.peer import find_peer_batched_bench
 
 
 def _run(script: str) -> dict:
@@ -30,6 +32,31 @@ def test_bench_binding():
             assert r[k] > 0
     assert d["min_ratio"] == min(min(r["pp_ratio"], r["tg_ratio"]) for r in d["rows"])
     assert all(0 <= r["py_tg_overhead"] < 1 for r in d["rows"])
+    assert d["settings"]["libs"] == ["patched"] and {r["lib"] for r in d["rows"]} == {"patched"}
+    assert "current_vs_patched" not in d
+
+
+def test_bench_binding_on_both_pins():
+    """--lib patched,current: ours on each pin against that pin's own llama-batched-bench, in one run."""
+    if find_peer_batched_bench() is None:
+        pytest.skip("the current llama-batched-bench needs `pyllama-kv build --peer` (18 minutes: the "
+                    "benchmark, not the suite, builds it)")
+    r = run_py(["scripts/bench_binding.py", "--quick", "--json", "--lib", "patched,current"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout)
+    npl, libs = d["settings"]["npl"], d["settings"]["libs"]
+    assert libs == ["patched", "current"]
+    assert [(row["lib"], row["parallel"]) for row in d["rows"]] == [(lib, pl) for lib in libs for pl in npl]
+    for row in d["rows"]:
+        for k in ("cpp_pp_tps", "py_pp_tps", "cpp_tg_tps", "py_tg_tps", "pp_ratio", "tg_ratio", "engine_tg_tps"):
+            assert row[k] > 0, row
+    assert d["libraries"]["current"]["batched_bench"] == str(find_peer_batched_bench())
+    assert "current-" in d["libraries"]["current"]["libllama"], d["libraries"]
+    for lib in libs:
+        assert d["by_lib"][lib]["min_ratio"] == min(min(row["pp_ratio"], row["tg_ratio"])
+                                                    for row in d["rows"] if row["lib"] == lib)
+    assert [c["parallel"] for c in d["current_vs_patched"]] == npl
+    assert all(v > 0 for c in d["current_vs_patched"] for k, v in c.items() if k != "parallel")
 
 
 def test_bench_defrag():
