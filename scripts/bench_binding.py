@@ -68,10 +68,17 @@ def current_batched_bench_path() -> Path:
 def run_cpp(exe: Path, model: Path, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
             threads: int, ngl: int = 0, flash_attn: bool = False, current: bool = False) -> dict[int, dict]:
     """llama-batched-bench's rows by parallel count. ``current``: the current pin's binary, whose -fa
-    takes a value (default auto) and whose cache is one per sequence unless -kvu (ours is unified)."""
+    takes a value (default auto) and whose cache is one per sequence unless -kvu (ours is unified).
+
+    The current pin's logger is a leaked singleton whose worker thread is not flushed at exit
+    (llama.cpp issue 22142): a result line logged just before the program ends is often lost (exit 0,
+    nothing printed; most runs on a busy machine). So that binary gets one more parallel count, 1,
+    after those asked for: while it runs, the thread writes the rows that count (the extra row, the
+    last, is ignored), and a run whose rows are still missing is made again (CPP_TRIES)."""
     fa = (["-fa", "on" if flash_attn else "off", "-kvu"] if current else ["-fa"] if flash_attn else [])
+    runs = [*npl, 1] if current else npl
     cmd = [str(exe), "-m", str(model), "-c", str(n_ctx), "-b", str(n_batch), "-ub", str(n_ubatch),
-           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, npl)), "-t", str(threads), "-tb", str(threads),
+           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, runs)), "-t", str(threads), "-tb", str(threads),
            "--output-format", "jsonl", "-ngl", str(999 if ngl < 0 else ngl), *fa]
     env = dict(os.environ, LLAMA_ARG_THREADS=str(threads))
     wanted = {pl for pl in npl if pl * (pp + tg) <= n_ctx}
@@ -84,11 +91,9 @@ def run_cpp(exe: Path, model: Path, n_ctx: int, n_batch: int, n_ubatch: int, pp:
             line = line.strip()
             if line.startswith("{") and '"speed_pp"' in line:
                 d = json.loads(line)
-                rows[d["pl"]] = d
+                rows.setdefault(d["pl"], d)   # the first: a trailing extra count of 1 comes last
         if wanted <= rows.keys():
-            return rows
-        # the current pin's common_log is a leaked singleton whose worker thread is not flushed at
-        # exit (llama.cpp issue 22142): now and then the result lines never reach the pipe, exit 0
+            return {pl: rows[pl] for pl in npl if pl in rows}
         print(f"  llama-batched-bench ({exe}) exited 0 without printing rows {sorted(wanted - rows.keys())}: "
               "its log was lost at exit; running it again", file=sys.stderr)
     raise SystemExit(f"llama-batched-bench printed no rows for {sorted(wanted)} in {CPP_TRIES} runs")
