@@ -13,8 +13,8 @@ temperature 0, ``--max-tokens`` per answer.
 Every server gets the same KV cells (``--ctx``), slots (``--clients``) and threads, and flash
 attention as ``--flash-attn`` says, the same for all; or, with ``--defaults``, no flash-attention flag
 at all: each side at its own default (ours: auto, off on the CPU; the pin's llama-server: off; the
-current llama-server: auto, which resolves it from the backend; what each server's log says it
-chose is in its row, ``flash_attn_log``):
+current llama-server: auto, which resolves it from the backend; what a server's log says it chose,
+where it says so, is in its row, ``flash_attn_log``):
   * ``ours``         ``pyllama-kv serve --lib patched --cache-ram MiB`` (prefixes evicted from the KV
                      cache are paged out to host memory and restored, not evaluated);
   * ``ours-no-tier`` the same with ``--cache-ram 0`` (evicted prefixes are dropped);
@@ -244,7 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=4, help="turns per chat (default 4)")
     ap.add_argument("--doc-words", type=int, default=250, help="words of each chat's own document (default 250)")
     ap.add_argument("--clients", type=int, default=4, help="requests in flight, and every server's slots (default 4)")
-    ap.add_argument("--ctx", type=int, default=4096, help="KV cells of every server (default 4096)")
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="KV cells of every server (default 4096; 512 with --quick, where the current "
+                         "llama-server fails some requests: give it 1024)")
     ap.add_argument("--cache-ram", type=int, default=1024,
                     help="MiB of host memory for evicted prefixes, ours and current (default 1024)")
     ap.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each answer (default 24)")
@@ -264,7 +266,9 @@ def main(argv=None) -> int:
     if not only or any(s not in SERVERS for s in only):
         ap.error(f"--only takes a comma-separated list of {', '.join(SERVERS)}")
     if args.quick:
-        args.conversations, args.turns, args.doc_words, args.max_tokens, args.ctx = 5, 2, 40, 4, 512
+        args.conversations, args.turns, args.doc_words, args.max_tokens = 5, 2, 40, 4
+        args.ctx = args.ctx or 512
+    args.ctx = args.ctx or 4096
     if min(args.conversations, args.turns, args.doc_words, args.clients, args.ctx, args.max_tokens) < 1:
         ap.error("--conversations, --turns, --doc-words, --clients, --ctx and --max-tokens must be >= 1")
     if "current" in only and find_peer_server() is None:
