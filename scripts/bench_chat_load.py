@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Many people chatting at once: `pyllama-kv serve` (host tier on and off) against llama-server at our
-pin and the *current* llama-server (``pyllama-kv build --peer``), one after another in one run. Prints JSON.
+"""Many people chatting at once: `pyllama-kv serve` (host tier on and off, on our pin and on the current
+llama.cpp) against llama-server at our pin and the *current* llama-server (``pyllama-kv build --peer``),
+one after another in one run. Prints JSON.
 
 The load (issue 24's): ``--conversations`` chats of ``--turns`` turns, each starting with its own
 document of ~``--doc-words`` words under one shared system prompt, served round-robin: turn t of
@@ -9,13 +10,22 @@ others have had theirs, so each conversation returns after the others have fille
 messages are the chat so far (the answers as the server gave them) plus a new question. Streaming,
 temperature 0, ``--max-tokens`` per answer.
 
-Every server gets the same KV cells (``--ctx``), slots (``--clients``) and threads:
-  (flash attention as ``--flash-attn`` says, the same for all)
+Every server gets the same KV cells (``--ctx``), slots (``--clients``) and threads, and flash
+attention as ``--flash-attn`` says, the same for all; or, with ``--defaults``, no flash-attention flag
+at all: each side at its own default (ours: auto, off on the CPU; the pin's llama-server: off; the
+current llama-server: auto, which resolves it from the backend; what a server's log says it chose,
+where it says so, is in its row, ``flash_attn_log``):
   * ``ours``         ``pyllama-kv serve --lib patched --cache-ram MiB`` (prefixes evicted from the KV
                      cache are paged out to host memory and restored, not evaluated);
   * ``ours-no-tier`` the same with ``--cache-ram 0`` (evicted prefixes are dropped);
   * ``pin``          llama-server from our pinned, patched build (``build --tools``): ``-np C`` fixed slots
                      of ctx/C cells, its per-slot prompt cache;
+  * ``ours-current`` ``pyllama-kv serve --lib current --cache-ram 0``: ours on the current llama.cpp
+                     (``build/current-*``), measured next to ``current``. The current library has no
+                     host tier (paging a span back in needs llama_state_seq_add_data, patch 0014 of
+                     our pin's series; ``patches/current/`` has none), so evicted prefixes are
+                     dropped, as in ``ours-no-tier``: serve would accept ``--cache-ram MiB`` there and
+                     turn the tier off, so 0 is passed to say so;
   * ``current``      llama-server of the newest llama.cpp on the package index, ``-kvu`` (one unified
                      cache of ctx cells) and ``--cache-ram MiB`` (evicted slots saved to host RAM).
 
@@ -23,17 +33,21 @@ Reported per server: wall time, completion tokens/s, TTFT p50/p95 over all turns
 turns, prompt tokens sent / evaluated / served from cache (usage.prompt_tokens_details.cached_tokens,
 or llama-server's timings.prompt_n), the server process's peak RSS (VmHWM) and its growth over the
 load (from VmRSS after a warm-up request: what the caches took), our host tier's bytes at the end,
-errors; then the ratios of ours to each llama-server. Ratios are of runs made one after another
+errors; then the ratios of ours to each llama-server and to ours-no-tier, of ours-current to the
+current llama-server (the same llama.cpp on both sides) and of ours to ours-current (our pin's series
+against the current llama.cpp, under the same server). Ratios are of runs made one after another
 here, so only they compare; a run with request errors compares with nothing: its comparisons have
 no ratio (listed under "ratios_refused", with the errors, on stderr too) and the exit status is 1.
 
-    .venv/bin/python scripts/bench_chat_load.py [--quick] [--only ours,ours-no-tier,pin,current] ...
+    .venv/bin/python scripts/bench_chat_load.py [--quick] [--defaults]
+                                                [--only ours,ours-no-tier,pin,ours-current,current] ...
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import re
 import sys
 import tempfile
 import time
@@ -65,7 +79,8 @@ from pyllama_kv.harness.peer import build_peer, find_peer_server  # noqa: E402
 from pyllama_kv.modelfile import catalogue  # noqa: E402
 from pyllama_kv.tools.bench import machine  # noqa: E402
 
-SERVERS = ("ours", "ours-no-tier", "pin", "current")
+# ours-current runs just before current: the two sides of the same llama.cpp, back to back
+SERVERS = ("ours", "ours-no-tier", "pin", "ours-current", "current")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -83,19 +98,37 @@ def follow_up(rng: random.Random, turn: int) -> str:
 
 
 def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
+    """The command of server ``name``; with ``args.defaults`` no server gets a flash-attention flag."""
     common = ["-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx),
               "-np", str(args.clients), "-t", str(args.threads), "-tb", str(args.threads),
               "-b", "512", "-ub", "512", "-ngl", "0", "--metrics", "--no-webui"]
+    fa = None if args.defaults else args.flash_attn
     if name == "pin":   # -fa is a switch at the pin
-        return [str(llama_server_path()), *common, "-cb", *(["-fa"] if args.flash_attn == "on" else [])]
+        return [str(llama_server_path()), *common, "-cb", *(["-fa"] if fa == "on" else [])]
     if name == "current":
         exe = find_peer_server()
         assert exe is not None
-        return [str(exe), *common, "-kvu", "--cache-ram", str(args.cache_ram), "-fa", args.flash_attn]
+        return [str(exe), *common, "-kvu", "--cache-ram", str(args.cache_ram), *(["-fa", fa] if fa else [])]
+    # the tier only on ours: ours-no-tier turns it off, and the current library has none (see above)
     ram = args.cache_ram if name == "ours" else 0
     return [*pyllama_kv_cmd(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--ctx", str(args.ctx), "--parallel", str(args.clients), "--threads", str(args.threads),
-            "--batch", "512", "--lib", "patched", "--cache-ram", str(ram), "--flash-attn", args.flash_attn]
+            "--batch", "512", "--lib", "current" if name == "ours-current" else "patched",
+            "--cache-ram", str(ram), *(["--flash-attn", fa] if fa else [])]
+
+
+FA_LOG = re.compile(r"(flash.?attn|flash attention)\b.*?\b(enabled|disabled|on|off|auto)\b", re.IGNORECASE)
+
+
+def flash_attn_log(log_path: Path) -> str | None:
+    """The last line of a server's log that says what flash attention it runs with (llama.cpp's
+    context log; the current pin's auto says what it resolved), or None when it says nothing."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    hits = [ln.strip() for ln in lines if FA_LOG.search(ln)]
+    return hits[-1][:200] if hits else None
 
 
 def rss_mib(pid: int, key: str = "VmHWM") -> float | None:
@@ -136,6 +169,7 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         rss = rss_mib(srv.proc.pid) if srv.proc else None
         tier = {k: v for k, v in srv.metrics().items() if k.startswith("pyllama_kv_prefix_host_bytes")}
         log_tail = srv.log_tail(3)
+    fa_log = flash_attn_log(srv.log_path)
     allr = [r for turn in per_turn for r in turn]
     ok = [r for r in allr if r["error"] is None]
     later = [r for turn in per_turn[1:] for r in turn if r["error"] is None]
@@ -160,11 +194,15 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         "peak_rss_mib": rss, "rss_after_warmup_mib": rss_start,
         "rss_growth_mib": None if rss is None or rss_start is None else round(rss - rss_start, 1),
         "tier_host_mib_end": round(next(iter(tier.values())) / 2**20, 1) if tier else None,
+        "flash_attn_log": fa_log,
         "log_tail": log_tail if len(allr) != len(ok) else None,
     }
 
 
-REFERENCES = ("pin", "current", "ours-no-tier")
+# (ours, reference): what each ratio compares. ours-current/current is the same llama.cpp on both
+# sides; ours/ours-current is our pin's series against the current llama.cpp, under the same server
+PAIRS = (("ours", "pin"), ("ours", "current"), ("ours", "ours-no-tier"), ("ours-current", "current"),
+         ("ours", "ours-current"))
 
 
 def _failures(row: dict) -> str | None:
@@ -175,23 +213,22 @@ def _failures(row: dict) -> str | None:
 
 
 def ratios(rows: list[dict]) -> tuple[dict, dict[str, list[str]]]:
-    """The ratios of ours to each reference run, and the comparisons refused (name: why). A run with
+    """The ratios of each pair of PAIRS, and the comparisons refused (name: why). A run with
     request errors compares with nothing: its figures are of fewer (or failed) requests than the
     other's, so a ratio would say something about the errors, not the servers."""
     by = {r["server"]: r for r in rows}
     out: dict = {}
     refused: dict[str, list[str]] = {}
-    a = by.get("ours")
-    for ref in REFERENCES:
-        b = by.get(ref)
+    for ours, ref in PAIRS:
+        a, b = by.get(ours), by.get(ref)
         if not a or not b:
             continue
         why = [w for w in (_failures(a), _failures(b)) if w]
         if why:
-            refused[f"ours/{ref}"] = why
+            refused[f"{ours}/{ref}"] = why
             continue
         if a.get("wall_s") and b.get("wall_s") and a.get("completion_tps") and b.get("completion_tps"):
-            out[f"ours/{ref}"] = {
+            out[f"{ours}/{ref}"] = {
                 "completion_tps": round(a["completion_tps"] / b["completion_tps"], 3),
                 "later_ttft_p95": (round(a["later_ttft_p95_s"] / b["later_ttft_p95_s"], 3)
                                    if a.get("later_ttft_p95_s") and b.get("later_ttft_p95_s") else None),
@@ -207,7 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=4, help="turns per chat (default 4)")
     ap.add_argument("--doc-words", type=int, default=250, help="words of each chat's own document (default 250)")
     ap.add_argument("--clients", type=int, default=4, help="requests in flight, and every server's slots (default 4)")
-    ap.add_argument("--ctx", type=int, default=4096, help="KV cells of every server (default 4096)")
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="KV cells of every server (default 4096; 512 with --quick, where the current "
+                         "llama-server fails some requests: give it 1024)")
     ap.add_argument("--cache-ram", type=int, default=1024,
                     help="MiB of host memory for evicted prefixes, ours and current (default 1024)")
     ap.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each answer (default 24)")
@@ -215,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--flash-attn", choices=("on", "off"), default="off",
                     help="flash attention for every server (default off: the pin's default; the current "
                          "llama-server's own default is auto)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="no flash-attention flag for any server: each at its own default (cells, slots, "
+                         "threads, batch and --cache-ram stay the same for all: they define the load)")
     ap.add_argument("--only", default=",".join(SERVERS), help=f"servers, of {','.join(SERVERS)} (default all)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--quick", action="store_true", help="a small load (a smoke run, not a measurement)")
@@ -224,7 +266,9 @@ def main(argv=None) -> int:
     if not only or any(s not in SERVERS for s in only):
         ap.error(f"--only takes a comma-separated list of {', '.join(SERVERS)}")
     if args.quick:
-        args.conversations, args.turns, args.doc_words, args.max_tokens, args.ctx = 5, 2, 40, 4, 512
+        args.conversations, args.turns, args.doc_words, args.max_tokens = 5, 2, 40, 4
+        args.ctx = args.ctx or 512
+    args.ctx = args.ctx or 4096
     if min(args.conversations, args.turns, args.doc_words, args.clients, args.ctx, args.max_tokens) < 1:
         ap.error("--conversations, --turns, --doc-words, --clients, --ctx and --max-tokens must be >= 1")
     if "current" in only and find_peer_server() is None:
@@ -240,8 +284,11 @@ def main(argv=None) -> int:
              for _ in range(args.conversations)]
     out: dict = {
         "benchmark": "chat-load", "machine": machine(), "date": time.strftime("%Y-%m-%d"), "model": str(model_path),
-        "settings": {k: getattr(args, k) for k in ("conversations", "turns", "doc_words", "clients", "ctx",
-                                                   "cache_ram", "max_tokens", "threads", "flash_attn", "seed")},
+        "settings": {**{k: getattr(args, k) for k in ("conversations", "turns", "doc_words", "clients", "ctx",
+                                                      "cache_ram", "max_tokens", "threads", "seed")},
+                     # "defaults": no flag given, each server chose (its row's flash_attn_log says what)
+                     "flash_attn": "defaults" if args.defaults else args.flash_attn,
+                     "host_tier": {n: n == "ours" for n in only if n.startswith("ours")}},
         "peer": (lambda p: str(p) if p else None)(find_peer_server()),
         "rows": [],
     }

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
+import pytest
 from test_defrag_paths import gather_nodes
 
 from conftest import ROOT, run_py
+from pyllama_kv.harness.peer import find_peer_batched_bench
 
 
 def _run(script: str) -> dict:
@@ -29,6 +32,31 @@ def test_bench_binding():
             assert r[k] > 0
     assert d["min_ratio"] == min(min(r["pp_ratio"], r["tg_ratio"]) for r in d["rows"])
     assert all(0 <= r["py_tg_overhead"] < 1 for r in d["rows"])
+    assert d["settings"]["libs"] == ["patched"] and {r["lib"] for r in d["rows"]} == {"patched"}
+    assert "current_vs_patched" not in d
+
+
+def test_bench_binding_on_both_pins():
+    """--lib patched,current: ours on each pin against that pin's own llama-batched-bench, in one run."""
+    if find_peer_batched_bench() is None:
+        pytest.skip("the current llama-batched-bench needs `pyllama-kv build --peer` (18 minutes: the "
+                    "benchmark, not the suite, builds it)")
+    r = run_py(["scripts/bench_binding.py", "--quick", "--json", "--lib", "patched,current"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout)
+    npl, libs = d["settings"]["npl"], d["settings"]["libs"]
+    assert libs == ["patched", "current"]
+    assert [(row["lib"], row["parallel"]) for row in d["rows"]] == [(lib, pl) for lib in libs for pl in npl]
+    for row in d["rows"]:
+        for k in ("cpp_pp_tps", "py_pp_tps", "cpp_tg_tps", "py_tg_tps", "pp_ratio", "tg_ratio", "engine_tg_tps"):
+            assert row[k] > 0, row
+    assert d["libraries"]["current"]["batched_bench"] == str(find_peer_batched_bench())
+    assert "current-" in d["libraries"]["current"]["libllama"], d["libraries"]
+    for lib in libs:
+        assert d["by_lib"][lib]["min_ratio"] == min(min(row["pp_ratio"], row["tg_ratio"])
+                                                    for row in d["rows"] if row["lib"] == lib)
+    assert [c["parallel"] for c in d["current_vs_patched"]] == npl
+    assert all(v > 0 for c in d["current_vs_patched"] for k, v in c.items() if k != "parallel")
 
 
 def test_bench_defrag():
@@ -135,29 +163,62 @@ def test_bench_server():
 
 
 def test_bench_chat_load():
-    """The many-chats load over HTTP: ours with the tier and llama-server at the pin (the current one
-    needs `build --peer`, 18 minutes: the benchmark, not the suite, builds it)."""
-    r = run_py(["scripts/bench_chat_load.py", "--quick", "--json", "--only", "ours,pin"], timeout=600)
+    """The many-chats load over HTTP: ours with the tier, llama-server at the pin and ours on the
+    current llama.cpp (the current llama-server needs `build --peer`, 18 minutes: the benchmark, not
+    the suite, builds it)."""
+    r = run_py(["scripts/bench_chat_load.py", "--quick", "--json", "--only", "ours,pin,ours-current"], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(r.stdout)
     _machine(d)
     s = d["settings"]
-    assert d["benchmark"] == "chat-load" and [row["server"] for row in d["rows"]] == ["ours", "pin"]
+    assert d["benchmark"] == "chat-load" and [row["server"] for row in d["rows"]] == ["ours", "pin", "ours-current"]
     for row in d["rows"]:
         assert row["errors"] == 0 and row["requests"] == s["conversations"] * s["turns"], row
         assert row["completion_tokens"] > 0 and row["peak_rss_mib"] > 0, row
         assert row["prompt_evaluated"] + row["prompt_cached"] == row["prompt_tokens"] > 0, row
         assert 0 < row["later_ttft_p50_s"] <= row["later_ttft_p95_s"], row
-    assert set(d["ratios"]) == {"ours/pin"} and all(v > 0 for v in d["ratios"]["ours/pin"].values())
+    # the current library has no host tier: ours-current drops evicted prefixes, ours pages them out
+    assert s["host_tier"] == {"ours": True, "ours-current": False}
+    by = {row["server"]: row for row in d["rows"]}
+    assert by["ours-current"]["tier_host_mib_end"] is None and by["ours"]["tier_host_mib_end"] is not None
+    assert set(d["ratios"]) == {"ours/pin", "ours/ours-current"}
+    assert all(v > 0 for k in d["ratios"] for v in d["ratios"][k].values())
+
+
+def _load_chat_bench():
+    spec = importlib.util.spec_from_file_location("bench_chat_load", ROOT / "scripts" / "bench_chat_load.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_chat_load_commands(monkeypatch):
+    """Equal flags: every server the same flash attention, ours-current on the current library with no
+    tier; --defaults: no flash-attention flag for any server, the rest unchanged."""
+    bench = _load_chat_bench()
+    monkeypatch.setattr(bench, "find_peer_server", lambda: Path("/peer/llama-server"))
+    monkeypatch.setattr(bench, "llama_server_path", lambda: Path("/pin/llama-server"))
+    ap = bench.argparse.Namespace(ctx=512, clients=4, threads=2, cache_ram=1024, flash_attn="on", defaults=False)
+    cmds = {n: bench.server_cmd(n, Path("m.gguf"), 1, ap) for n in bench.SERVERS}
+    oc = cmds["ours-current"]
+    assert oc[oc.index("--lib") + 1] == "current" and oc[oc.index("--cache-ram") + 1] == "0"
+    assert oc[oc.index("--flash-attn") + 1] == "on" and cmds["pin"][-1] == "-fa"
+    assert cmds["current"][cmds["current"].index("-fa") + 1] == "on"
+    for n in ("ours", "ours-no-tier", "ours-current"):   # the same cells, slots and threads as ours
+        assert cmds[n][cmds[n].index("--ctx"):cmds[n].index("--lib")] == cmds["ours"][
+            cmds["ours"].index("--ctx"):cmds["ours"].index("--lib")]
+    ap.defaults = True
+    for n in bench.SERVERS:
+        cmd = bench.server_cmd(n, Path("m.gguf"), 1, ap)
+        assert "-fa" not in cmd and "--flash-attn" not in cmd, cmd
+        assert [a for a in cmds[n] if a not in ("-fa", "--flash-attn", "on")] == cmd
 
 
 def test_bench_chat_load_gives_no_ratio_for_a_run_with_errors():
     """A run with request errors compares with nothing: no ratio (its figures are of fewer or failed
     requests), the comparison listed as refused with the errors; the others still compare."""
-    spec = importlib.util.spec_from_file_location("bench_chat_load", ROOT / "scripts" / "bench_chat_load.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_chat_bench()
 
     def row(server, errors=0, **kw):
         return {"server": server, "errors": errors, "error_samples": ["HTTP 500"] if errors else [],
@@ -175,6 +236,10 @@ def test_bench_chat_load_gives_no_ratio_for_a_run_with_errors():
     r, refused = bench.ratios([row("ours", errors=1), row("pin"),
                                {"server": "current", "errors": 10, "started": False, "error_samples": ["x"]}])
     assert r == {} and set(refused) == {"ours/pin", "ours/current"}
+    # ours on the current library against the current llama-server, and ours against it
+    r, refused = bench.ratios([row("ours", completion_tps=10.0), row("ours-current"), row("current", wall_s=5.0)])
+    assert refused == {} and set(r) == {"ours/current", "ours-current/current", "ours/ours-current"}
+    assert r["ours-current/current"] == {"completion_tps": 1.0, "later_ttft_p95": 1.0, "wall": 2.0}
 
 
 def test_bench_grammar_flood():

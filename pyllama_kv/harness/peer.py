@@ -7,15 +7,18 @@ peer is built from the same unpacked tree, ``vendor/llama.cpp-current`` (``pylla
 current``, run here when it is missing: fetched with pip, hash-checked, cached in
 ``~/.cache/pyllama-kv/downloads``), but never patched: while the tree holds none of the current pin's
 series (``patches/current/``) it is used as it is; once it holds some, a copy with the series reversed
-in ``~/.cache/pyllama-kv/peer/<revision>/src`` is. Only ``llama-server`` is built, in
+in ``~/.cache/pyllama-kv/peer/<revision>/src`` is. Only ``llama-server`` and ``llama-batched-bench``
+(the C++ side of ``scripts/bench_binding.py --lib current``, a few seconds more) are built, in
 ``~/.cache/pyllama-kv/peer/<revision>/build``, statically linked (``BUILD_SHARED_LIBS=OFF``: it never
 loads our libllama), CPU only, no OpenSSL, with ggml's default CPU flags (as our builds). Its flags are
 those it was measured with (a change would rebuild every peer build made so far: 18 minutes);
 ``build.PIN_FLAGS["current"]`` turns off the app binary and the web UI download as well.
 
 The result is recorded in ``~/.cache/pyllama-kv/peer/<revision>/manifest.json`` (pin, sha256, flags,
-binary path) and reused while the pin and flags are the same, so a second ``make`` or benchmark run
-builds nothing. Benchmarks find it with :func:`find_peer_server`. The runtime never imports this.
+binary paths) and reused while the pin and flags are the same and both binaries are there, so a second
+``make`` or benchmark run builds nothing (a peer built before ``llama-batched-bench`` was a target
+builds just that, in the same build directory). Benchmarks find them with :func:`find_peer_server`
+and :func:`find_peer_batched_bench`. The runtime never imports this.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ from .build import _run_logged
 PIN = "current"
 
 TARGET = "llama-server"
+BATCHED_BENCH = "llama-batched-bench"   # bench_binding.py's C++ reference on the current pin
+TARGETS = (TARGET, BATCHED_BENCH)
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
@@ -70,14 +75,14 @@ def _manifest_path(pin: _vendor.Pin) -> Path:
 
 
 def read_manifest(root: Path | None = None) -> dict | None:
-    """The peer build's manifest, if it is built for the current pin and flags and its binary exists."""
+    """The peer build's manifest, if it is built for the current pin and flags and its binaries exist."""
     try:
         pin = _vendor.Pin.load(peer_pin_path(root), name=PIN)
         m = json.loads(_manifest_path(pin).read_text())
     except (OSError, ValueError, HarnessError):
         return None
     ok = (m.get("sha256") == pin.sha256 and m.get("cmake_flags") == CMAKE_FLAGS
-          and Path(m.get("server", "")).is_file())
+          and Path(m.get("server", "")).is_file() and Path(m.get("batched_bench", "")).is_file())
     return m if ok else None
 
 
@@ -87,13 +92,21 @@ def find_peer_server(root: Path | None = None) -> Path | None:
     return Path(m["server"]) if m else None
 
 
+def find_peer_batched_bench(root: Path | None = None) -> Path | None:
+    """The current llama-batched-bench's path, or None when ``pyllama-kv build --peer`` has not built it."""
+    m = read_manifest(root)
+    return Path(m["batched_bench"]) if m else None
+
+
 def build_peer(jobs: int | None = None, force: bool = False, root: Path | None = None, log: Log = _stderr) -> dict:
-    """Fetch, verify, unpack and build the peer's llama-server (reused when up to date); its manifest."""
+    """Fetch, verify, unpack and build the peer's llama-server and llama-batched-bench (reused when up to
+    date); its manifest."""
     pin = _vendor.Pin.load(peer_pin_path(root), name=PIN)
     if not force:
         m = read_manifest(root)
         if m is not None:
-            log(f"peer llama-server ({pin.package}=={pin.version}, llama.cpp {pin.revision}): up to date")
+            log(f"peer llama-server and llama-batched-bench ({pin.package}=={pin.version}, "
+                f"llama.cpp {pin.revision}): up to date")
             return m
     if not shutil.which("cmake"):
         raise PeerError("cmake was not found on PATH: install CMake 3.14 or newer (e.g. `pip install cmake`)")
@@ -105,29 +118,31 @@ def build_peer(jobs: int | None = None, force: bool = False, root: Path | None =
     base.mkdir(parents=True, exist_ok=True)
     log_path = base / "build.log"
     jobs = jobs or os.cpu_count() or 2
-    log(f"building the peer's {TARGET} (llama.cpp {pin.revision}, {pin.package}=={pin.version}) "
+    log(f"building the peer's {' and '.join(TARGETS)} (llama.cpp {pin.revision}, {pin.package}=={pin.version}) "
         f"with {jobs} job(s); log: {log_path}")
     with open(log_path, "w") as lf:
         for cmd, progress in ((["cmake", "-S", str(src), "-B", str(bdir), *CMAKE_FLAGS], False),
                               (["cmake", "--build", str(bdir), "--config", "Release", "-j", str(jobs),
-                                "--target", TARGET], True)):
+                                "--target", *TARGETS], True)):
             # build's runner: the log file, and progress for the long part (about 18 minutes on 2 cores)
             rc = _run_logged(cmd, lf, "peer", log, progress=progress)
             if rc != 0:
                 tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
                 raise PeerError(f"the peer build failed (exit {rc}); last lines of {log_path}:\n{tail}")
-    server = bdir / "bin" / TARGET
-    if not server.is_file():
-        raise PeerError(f"the peer build finished but {server} is missing")
+    server, batched = bdir / "bin" / TARGET, bdir / "bin" / BATCHED_BENCH
+    for exe in (server, batched):
+        if not exe.is_file():
+            raise PeerError(f"the peer build finished but {exe} is missing")
     manifest = {
         "project": "llama.cpp", "pin": PIN, "revision": pin.revision, "source_dir": str(src.resolve()),
         "package": pin.package, "version": pin.version,
         "sha256": pin.sha256, "fingerprint": pin.fingerprint_sha256, "cmake_flags": CMAKE_FLAGS,
-        "server": str(server.resolve()), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "server": str(server.resolve()), "batched_bench": str(batched.resolve()),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.monotonic() - t0, 1), "log": str(log_path),
     }
     _manifest_path(pin).write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"peer llama-server built in {manifest['build_seconds']}s: {server}")
+    log(f"peer llama-server and llama-batched-bench built in {manifest['build_seconds']}s: {server}, {batched}")
     return manifest
 
 

@@ -26,9 +26,10 @@ def register(subparsers) -> None:
                    help="for --backend cuda when the toolkit lacks cuBLAS: download NVIDIA's nvidia-cublas wheel for "
                         "nvcc's CUDA version (about 400 MB) into ~/.cache/pyllama-kv with pip and build with it")
     s.add_argument("--peer", action="store_true",
-                   help="build only the current llama.cpp's llama-server, unpatched and statically linked, apart from "
-                        "our builds (from vendor/llama.cpp-current, the current pin's tree, vendored if missing; "
-                        "built in ~/.cache/pyllama-kv/peer), for the benchmarks that compare with the strongest peer")
+                   help="build only the current llama.cpp's llama-server and llama-batched-bench, unpatched and "
+                        "statically linked, apart from our builds (from vendor/llama.cpp-current, the current "
+                        "pin's tree, vendored if missing; built in ~/.cache/pyllama-kv/peer), for the benchmarks "
+                        "that compare with the strongest peer")
     s.add_argument("--tools", action="store_true",
                    help="also build llama.cpp's llama-batched-bench and llama-server of that pin (for the benchmarks)")
     rpc = s.add_mutually_exclusive_group()
