@@ -67,6 +67,7 @@ def tiny_vocab(byte_tokens: bool = True) -> tuple[list[str], list[float], list[i
     return tokens, scores, types
 
 
+# long: its docstring is the reference of every architecture and override it writes; the body is short
 def make_tiny_model(
     path: str | os.PathLike,
     n_layer: int = 2,
