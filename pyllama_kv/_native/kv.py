@@ -40,10 +40,14 @@ def _alloc(ffi_: Any, ctype: str, n: int) -> Any:
     return a(ctype, n)
 
 
-def _readonly(arr: np.ndarray) -> memoryview:
-    """A read-only memoryview of ``arr`` (which it keeps alive)."""
+def _written(ffi_: Any, size: int, write: Callable[[Any], int]) -> tuple[int, memoryview]:
+    """``write(buffer)`` into a new numpy buffer of ``size`` bytes (numpy's large buffers take huge
+    pages, so the first touch of a fresh one is cheap): (what it returned, a read-only view of the
+    buffer, which keeps it alive)."""
+    arr = np.empty(size, dtype=np.uint8)
+    got = int(write(ffi_.from_buffer("uint8_t[]", arr)))
     arr.flags.writeable = False
-    return arr.data
+    return got, arr.data
 
 
 def load_library(lib=None) -> Library:
@@ -408,12 +412,9 @@ class NativeContext:
 
     def state_seq_get(self, seq_id: int, size: int, copy: bool = True) -> tuple[int, bytes | memoryview]:
         """llama_state_seq_get_data into size bytes: (bytes written, the buffer: bytes, or with
-        ``copy=False`` a read-only view of a numpy buffer that C wrote into: no copy, and numpy's large
-        buffers take huge pages, so the first touch of a fresh buffer is cheap)."""
+        ``copy=False`` a read-only view of the numpy buffer C wrote into: no copy)."""
         if not copy:
-            arr = np.empty(size, dtype=np.uint8)
-            got = int(self.L.llama_state_seq_get_data(self.ptr, self.ffi.from_buffer("uint8_t[]", arr), size, seq_id))
-            return got, _readonly(arr)
+            return _written(self.ffi, size, lambda buf: self.L.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
         buf = _alloc(self.ffi, "uint8_t[]", size)
         got = int(self.L.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
         return got, self.ffi.buffer(buf, size)[:]
@@ -430,10 +431,8 @@ class NativeContext:
     def state_seq_range_get(self, seq_id: int, p0: int, p1: int, size: int) -> tuple[int, memoryview]:
         """llama_state_seq_get_data_range (patch 0017) into a new numpy buffer of size bytes: (bytes
         written, a read-only view of it)."""
-        arr = np.empty(size, dtype=np.uint8)
-        got = int(self.L.llama_state_seq_get_data_range(self.ptr, self.ffi.from_buffer("uint8_t[]", arr), size,
-                                                        seq_id, p0, p1))
-        return got, _readonly(arr)
+        return _written(self.ffi, size,
+                        lambda buf: self.L.llama_state_seq_get_data_range(self.ptr, buf, size, seq_id, p0, p1))
 
     def state_seq_set(self, data: bytes, seq_id: int) -> int:
         """llama_state_seq_set_data: the bytes read (0 on failure)."""

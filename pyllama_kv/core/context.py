@@ -151,7 +151,6 @@ def _is_model(obj) -> bool:
         and callable(getattr(obj, "open_native_context", None))
 
 
-
 def _auto_flash_attn(model: Model, type_v: str) -> bool | None:
     """Flash attention's "auto" for ``model``: on for a quantized V cache (it needs it); off on the CPU;
     on a GPU, the library's own auto (None) where it has one, else on where the GPU backend has a
@@ -164,6 +163,7 @@ def _auto_flash_attn(model: Model, type_v: str) -> bool | None:
     if caps.flash_attn_auto:
         return None
     return model.head_dim_k == model.head_dim_v and model.head_dim_k in caps.gpu_flash_attn_head_sizes
+
 
 class Context(_kv.CResource):
     """A context over a :class:`~pyllama_kv.core.model.Model` with a KV cache of ``n_ctx`` cells.

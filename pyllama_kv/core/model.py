@@ -206,8 +206,9 @@ class Model(_kv.CResource):
                                          or not -1 <= n_gpu_layers <= INT32_MAX):
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
         self._lib = _kv.load_library(lib)
+        gpus = bool(self._lib.gpu_devices())
         if n_gpu_layers is None:   # every layer where they can go: rpc servers, else a GPU of this library
-            n_gpu_layers = -1 if endpoints or self._lib.gpu_devices() else 0
+            n_gpu_layers = -1 if endpoints or gpus else 0
         fd = None
         load_path: Path = self.path
         if level != "off":
@@ -263,7 +264,7 @@ class Model(_kv.CResource):
         self.n_params: int = info.n_params
         self.n_gpu_layers = n_gpu_layers
         # layers on a GPU of this machine (not only on RPC servers): flash attention's auto turns on
-        self.on_gpu: bool = bool(n_gpu_layers) and not endpoints and bool(self._lib.gpu_devices())
+        self.on_gpu: bool = bool(n_gpu_layers) and not endpoints and gpus
 
     def _load(self, load_path: Path, n_gpu_layers: int, use_mmap: bool, endpoints: list[str]) -> _kv.NativeModel:
         """llama_model_load_from_file on ``load_path`` (the checked open file, or the path itself
