@@ -19,6 +19,7 @@ import typing as _typing
 # runs where nothing else is installed yet, as in a package build's isolated environment.
 _LAZY = {
     "library_info": "._native.ffi",
+    "Checkpoint": ".core.checkpoint",
     "Context": ".core.context", "KVStats": ".core.context",
     "ChatTemplate": ".chat.conversation", "Conversation": ".chat.conversation",
     "DecodeError": ".errors", "GGUFFileError": ".errors", "InvalidInputError": ".errors", "KVCacheFullError": ".errors",
@@ -33,6 +34,7 @@ _LAZY = {
 if _typing.TYPE_CHECKING:
     from ._native.ffi import library_info
     from .chat.conversation import ChatTemplate, Conversation
+    from .core.checkpoint import Checkpoint
     from .core.context import Context, KVStats
     from .core.model import Model
     from .core.sequence import Sequence, SequenceState
@@ -85,7 +87,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "ChatTemplate", "Context", "Conversation", "DecodeError", "GGUFFileError", "InvalidInputError",
+    "ChatTemplate", "Checkpoint", "Context", "Conversation", "DecodeError", "GGUFFileError", "InvalidInputError",
     "KVCacheFullError", "KVStats", "LibraryError", "LlamaError", "Model", "ModelLoadError", "PrefixCache", "Sampler",
     "Sequence", "SequenceState", "Span", "library_info", "__version__",
 ]

@@ -107,3 +107,9 @@ def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:
 #: may hold together (their conversations and answers); a response over the bytes is not kept
 RESPONSES_STORED = 1024
 RESPONSES_STORED_BYTES = 64 << 20
+
+# -- a recurrent model's checkpoints (pyllama_kv.prefixcache.checkpoints) --------------------------------
+
+#: the host memory the prefix cache's checkpoints of recurrent state may take together (least recently
+#: used first out): a 1B hybrid's state is a few hundred KiB, a 30B gated-delta-net's tens of MiB
+CHECKPOINT_BYTES = 256 << 20

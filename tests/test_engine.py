@@ -329,6 +329,12 @@ class FakeKV:
     def remember(self, seq):
         pass
 
+    def checkpoints_at(self, tokens, boundaries, held):
+        return []
+
+    def checkpoint(self, seq):
+        pass
+
     def kv_stats(self):
         return {}
 

@@ -182,6 +182,12 @@ class FakeKV(PrefixPolicy):
         if self.prefix_cache and len(self.cells) < self.parallel + self.prefix_cache:
             self._keep_idle(self._new(self.cells[seq], self.toks[seq]))
 
+    def checkpoints_at(self, tokens, boundaries, held):
+        return []
+
+    def checkpoint(self, seq):
+        pass
+
     def kv_stats(self):
         return {}
 

@@ -126,12 +126,13 @@ def test_the_engine_generates_as_a_plain_decode_loop(model):
         eng.run_until_idle()
         assert [c.tokens for c in h.result()] == [want] * 4
         assert eng.stats.evaluated_tokens == 12, "the prompt is evaluated once for the 4 continuations"
-        # a prompt that shares 15 tokens with a cached sequence of 28: a fork of a part of it where
-        # the memory can go back (not lfm2's recurrent layers: evaluated afresh)
+        # a prompt that shares 15 tokens with a cached sequence of 28: a fork of 14 of them where
+        # the memory can go back; lfm2's recurrent layers cannot, but the cached prompt (12 tokens)
+        # left its checkpoint when the longer answer absorbed it: 12 forked, 3 evaluated
         again = eng.submit(prompt + want[:3], GREEDY, max_tokens=8)
         eng.run_until_idle()
         assert again.result()[0].tokens == want[3:11]
-        assert eng.stats.evaluated_tokens == 12 + (15 if arch(model) == "lfm2" else 1)
+        assert eng.stats.evaluated_tokens == 12 + (3 if arch(model) == "lfm2" else 1)
 
 
 def test_a_fork_continues_exactly(model):
@@ -278,10 +279,11 @@ def test_cli_run_smollm3_on_the_current_library(paths, current_lib):
 
 
 def test_serve_lfm2_chat_on_the_current_library(paths, current_lib):
-    """Chat on the hybrid model: a first turn, the same again (its prompt is a part of the cached
-    conversation, which lfm2's recurrent layers cannot be forked from: evaluated afresh), and a
-    second turn extending the conversation; every answer is the greedy continuation of the rendered
-    prompt."""
+    """Chat on the hybrid model under a system prompt: a first turn, the same again (its prompt is a
+    part of the cached conversation, which lfm2's recurrent layers cannot be forked from: the server
+    kept a checkpoint at the end of the system prompt, so all of that is reused), a second turn
+    extending the conversation (the whole of it reused), and another conversation under the same
+    system prompt; every answer is the greedy continuation of the rendered prompt."""
     from test_server import ServerProc
 
     with pk.Model(paths["lfm2"], lib=current_lib) as m:
@@ -294,22 +296,33 @@ def test_serve_lfm2_chat_on_the_current_library(paths, current_lib):
                 out.append(tok)
             return b"".join(m.token_to_piece(t) for t in out).decode("utf-8", "replace")
 
-        msgs = [{"role": "user", "content": "the cache of the model"}]
+        system = {"role": "system", "content": "a model of the cache and the token, " * 6}
+        sys_end = len(m.tokenize(m.apply_chat_template([system], add_generation_prompt=False), special=True))
+        msgs = [system, {"role": "user", "content": "the cache of the model"}]
         with ServerProc(paths["lfm2"], "--lib", "current", "--ctx", "512", "--parallel", "2", "--type-k", "f32",
                         "--type-v", "f32", key=None) as s:
             import httpx
 
-            for turn in range(3):
+            cached, prompts = [], []
+            for turn in range(4):
+                if turn == 3:   # another conversation under the same system prompt
+                    msgs = [system, {"role": "user", "content": "a token of the model"}]
                 body = {"model": "new-lfm2", "messages": msgs, "max_tokens": 8, "temperature": 0}
                 r = httpx.post(s.url + "/chat/completions", json=body, timeout=60)
                 assert r.status_code == 200, r.text + s.log()[-3000:]
                 answer = r.json()["choices"][0]["message"]["content"]
-                assert r.json()["usage"]["completion_tokens"] >= 1
+                usage = r.json()["usage"]
+                assert usage["completion_tokens"] >= 1
                 assert answer == greedy_text(msgs), (turn, answer)
+                cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+                prompts.append(usage["prompt_tokens"])
                 if turn == 1:
                     msgs = msgs + [{"role": "assistant", "content": answer},
                                    {"role": "user", "content": "and the token"}]
             assert "Traceback" not in s.log()
+        # turn 2 forks the whole cached conversation (the prompt of turn 1 and its answer)
+        assert cached[0] == 0 and cached[1] == sys_end and cached[3] == sys_end, (cached, sys_end)
+        assert cached[2] > prompts[1], (cached, prompts)
 
 
 def test_context_shift_continues_exactly_or_re_evaluates_everything(cut_model):

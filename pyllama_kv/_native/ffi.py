@@ -118,6 +118,8 @@ class Caps:
                                    # batches written into non-contiguous cells)
     scattered_cells: bool          # batches go into non-contiguous cells: the largest free block is all free cells
     partial_remove_may_fail: bool  # seq_rm may refuse a partial range (recurrent/SWA memory): bool false
+    recurrent_checkpoints: bool    # a sequence's recurrent state read and written alone
+                                   # (llama_state_seq_*_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
     flash_attn_auto: bool          # flash attention "auto" (on where the backend has it)
     # head sizes the GPU backend has flash-attention kernels for, where the library has no "auto" of
     # its own (the mission pin: patch 0015 makes CUDA claim exactly these; others run on the CPU)
@@ -136,13 +138,14 @@ def _caps(api: str, has) -> Caps:
     if api == "current":
         return Caps(api="current", defrag=False, safe_defrag=False, stats=False, cell_view=False,
                     span_restore=False, span_range_read=False, state_io=False, kv_shift=True, slot_retry=True,
-                    scattered_cells=True,
+                    scattered_cells=True, recurrent_checkpoints=True,
                     partial_remove_may_fail=True, flash_attn_auto=True, architectures=archs.CURRENT)
     patched = has("llama_kv_self_stats")
     return Caps(api="mission", defrag=True, safe_defrag=patched, stats=patched, cell_view=True,
                 span_restore=has("llama_state_seq_add_data"),
                 span_range_read=has("llama_state_seq_get_data_range"), state_io=True, kv_shift=patched,
-                slot_retry=patched, scattered_cells=False, partial_remove_may_fail=False, flash_attn_auto=False,
+                slot_retry=patched, scattered_cells=False, recurrent_checkpoints=False,
+                partial_remove_may_fail=False, flash_attn_auto=False,
                 gpu_flash_attn_head_sizes=frozenset({64, 80, 96, 112, 128, 256}), architectures=archs.MISSION)
 
 

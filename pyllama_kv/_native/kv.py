@@ -439,6 +439,12 @@ class NativeContext:
         return int(self.L.llama_state_seq_set_data(self.ptr, self.ffi.from_buffer("uint8_t[]", data), len(data),
                                                    seq_id))
 
+    def recurrent_state_get(self, seq_id: int) -> bytes:
+        raise LibraryError(f"{self.lib.path}: a sequence's recurrent state alone is read by the current API only")
+
+    def recurrent_state_set(self, data: bytes, seq_id: int) -> bool:
+        raise LibraryError(f"{self.lib.path}: a sequence's recurrent state alone is written by the current API only")
+
     def state_seq_add(self, data: bytes | memoryview, seq_id: int) -> int | None:
         """llama_state_seq_add_data (patch 0014): the bytes read (0 on failure); None when the library
         lacks it (the vanilla build)."""
@@ -521,6 +527,25 @@ class CurrentContext(NativeContext):
         """The shadow's (pos, seqs), shaped as the mission view: which sequences hold each used
         cell and at which position, the used cells first (not the cache's cell order)."""
         return self.cells.view()
+
+    # the recurrent state alone (a hybrid model's recurrent layers; llama.h: "work only with partial
+    # states, such as SWA KV cache or recurrent cache")
+    _PARTIAL_ONLY = 1   # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+    def recurrent_state_get(self, seq_id: int) -> bytes:
+        """llama_state_seq_get_data_ext(PARTIAL_ONLY): the recurrent state of seq_id after its last
+        token (for a hybrid model, without its attention cells); b"" when the library wrote nothing."""
+        size = int(self.L.llama_state_seq_get_size_ext(self.ptr, seq_id, self._PARTIAL_ONLY))
+        buf = _alloc(self.ffi, "uint8_t[]", max(size, 1))
+        got = int(self.L.llama_state_seq_get_data_ext(self.ptr, buf, size, seq_id, self._PARTIAL_ONLY))
+        return self.ffi.buffer(buf, got)[:] if got == size else b""
+
+    def recurrent_state_set(self, data: bytes, seq_id: int) -> bool:
+        """llama_state_seq_set_data_ext(PARTIAL_ONLY): seq_id's recurrent state replaced by ``data``
+        (its attention cells untouched); False when the library refused it (then seq_id's recurrent
+        state is cleared)."""
+        return int(self.L.llama_state_seq_set_data_ext(self.ptr, self.ffi.from_buffer("uint8_t[]", data), len(data),
+                                                       seq_id, self._PARTIAL_ONLY)) == len(data)
 
     def stats(self) -> dict[str, int]:
         raise LibraryError(f"{self.lib.path} has no KV cache counters (llama_kv_self_stats is patch 0004 of the "

@@ -89,6 +89,7 @@ from .batching import (
     fast_tokens as _fast_tokens,
     fill_batch as _fill_batch,
 )
+from .checkpoint import Checkpoint
 from .critical import Critical as _Critical, LockState as _LockState
 from .kvstats import KVStats, kv_stats as _kv_stats
 from .returncodes import decode_error as _decode_error
@@ -123,6 +124,8 @@ _CAP_TEXT = {
     "state_io": "sequence states in the byte format pyllama_kv validates (llama_state_seq_* of the mission pin)",
     "span_restore": "llama_state_seq_add_data (restoring a span onto a sequence that keeps its prefix: patch 0014)",
     "cell_view": "a per-cell view of the KV cache in cache order (llama_kv_cache_view)",
+    "recurrent_checkpoints": "a sequence's recurrent state read and written alone (llama_state_seq_*_ext with "
+                             "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the current pin)",
 }
 
 
@@ -394,16 +397,17 @@ class Context(_kv.CResource):
                 "model's memory (recurrent or sliding-window) keeps no per-position state to cut; nothing was "
                 "changed (re-create the sequence from its tokens instead)")
 
-    def _check_cut(self, e: _SeqEntry, n: int, what: str) -> None:
+    def _check_cut(self, e: _SeqEntry, n: int, what: str, checkpoint: Checkpoint | None = None) -> None:
         """InvalidInputError, raised before anything changes, when sequence ``e`` cannot continue
         from its first ``n`` positions (0 < n < its length: a fork, truncation, removal or
-        re-evaluation that keeps them): recurrent layers hold the state after its last token only,
-        and a sliding-window cache that reused the cells of positions outside the window of its last
-        token (llama_memory_seq_pos_min rose) no longer holds the positions the token at ``n``
-        attends to, [n - n_swa + 1, n)."""
+        re-evaluation that keeps them): recurrent layers hold the state after its last token only
+        (unless ``checkpoint``, already checked by :meth:`_check_checkpoint`, holds the state at
+        ``n``), and a sliding-window cache that reused the cells of positions outside the window of
+        its last token (llama_memory_seq_pos_min rose) no longer holds the positions the token at
+        ``n`` attends to, [n - n_swa + 1, n)."""
         if n <= 0 or n >= len(e.tokens):
             return
-        if self.model.recurrent:
+        if self.model.recurrent and checkpoint is None:
             raise InvalidInputError(f"{what} needs the state of sequence {e.id} at position {n}, which this "
                                     "model's recurrent layers no longer hold (only the state after its last "
                                     "token); nothing was changed")
@@ -555,30 +559,75 @@ class Context(_kv.CResource):
         logits = self._own(seq).logits
         return logits if logits is not None else self.sequence_logits(seq, copy=False)
 
-    def sequence_fork(self, seq, n: int | None) -> _Sequence:
-        """Sequence.fork: a new sequence sharing the first ``n`` cells of ``seq``."""
+    def sequence_fork(self, seq, n: int | None, checkpoint: Checkpoint | None = None) -> _Sequence:
+        """Sequence.fork: a new sequence sharing the first ``n`` cells of ``seq`` (and, for a
+        recurrent model cut at ``n``, its recurrent state taken from ``checkpoint``)."""
         with self.critical():
             e = self._entry(seq)
             n = len(e.tokens) if n is None else int_param("n", n, 0, len(e.tokens))
-            self._check_cut(e, n, f"a fork of the first {n} of {len(e.tokens)} tokens")
+            if checkpoint is not None:
+                self._check_checkpoint(e, n, checkpoint)
+                if n == len(e.tokens):
+                    checkpoint = None   # the sequence's own state is the one at n
+            self._check_cut(e, n, f"a fork of the first {n} of {len(e.tokens)} tokens", checkpoint)
             child = self.new_sequence()
             if n > 0:
                 self._seq_copy(e.id, child.id, 0, n)
+            if checkpoint is not None:
+                assert self._native is not None
+                if not self._native.recurrent_state_set(checkpoint.data, child.id):
+                    child.close()
+                    raise LlamaError(f"llama.cpp refused the checkpoint of {checkpoint.n} tokens for a fork of "
+                                     f"sequence {e.id} (its log says why); nothing was changed")
             c = self._table[child.id]
             c.tokens = e.tokens[:n]
             if n == len(e.tokens) and e.logits is not None:
                 c.logits = e.logits.copy()
             return child
 
-    def can_fork(self, seq, n: int) -> bool:
-        """Whether ``seq.fork(n)`` (or a truncation to ``n``) can be made: False where the memory no
-        longer holds the state at position ``n`` (recurrent layers; a sliding-window cache that reused
-        the cells of older positions: see the module docstring). Always True for none or all of it."""
+    def _check_checkpoint(self, e: _SeqEntry, n: int, ck: Checkpoint) -> None:
+        """InvalidInputError unless ``ck`` is a checkpoint of this model after exactly the first ``n``
+        tokens of ``e`` (LibraryError where the library cannot write one back)."""
+        if not isinstance(ck, Checkpoint):
+            raise InvalidInputError(f"checkpoint must be a pyllama_kv Checkpoint, got {type(ck).__name__}")
+        self._need("recurrent_checkpoints", "a fork from a checkpoint")
+        if ck.model != id(self.model):
+            raise InvalidInputError("the checkpoint belongs to another model")
+        if ck.n != n or not np.array_equal(ck.tokens, np.asarray(e.tokens[:n], dtype=np.int32)):
+            raise InvalidInputError(f"the checkpoint follows {ck.n} tokens that are not the first {n} of sequence "
+                                    f"{e.id}; nothing was changed")
+
+    def sequence_checkpoint(self, seq) -> Checkpoint:
+        """Sequence.checkpoint: the recurrent state of ``seq`` after its last token (see
+        :mod:`pyllama_kv.core.checkpoint`). InvalidInputError for an empty sequence or a model
+        without recurrent layers (its cells can be forked at any position without one)."""
+        with self.critical():
+            e = self._entry(seq)
+            self._need("recurrent_checkpoints", "a checkpoint of a sequence's recurrent state")
+            if not self.model.recurrent:
+                raise InvalidInputError("this model has no recurrent layers: a fork at any position needs no "
+                                        "checkpoint")
+            if not e.tokens:
+                raise InvalidInputError(f"sequence {e.id} is empty: there is no state to keep")
+            assert self._native is not None
+            data = self._native.recurrent_state_get(e.id)
+            if not data:
+                raise LlamaError(f"llama.cpp could not write the recurrent state of sequence {e.id} (its log says why)")
+            return Checkpoint.of(e.tokens, data, id(self.model))
+
+    def can_fork(self, seq, n: int, checkpoint: Checkpoint | None = None) -> bool:
+        """Whether ``seq.fork(n, checkpoint)`` (or, without a checkpoint, a truncation to ``n``) can be
+        made: False where the memory no longer holds the state at position ``n`` (recurrent layers
+        without a checkpoint of those n tokens; a sliding-window cache that reused the cells of older
+        positions: see the module docstring). Always True for none or all of it."""
         with self.critical():
             e = self._entry(seq)
             try:
-                self._check_cut(e, int_param("n", n, 0, len(e.tokens)), "")
-            except InvalidInputError:
+                n = int_param("n", n, 0, len(e.tokens))
+                if checkpoint is not None and n < len(e.tokens):
+                    self._check_checkpoint(e, n, checkpoint)
+                self._check_cut(e, n, "", checkpoint)
+            except (InvalidInputError, LibraryError):
                 return False
             return True
 

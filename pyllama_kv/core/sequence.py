@@ -19,6 +19,7 @@ from ..errors import InvalidInputError
 from .state import SequenceState
 
 if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
     from .span import Span
 
 __all__ = ["Sequence", "SequenceState"]
@@ -95,10 +96,20 @@ class Sequence:
 
     # -- prefix copies --------------------------------------------------------------------------
 
-    def fork(self, n: int | None = None) -> Sequence:
+    def fork(self, n: int | None = None, checkpoint: Checkpoint | None = None) -> Sequence:
         """A new sequence sharing this one's first ``n`` positions (default: all). No recompute:
-        the cells are shared, not copied. LlamaError when no sequence id is free."""
-        return self._ctx.sequence_fork(self, n)
+        the cells are shared, not copied. LlamaError when no sequence id is free.
+
+        A model with recurrent layers keeps their state after the last token only: a fork of fewer
+        positions needs ``checkpoint``, a :meth:`checkpoint` of a sequence that held exactly those
+        ``n`` tokens (InvalidInputError without one, or with one of other tokens)."""
+        return self._ctx.sequence_fork(self, n, checkpoint)
+
+    def checkpoint(self) -> Checkpoint:
+        """The recurrent state of this sequence after its last token, in host memory: what a later
+        :meth:`fork` at this length needs once the sequence has grown (see
+        :mod:`pyllama_kv.core.checkpoint`). A model with recurrent layers and the current library."""
+        return self._ctx.sequence_checkpoint(self)
 
     # -- removal and shifting -------------------------------------------------------------------
 

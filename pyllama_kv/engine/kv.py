@@ -113,6 +113,15 @@ class KVCache(Protocol):
         """Keep a copy of live ``seq``'s current tokens as an idle cached prefix, if an id is free for
         it; ``seq`` stays the caller's."""
 
+    def checkpoints_at(self, tokens: Sequence[int], boundaries: Sequence[int], held: int) -> list[int]:
+        """Where a start()ed sequence for ``tokens`` holding ``held`` of them should keep a checkpoint
+        of its state while the rest is evaluated (a model with recurrent layers: the caller's turn
+        ``boundaries`` and where ``tokens`` leave the longest cached prefix), ascending, inside
+        (held, len(tokens)); [] for a cache that keeps none."""
+
+    def checkpoint(self, seq: Hashable) -> None:
+        """Keep a checkpoint of live ``seq``'s state after its current tokens (see checkpoints_at)."""
+
     def kv_stats(self) -> dict:
         """The cache's cells for metrics (``KVStats.as_dict()``, plus ``cached_cells``: held by idle
         cached prefixes, and ``request_cells``: held by live sequences alone); {} when there are none
@@ -269,6 +278,15 @@ class ContextKV(PrefixPolicy):
 
     def remember(self, seq) -> None:
         self.cache.remember(seq)
+
+    def checkpoints_at(self, tokens, boundaries, held: int) -> list[int]:
+        if self.cache.checkpoints is None:
+            return []
+        points = set(boundaries) | {self.cache.branch_point(tokens)}
+        return sorted(p for p in points if held < p < len(tokens))
+
+    def checkpoint(self, seq) -> None:
+        self.cache.checkpoint(seq)
 
     def evict(self, keep_for=None) -> bool:
         """Evict one idle cached prefix by the module's rule (for tests and tools: the engine asks

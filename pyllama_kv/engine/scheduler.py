@@ -115,7 +115,8 @@ class _Continuation:
     a "slot": that word is llama.cpp's, for where a batch's cells go, as in slot failures.)"""
 
     __slots__ = ("req", "index", "seq", "pending", "tokens", "generated", "stream", "sampler", "close_sampler",
-                 "logits", "reserve", "forked", "admit_order", "last_token", "boundaries", "constraint")
+                 "logits", "reserve", "forked", "admit_order", "last_token", "boundaries", "constraint",
+                 "checkpoints")
 
     def __init__(self, req: Request, index: int, tokens: list[int], sampler, reserve: int, admit_order: int,
                  boundaries: list[int] | None = None):
@@ -135,6 +136,9 @@ class _Continuation:
         self.boundaries = list(req.boundaries if boundaries is None else boundaries)   # turn starts in tokens
         # its own grammar matcher (forks too): what this continuation's tokens have matched so far
         self.constraint = req.grammar.constraint() if req.grammar is not None else None
+        # positions where the KV layer keeps a checkpoint of the state while the prompt goes in
+        # (a recurrent model: KVCache.checkpoints_at); a prompt chunk ends at each
+        self.checkpoints: list[int] = []
 
     @property
     def prefilling(self) -> bool:
@@ -342,6 +346,8 @@ class Engine:
             del cont.pending[:took]
             if was_prefill:
                 self.stats.evaluated_tokens += took
+                if cont.checkpoints:
+                    self._keep_checkpoint(cont)
             if cont.pending:
                 continue   # a prompt chunk: more to come
             cont.logits = logits
@@ -380,6 +386,13 @@ class Engine:
                 return fut
         self._run_tasks([(fn, fut)])
         return fut
+
+    def _keep_checkpoint(self, cont: _Continuation) -> None:
+        """A prompt chunk ended: the KV layer keeps a checkpoint when it ended at one of the points."""
+        held = len(cont.tokens) - len(cont.pending)
+        if held == cont.checkpoints[0]:
+            self.kv.checkpoint(cont.seq)
+        cont.checkpoints = [p for p in cont.checkpoints if p > held]
 
     def _run_tasks(self, tasks: list) -> None:
         for fn, fut in tasks:
@@ -557,6 +570,7 @@ class Engine:
         seq, n = self.kv.start(tokens)
         cont.seq = seq
         cont.pending = list(tokens[n:])
+        cont.checkpoints = self.kv.checkpoints_at(tokens, cont.boundaries, n)
         self._continuations.append(cont)
 
     # -- internals: batch, decode, sampling ------------------------------------------------------
@@ -574,6 +588,9 @@ class Engine:
             if budget <= 0:
                 break
             take = min(budget, len(s.pending))
+            if s.checkpoints:   # the chunk ends where a checkpoint is kept
+                at = len(s.tokens) - len(s.pending)
+                take = min(take, max(1, s.checkpoints[0] - at))
             batch[s.seq] = s.pending[:take]
             owners[s.seq] = s
             budget -= take
@@ -766,6 +783,7 @@ class Engine:
         # (K-shift: positions [end, held) are now [n_keep, held - discard), nothing to decode)
         del cont.tokens[n_keep:end]
         cont.boundaries = drop_range(cont.boundaries, n_keep, end)
+        cont.checkpoints = []
         self.stats.context_shifts += 1
         self.stats.dropped_tokens += discard
         usage = req.handle.usage

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..config import int_param
+from ..core.checkpoint import Checkpoint
 from ..core.context import Context
 from ..core.sequence import Sequence
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError
+from .checkpoints import Checkpoints
 from .eviction import IdlePrefixes
 from .tiers import SpanTrie, Tiers, TierStats, can_restore, context_layout, shared_prefix
 
@@ -28,6 +30,7 @@ class PrefixCacheStats:
     restored_tokens: int = 0    # tokens restored from host memory or disk (not evaluated)
     evaluated_tokens: int = 0   # tokens decoded by acquire() (or left to the caller of fork_prefix)
     evictions: int = 0
+    checkpoint_forks: int = 0   # forks whose recurrent state came from a checkpoint (a recurrent model)
 
 
 class PrefixCache:
@@ -50,6 +53,10 @@ class PrefixCache:
     to files in ``cache_dir`` (at most ``cache_dir_mib`` MiB) when one is given. See
     :mod:`pyllama_kv.prefixcache.tiers` and :mod:`pyllama_kv.prefixcache.spanfile`. ``cache_ram=0``
     without a ``cache_dir``: evicted sequences are dropped.
+
+    A model with recurrent layers (a hybrid such as LFM2) keeps checkpoints of their state where
+    prefixes branch (``self.checkpoints``, :mod:`~pyllama_kv.prefixcache.checkpoints`): a fork of a
+    cached sequence's first n tokens takes its recurrent state from the checkpoint of those n tokens.
 
     Every acquired sequence has ``reused_tokens`` (the tokens it did not evaluate; the last acquire's
     are ``last_reused_tokens``); ``stats`` sums them up, ``tier_info``
@@ -83,8 +90,13 @@ class PrefixCache:
                                          "of the mission pin's series): evicted prefixes are dropped, not paged out")
         else:
             self.tiers = Tiers(ctx, cache_ram << 20, self.tier_info, cache_dir, cache_dir_mib << 20)
+        #: a recurrent model's state where its prefixes branch (None: a model without recurrent layers,
+        #: or a library that cannot write that state back)
+        self.checkpoints: Checkpoints | None = None
+        if ctx.model.recurrent and ctx.caps.recurrent_checkpoints:
+            self.checkpoints = Checkpoints()
         #: the idle cached sequences and the one eviction rule (evicted ones paged out to the tiers)
-        self.idle: IdlePrefixes[Sequence] = IdlePrefixes(self._page_out)
+        self.idle: IdlePrefixes[Sequence] = IdlePrefixes(self._page_out, self._absorbed)
         try:
             ly = context_layout(ctx)
             self._cell_bytes = ly.n_bytes(1) - ly.n_bytes(0)
@@ -114,11 +126,25 @@ class PrefixCache:
         """The idle cached sequence with the longest common prefix with ``toks``, and its length."""
         return self.idle.best(toks)
 
-    def _forkable(self, best, n: int) -> int:
-        """``n`` when ``best.fork(n)`` can be made, else 0: a model whose memory cannot go back to
-        position n (recurrent layers, a sliding-window cache that reused older cells: see
-        Context.can_fork) evaluates the prompt afresh instead."""
-        return n if best is None or n <= 0 or self.ctx.can_fork(best, n) else 0
+    def _fork_point(self, best, n: int, toks) -> tuple[int, Checkpoint | None]:
+        """Where ``best`` (sharing the first ``n`` of ``toks``) can be forked: ``(n, None)`` when
+        ``best.fork(n)`` can be made; for a model whose recurrent layers cannot go back to position n,
+        the longest checkpoint of a prefix of those n tokens ``(m, ck)``; else ``(0, None)``: the
+        prompt is evaluated afresh (so is one whose sliding-window cache reused older cells: see
+        Context.can_fork)."""
+        if best is None or n <= 0 or self.ctx.can_fork(best, n):
+            return n, None
+        if self.checkpoints is not None:
+            ck = self.checkpoints.best(toks, n)
+            if ck is not None and self.ctx.can_fork(best, ck.n, ck):
+                return ck.n, ck
+        return 0, None
+
+    def _absorbed(self, seq) -> None:
+        """An idle cached sequence is closed because a longer one holds its tokens: a recurrent
+        model's state after them is kept as a checkpoint (the longer one holds only its own)."""
+        if self.checkpoints is not None:
+            self.checkpoint(seq)
 
     def _resident_changed(self) -> None:
         st = self.tier_info
@@ -169,7 +195,36 @@ class PrefixCache:
             best, n = self._best(toks)
             # fork_prefix forks at most all but the last token: counted where that fork can be made
             m = min(n, toks.size - 1)
-            return 0 if m > 0 and self._forkable(best, m) == 0 else n
+            if m <= 0:
+                return n
+            f = self._fork_point(best, m, toks)[0]
+            return n if f == m else f
+
+    def branch_point(self, tokens) -> int:
+        """Where ``tokens`` leave the longest idle cached sequence they share a prefix with, when a fork
+        can go only to an earlier point (a recurrent model without a checkpoint there); 0 otherwise.
+        The engine keeps a checkpoint there while it evaluates the prompt, so that the next prompt
+        sharing as much forks all of it."""
+        if self.checkpoints is None:
+            return 0
+        with self.ctx.critical():
+            toks = self.ctx.model.check_tokens(tokens)
+            best, n = self._best(toks)
+            m = min(n, toks.size - 1)
+            return m if m > 0 and self._fork_point(best, m, toks)[0] < m else 0
+
+    def checkpoint(self, seq) -> bool:
+        """Keep the recurrent state of ``seq`` after its tokens as a checkpoint (a recurrent model:
+        see :mod:`~pyllama_kv.prefixcache.checkpoints`); whether one was kept (False without
+        recurrent layers, for an empty sequence, or when one of the same tokens is kept already)."""
+        if self.checkpoints is None:
+            return False
+        with self.ctx.critical():
+            self.ctx.check_sequence(seq)
+            if len(seq) == 0 or seq.tokens in self.checkpoints:
+                return False
+            self.checkpoints.add(seq.checkpoint())
+            return True
 
     def fork_prefix(self, tokens):
         """A new sequence holding the longest cached prefix of ``tokens`` (at most all but the last
@@ -183,12 +238,14 @@ class PrefixCache:
             if toks.size == 0:
                 raise InvalidInputError("a prompt needs at least one token")
             best, n = self._best(toks)
-            n = self._forkable(best, min(n, toks.size - 1))
+            n, ck = self._fork_point(best, min(n, toks.size - 1), toks)
             if best is not None:
                 self.idle.touch(best)
-            seq = self._with_room(lambda: best.fork(n) if (best is not None and n > 0) else ctx.new_sequence(),
+            seq = self._with_room(lambda: best.fork(n, ck) if (best is not None and n > 0) else ctx.new_sequence(),
                                   best, full=LlamaError)
             n = len(seq)
+            if ck is not None:
+                self.stats.checkpoint_forks += 1
             seq.reused_tokens = n
             st = self.stats
             st.requests += 1
@@ -245,12 +302,19 @@ class PrefixCache:
         """A new sequence holding ``tokens`` (see the class docstring); the caller owns it."""
         ctx = self.ctx
         with ctx.critical():
+            branch = self.branch_point(tokens)
             seq, n = self.fork_prefix(tokens)
             toks = ctx.model.check_tokens(tokens)
             keep = self._best(toks)[0]
             try:
                 n += self.restore_into(seq, toks, toks.size - 1, make_room=lambda: self._evict(keep))
-                rest = toks[n:]
+                at = n
+                if at < branch:   # a recurrent model's state where the prompt leaves the cached one, kept
+                    head = toks[at:branch]
+                    self._with_room(lambda: seq.extend(head), keep)
+                    self.checkpoint(seq)
+                    at = branch
+                rest = toks[at:]
                 self._with_room(lambda: seq.extend(rest), keep)
             except BaseException:
                 seq.close()
@@ -280,5 +344,7 @@ class PrefixCache:
         with self.ctx.critical():
             self.idle.clear()
             self._resident_changed()
+            if self.checkpoints is not None:
+                self.checkpoints.clear()
             if self.tiers is not None:
                 self.tiers.clear()

@@ -66,10 +66,13 @@ class IdlePrefixes(Generic[S]):
     A sequence is anything with ``id``, ``tokens`` and ``close()`` (a
     :class:`~pyllama_kv.core.sequence.Sequence`); its tokens are read once, when it is added (an
     idle sequence does not change). ``page_out(seq)`` is called on a sequence before it is evicted
-    (None: evicted sequences are dropped)."""
+    (None: evicted sequences are dropped), ``absorbed(seq)`` on one before it is closed because a
+    longer one holds its tokens (rule 5: the prefix cache keeps a recurrent model's state there)."""
 
-    def __init__(self, page_out: Callable[[S], object] | None = None):
+    def __init__(self, page_out: Callable[[S], object] | None = None,
+                 absorbed: Callable[[S], object] | None = None):
         self.page_out = page_out
+        self.absorbed = absorbed
         self._lru: OrderedDict[int, S] = OrderedDict()   # seq id -> sequence, least recently used first
         self._used: dict[int, int] = {}                  # seq id -> when it was last used (the trie's rank)
         self._len: dict[int, int] = {}
@@ -104,6 +107,8 @@ class IdlePrefixes(Generic[S]):
         are a prefix of it (rule 5)."""
         toks = np.asarray(seq.tokens, dtype=np.int32)
         for o in self._trie.prefixes(toks):
+            if self.absorbed is not None:
+                self.absorbed(o)
             self._forget(o)
             o.close()
         sid = seq.id

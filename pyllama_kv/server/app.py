@@ -54,6 +54,7 @@ from ..chat import toolcall
 from ..chat.conversation import Transcripts
 from ..chat.templates import chat_template
 from ..core.embedding import embed_inputs, rerank_tokens
+from ..core.span import shared_prefix
 from ..engine.request import GRAMMAR_ERROR
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from ..limits import prompt_too_long
@@ -583,12 +584,31 @@ class Server:
                 msgs, tools = toolcall.prepare(req.tool_format, req.tools, req.prompt)
                 req.rendered = m.apply_chat_template(msgs, tools=tools)
                 req.prompt_ids = self.transcripts.tokenize(req.rendered)
+                req.boundaries = self._system_end(msgs, tools, req.prompt_ids)
                 return req.prompt_ids
             if isinstance(req.prompt, str):
                 return m.tokenize(req.prompt, add_bos=True, special=True)
             return m.check_tokens(req.prompt).tolist()
         except InvalidInputError as e:
             raise protocol.bad(param, str(e)) from None
+
+    def _system_end(self, msgs: list, tools: list | None, prompt_ids: list[int]) -> list[int] | None:
+        """Where the leading system messages end in ``prompt_ids``, for a model with recurrent layers:
+        the engine keeps a checkpoint of their state there, so that every conversation under the same
+        system prompt forks all of it (pyllama_kv.prefixcache.checkpoints). None for other models, or
+        when the messages start with no system message (or are nothing else)."""
+        m = self.model
+        if not (m.recurrent and m.native_library.caps.recurrent_checkpoints):
+            return None
+        k = next((i for i, msg in enumerate(msgs) if msg.get("role") not in ("system", "developer")), len(msgs))
+        if k == 0 or k == len(msgs):
+            return None
+        try:
+            head = self.transcripts.tokenize(m.apply_chat_template(msgs[:k], add_generation_prompt=False, tools=tools))
+        except InvalidInputError:
+            return None   # a template that refuses a conversation of system messages alone
+        b = shared_prefix(head, prompt_ids)
+        return [b] if 0 < b < len(prompt_ids) else None
 
     async def _serve(self, request: HTTPRequest, dialect: Dialect) -> Response:
         """A generating endpoint, whatever its dialect: check the body into a chat or completion request,

@@ -110,6 +110,7 @@ class GenRequest:
     tool_format: str = "generic"       # the model's tool-call format (set when the prompt is prepared)
     rendered: Any = None               # chat: the messages as the template rendered them (set when prepared)
     prompt_ids: list[int] | None = None   # chat: the tokens submitted for them
+    boundaries: list[int] | None = None   # chat: where turns start in prompt_ids (the end of the system prompt)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -120,7 +121,8 @@ class GenRequest:
 
     def engine_options(self) -> dict:
         """The extension fields the request set, as keyword arguments of ``Engine.submit``."""
-        opts = {"context_shift": self.context_shift, "n_keep": self.n_keep, "truncate": self.truncate}
+        opts = {"context_shift": self.context_shift, "n_keep": self.n_keep, "truncate": self.truncate,
+                "boundaries": self.boundaries}
         return {k: v for k, v in opts.items() if v is not None}
 
 

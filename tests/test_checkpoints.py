@@ -1,0 +1,197 @@
+"""Checkpoints of a recurrent model's state (issue 32, item 4: exact prefix reuse for hybrid models).
+
+A hybrid model (LFM2: short-convolution layers with recurrent state between attention layers) can
+share the attention cells of any prefix, but its recurrent layers hold only the state after a
+sequence's last token. ``seq.checkpoint()`` keeps that state (llama.cpp's partial sequence state),
+``seq.fork(n, checkpoint=ck)`` forks the first n tokens of a longer sequence with it, and the prefix
+cache and the engine keep checkpoints where prompts branch, so that a later prompt evaluates only
+what no cached prefix holds. The oracle: F32 weights and cache, every continuation equal to a fresh
+evaluation of the same tokens (up to float rounding, test_new_archs.TOL)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyllama_kv as pk
+from conftest import F32, KVWrapper, toks
+from pyllama_kv.core.checkpoint import Checkpoint
+from pyllama_kv.engine import GREEDY, Engine, EngineConfig
+from pyllama_kv.prefixcache.checkpoints import Checkpoints
+from pyllama_kv.tools.gguf import make_tiny_model
+from test_engine import greedy_run
+from test_new_archs import ARCHS, close, fresh
+
+SYSTEM = 120   # tokens of the shared "system prompt" in the engine tests
+
+
+@pytest.fixture(scope="module")
+def lfm2_path(models):
+    return make_tiny_model(models / "ckpt-lfm2.gguf", seed=3, **ARCHS["lfm2"])
+
+
+@pytest.fixture(scope="module")
+def lfm2(lfm2_path, current_lib):
+    with pk.Model(lfm2_path, lib=current_lib) as m:
+        yield m
+
+
+# -- the store (pure Python) -----------------------------------------------------------------------
+
+def ck(tokens, size=10) -> Checkpoint:
+    return Checkpoint.of(tokens, b"x" * size, model=1)
+
+
+def test_the_store_finds_the_longest_checkpoint_of_a_prefix_within_the_limit():
+    s = Checkpoints(max_bytes=1000)
+    a = list(range(100))
+    s.add(ck(a[:10]))
+    s.add(ck(a[:40]))
+    s.add(ck([7] * 30))          # 30 tokens that are not a prefix of a
+    t = np.array(a + [5, 6], dtype=np.int32)
+    assert s.best(t, 60).n == 40
+    assert s.best(t, 39).n == 10          # no longer than the limit
+    assert s.best(t, 9) is None
+    assert s.best(np.array([1] * 50, dtype=np.int32), 50) is None
+    assert a[:40] in s and a[:41] not in s
+
+
+def test_the_store_keeps_its_bytes_least_recently_used_first_out():
+    s = Checkpoints(max_bytes=25)
+    s.add(ck([1], 10))
+    s.add(ck([1, 2], 10))
+    s.best(np.array([1, 9], dtype=np.int32), 5)    # [1] is used: [1, 2] is the oldest now
+    s.add(ck([1, 2, 3], 10))
+    assert len(s) == 2 and s.n_bytes == 20 and [1] in s and [1, 2] not in s
+    s.add(ck([1, 2, 3], 12))                       # the same tokens: replaced, not added
+    assert len(s) == 2 and s.n_bytes == 22
+    s.add(ck([4], 30))                             # over the bytes alone: nothing of it stays
+    assert len(s) == 0 and s.n_bytes == 0
+    s.add(ck([5]))
+    s.clear()
+    assert len(s) == 0 and s.n_bytes == 0 and s.best(np.array([5], dtype=np.int32), 1) is None
+
+
+# -- the core: checkpoint and fork ----------------------------------------------------------------
+
+def test_a_fork_from_a_checkpoint_continues_as_a_fresh_evaluation(lfm2):
+    a, b = toks(40, 1), toks(12, 2)
+    with lfm2.context(n_ctx=512, n_seq_max=4, **F32) as c:
+        s = c.new_sequence()
+        s.extend(a[:20])
+        ck20 = s.checkpoint()
+        assert ck20.n == 20 and 0 < ck20.n_bytes < 100_000 and list(ck20.tokens) == a[:20]
+        s.extend(a[20:])
+        with pytest.raises(pk.InvalidInputError, match="recurrent layers"):
+            s.fork(20)
+        assert not c.can_fork(s, 20) and c.can_fork(s, 20, ck20)
+        f = s.fork(20, checkpoint=ck20)
+        assert f.tokens == a[:20]
+        assert close(f.extend(b), fresh(lfm2, a[:20] + b))
+        # the source keeps its own state, the cells they share included
+        assert close(s.extend(b), fresh(lfm2, a + b))
+        # a checkpoint at the whole length is the sequence's own state: accepted, not needed
+        g = s.fork(len(s), checkpoint=s.checkpoint())
+        assert close(g.extend([5]), fresh(lfm2, a + b + [5]))
+
+
+def test_a_wrong_checkpoint_is_refused_with_nothing_changed(lfm2, lfm2_path, current_lib):
+    a = toks(30, 3)
+    with lfm2.context(n_ctx=512, n_seq_max=4, **F32) as c:
+        s = c.new_sequence()
+        s.extend(a[:10])
+        ck10 = s.checkpoint()
+        s.extend(a[10:])
+        free = c.free_sequence_ids
+        with pytest.raises(pk.InvalidInputError, match="not the first 12"):
+            s.fork(12, checkpoint=ck10)
+        other = c.new_sequence()
+        other.extend(toks(10, 4))
+        with pytest.raises(pk.InvalidInputError, match="not the first 10"):
+            s.fork(10, checkpoint=other.checkpoint())
+        with pytest.raises(pk.InvalidInputError, match="Checkpoint"):
+            s.fork(10, checkpoint=b"state")
+        with pk.Model(lfm2_path, lib=current_lib) as m2:   # the same file loaded again: another model
+            with m2.context(n_ctx=256, n_seq_max=1, **F32) as c2:
+                s2 = c2.new_sequence()
+                s2.extend(a[:10])
+                with pytest.raises(pk.InvalidInputError, match="another model"):
+                    s.fork(10, checkpoint=s2.checkpoint())
+        with pytest.raises(pk.InvalidInputError, match="empty"):
+            c.new_sequence().checkpoint()
+        assert c.free_sequence_ids == free - 2 and s.tokens == a
+        assert close(s.extend([9]), fresh(lfm2, a + [9]))
+
+
+def test_checkpoints_need_recurrent_layers_and_the_current_library(models, tiny_model, current_lib):
+    p = make_tiny_model(models / "ckpt-smollm3.gguf", seed=3, **ARCHS["smollm3"])
+    with pk.Model(p, lib=current_lib) as m, m.context(n_ctx=256, n_seq_max=1, **F32) as c:
+        s = c.new_sequence()
+        s.extend(toks(5))
+        with pytest.raises(pk.InvalidInputError, match="no recurrent layers"):
+            s.checkpoint()
+    with pk.Model(tiny_model) as m, m.context(n_ctx=256, n_seq_max=1) as c:
+        assert not m.native_library.caps.recurrent_checkpoints
+        s = c.new_sequence()
+        s.extend(toks(5))
+        with pytest.raises(pk.LibraryError, match="PARTIAL_ONLY"):
+            s.checkpoint()
+
+
+# -- the prefix cache and the engine ----------------------------------------------------------------
+
+def test_the_prefix_cache_forks_a_shared_prefix_from_the_checkpoint_it_kept(lfm2):
+    """acquire() of a prompt that leaves a cached one keeps a checkpoint there: the next prompt
+    sharing that much forks it; a prompt whose answer was cached after it leaves its checkpoint too."""
+    sys_, q = toks(60, 5), [toks(10, 10 + i) for i in range(4)]
+    with lfm2.context(n_ctx=1024, n_seq_max=8, **F32) as c:
+        cache = pk.PrefixCache(c, max_sequences=4)
+        s1 = cache.acquire(sys_ + q[0])
+        assert cache.last_reused_tokens == 0
+        s2 = cache.acquire(sys_ + q[1])            # the branch: evaluated, its checkpoint kept
+        assert cache.last_reused_tokens == 0 and len(cache.checkpoints) == 1
+        s3 = cache.acquire(sys_ + q[2])
+        assert cache.last_reused_tokens == 60 and cache.stats.checkpoint_forks == 1
+        assert close(s3.extend([7]), fresh(lfm2, sys_ + q[2] + [7]))
+        # the cached prompt sys+q[0] is absorbed by its longer continuation: its checkpoint stays
+        s1.extend([3, 4, 5])
+        cache.release(s1)
+        s4 = cache.acquire(sys_ + q[0] + [3, 4, 5, 9])   # extends the whole cached one: no checkpoint needed
+        assert cache.last_reused_tokens == 73
+        assert close(s4.extend([1]), fresh(lfm2, sys_ + q[0] + [3, 4, 5, 9, 1]))
+        s5 = cache.acquire(sys_ + q[0] + [3, 8])         # leaves it after 71: forks 70 from the checkpoint
+        assert cache.last_reused_tokens == 70 and close(s5.extend([2]), fresh(lfm2, sys_ + q[0] + [3, 8, 2]))
+        for s in (s2, s3, s4, s5):
+            s.close()
+
+
+class Evaluated(KVWrapper):
+    def __init__(self, kv):
+        super().__init__(kv)
+        self.checkpoints: list[int] = []
+
+    def checkpoint(self, seq):
+        self.checkpoints.append(len(seq))
+        self.kv.checkpoint(seq)
+
+
+def test_the_engine_serves_a_shared_system_prompt_from_its_checkpoint(lfm2):
+    """Conversations under one system prompt on the hybrid model: with the turn boundary given, the
+    first keeps a checkpoint at the end of the system prompt and every later one forks all of it;
+    without, the second keeps one where it leaves the first (the trie's branch) and the third
+    forks it. Every answer is the greedy continuation of a fresh evaluation."""
+    system = toks(SYSTEM, 20)
+    cfg = EngineConfig(n_ctx=2048, parallel=2, prefix_cache=4, **F32)
+    for bounds in ([SYSTEM], None):
+        with Engine(lfm2, cfg) as eng:
+            eng.kv = rec = Evaluated(eng.kv)
+            reused = []
+            for i in range(3):
+                prompt = system + toks(15, 30 + i)
+                h = eng.submit(prompt, GREEDY, max_tokens=6, boundaries=bounds)
+                eng.run_until_idle()
+                assert list(h.result()[0].tokens) == greedy_run(lfm2, prompt, len(h.result()[0].tokens))
+                reused.append(h.usage.reused_tokens)
+            if bounds:
+                assert reused == [0, SYSTEM, SYSTEM] and rec.checkpoints[0] == SYSTEM
+            else:
+                assert reused == [0, 0, SYSTEM] and rec.checkpoints[0] == SYSTEM
