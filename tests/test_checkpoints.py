@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_new_archs import ARCHS, close, fresh
 
 import pyllama_kv as pk
 from conftest import F32, KVWrapper, toks
@@ -19,7 +20,6 @@ from pyllama_kv.engine import GREEDY, Engine, EngineConfig
 from pyllama_kv.prefixcache.checkpoints import Checkpoints
 from pyllama_kv.tools.gguf import make_tiny_model
 from test_engine import greedy_run
-from test_new_archs import ARCHS, close, fresh
 
 SYSTEM = 120   # tokens of the shared "system prompt" in the engine tests
 
