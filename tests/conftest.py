@@ -82,6 +82,17 @@ def current_lib() -> str:
     return _lib("current")
 
 
+#: the libraries the suites that run on both pins are parametrized over (issue 32, item 5): the mission
+#: pin's patched build and the current llama.cpp's
+PINS = ("patched", "current")
+
+
+@pytest.fixture(scope="session", params=PINS)
+def pin_lib(request) -> str:
+    """Each pin's library in turn (its CPU build), for a suite that runs on both."""
+    return _lib(request.param)
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
@@ -141,6 +152,24 @@ def toks(n, seed=0, lo=3, hi=600):
     import numpy as np
 
     return np.random.default_rng(seed).integers(lo, hi, n).tolist()
+
+
+def held_positions(ctx) -> dict[int, list[int]]:
+    """For each sequence id, the positions of the cells it holds, sorted (the spare id left out): from
+    llama.cpp's cell view where the library has one, else from the binding's shadow of the cells (the
+    current API has no per-cell view)."""
+    if ctx.caps.cell_view:
+        pos, held = ctx.kv_view()
+    else:
+        with ctx.critical():
+            ctx._apply_shifts()
+            pos, held = ctx._read_view()
+    out: dict[int, list[int]] = {}
+    for p, row in zip(pos.tolist(), held.tolist()):
+        for sid in row:
+            if 0 <= sid < ctx.n_seq_max:
+                out.setdefault(sid, []).append(p)
+    return {k: sorted(v) for k, v in out.items()}
 
 
 class KVWrapper:

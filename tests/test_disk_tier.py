@@ -22,8 +22,8 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    with pk.Model(tiny_model) as m:
+def model(tiny_model, pin_lib):
+    with pk.Model(tiny_model, lib=pin_lib) as m:
         yield m
 
 

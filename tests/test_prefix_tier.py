@@ -16,8 +16,8 @@ from pyllama_kv.server.metrics import Snapshot, _EngineCollector
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    with pk.Model(tiny_model) as m:
+def model(tiny_model, pin_lib):
+    with pk.Model(tiny_model, lib=pin_lib) as m:
         yield m
 
 

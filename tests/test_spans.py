@@ -1,5 +1,6 @@
 """Spans (issue 24, section 1): a compact host copy of a sequence's cells over [start, end), restored
-onto a sequence that holds [0, start) with llama_state_seq_add_data (patch 0014), exactly.
+onto a sequence that holds [0, start) with llama_state_seq_add_data (patch 0014; on the current pin,
+patches/current/0001), exactly. Every test that takes ``model`` runs on both pins.
 
 Exactness is checked on the bytes: a restored sequence's state (cells in position order, K and V of
 every layer) equals the original's byte for byte, on an F32 model with an F32 and an F16 cache, with
@@ -26,8 +27,8 @@ CONFIGS = {"f32": dict(type_k="f32", type_v="f32", flash_attn=False),
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    with pk.Model(tiny_model) as m:
+def model(tiny_model, pin_lib):
+    with pk.Model(tiny_model, lib=pin_lib) as m:
         yield m
 
 
@@ -117,9 +118,10 @@ def test_a_bad_restore_leaves_the_sequence_as_it_was(model):
         with pytest.raises(pk.InvalidInputError, match="other cache types"):
             o.restore(span)
         assert len(o) == 10 and other.kv_stats().used_cells == 10
-        # no room: 64 cells, 20 + 10 + 30 held; a 10-cell span does not fit after a's 20 + b's 30
+        # no room: a's 20 cells, c's 14 and b's the rest (30 of 64; the current pin pads a cache to
+        # 256 cells); a 10-cell span does not fit
         b = ctx.new_sequence()
-        b.extend(tokens(model, 30, seed=5))
+        b.extend(tokens(model, ctx.n_ctx - 34, seed=5))
         c = a.fork(10)
         c.extend(tokens(model, 14, seed=6))
         with pytest.raises(pk.KVCacheFullError):
@@ -206,7 +208,8 @@ def test_a_span_read_by_range_equals_the_span_cut_from_the_whole_state(model, ct
     state, for cells in position order and for cells that interleave with another sequence's."""
     import dataclasses
 
-    assert ctx.caps.span_range_read   # the patched library
+    if not ctx.caps.span_range_read:
+        pytest.skip("the current library reads a sequence's whole state (patch 0017 is the mission pin's)")
     a = ctx.new_sequence()
     a.extend(tokens(model, 20, seed=5))
     b = a.fork(12)

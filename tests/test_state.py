@@ -24,15 +24,15 @@ F32_ATOL = 1e-4  # f32 cache, no flash attention: differences are ~1e-6 (summati
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    m = pk.Model(tiny_model)
+def model(tiny_model, pin_lib):
+    m = pk.Model(tiny_model, lib=pin_lib)
     yield m
     m.close()
 
 
 @pytest.fixture(scope="module")
-def model1(one_layer_model):
-    m = pk.Model(one_layer_model)
+def model1(one_layer_model, pin_lib):
+    m = pk.Model(one_layer_model, lib=pin_lib)
     yield m
     m.close()
 
@@ -51,8 +51,14 @@ def toks(n, seed=0):
 
 
 def snapshot(ctx):
-    pos, seqs = ctx.kv_view()
-    return ({s.id: s.tokens for s in ctx.sequences}, ctx.free_sequence_ids, pos.tolist(), seqs.tolist())
+    """What a failed call must leave as it was: the sequences, free ids and cells (in cache order where
+    the library has a cell view; else which sequences hold how many cells)."""
+    if ctx.caps.cell_view:
+        pos, seqs = ctx.kv_view()
+        cells = (pos.tolist(), seqs.tolist())
+    else:
+        cells = sorted(map(tuple, ctx.cell_holders().tolist()))
+    return ({s.id: s.tokens for s in ctx.sequences}, ctx.free_sequence_ids, cells)
 
 
 # -- round trips -----------------------------------------------------------------------------------
@@ -94,9 +100,10 @@ def test_export_puts_cells_in_position_order(model):
         z.extend(toks(5, seed=1))  # cells 20..24
         y.close()  # frees cells 0..19
         z.extend(toks(3, seed=2))  # positions 5..7 go to cells 0..2
-        pos, seqs = ctx.kv_view()
-        mine = (seqs == z.id).any(axis=1)
-        assert not np.all(np.diff(pos[mine]) > 0), "the setup should put z's cells out of order"
+        if ctx.caps.cell_view:   # (the current library shows no cache order: the export is checked all the same)
+            pos, seqs = ctx.kv_view()
+            mine = (seqs == z.id).any(axis=1)
+            assert not np.all(np.diff(pos[mine]) > 0), "the setup should put z's cells out of order"
         st = z.export_state()
         assert S.parse(st.data, 64).pos.tolist() == list(range(8))
         s = other.import_sequence(st)
@@ -172,15 +179,21 @@ def test_no_room_is_kvcachefull_and_changes_nothing(model):
             ctx.import_sequence(st)
         extra.close()
         before = snapshot(ctx)
-        assert ctx.kv_stats().free_cells >= 20 and ctx.kv_stats().largest_free_block < 20
-        with pytest.raises(pk.KVCacheFullError, match="contiguous"):
-            ctx.import_sequence(st)
-        assert snapshot(ctx) == before
-        big = src.new_sequence()
-        big.extend(toks(40))
-        st = big.export_state()
+        if ctx.caps.scattered_cells:
+            # the current library writes a state into scattered free cells: it fits and continues exactly
+            s = ctx.import_sequence(st)
+            np.testing.assert_allclose(s.logits(recompute=True), x.logits(), atol=F32_ATOL)
+        else:
+            assert ctx.kv_stats().free_cells >= 20 and ctx.kv_stats().largest_free_block < 20
+            with pytest.raises(pk.KVCacheFullError, match="contiguous"):
+                ctx.import_sequence(st)
+            assert snapshot(ctx) == before
     with f32ctx(model, n_ctx=16, n_seq_max=1) as small:
-        assert small.n_ctx < 40  # n_ctx is padded (to 32)
+        n = small.n_ctx + 8   # n_ctx is padded (to 32; to 256 on the current pin)
+        with f32ctx(model, n_ctx=2 * small.n_ctx) as src:
+            big = src.new_sequence()
+            big.extend(toks(n))
+            st = big.export_state()
         with pytest.raises(pk.KVCacheFullError, match="more than n_ctx"):
             small.import_sequence(st)
         assert small.kv_stats().used_cells == 0 and small.free_sequence_ids == 1

@@ -33,8 +33,8 @@ GREEDY_ALL = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    with pk.Model(tiny_model) as m:
+def model(tiny_model, pin_lib):
+    with pk.Model(tiny_model, lib=pin_lib) as m:
         yield m
 
 

@@ -67,9 +67,13 @@ ffi.cdef(PATCHED_FUNCS_CDEF)
 CURRENT_TYPES_CDEF = _decl("current/llama_types.h")
 CURRENT_FUNCS_CDEF = _decl("current/llama_funcs.h") + _decl("current/ggml_backend.h")
 
+# functions only the current pin's series exports (patches/current/0001-state-seq-add-data.patch)
+CURRENT_PATCHED_FUNCS_CDEF = _decl("current/llama_patched.h")
+
 ffi_current = cffi.FFI()
 ffi_current.cdef(CURRENT_TYPES_CDEF)
 ffi_current.cdef(CURRENT_FUNCS_CDEF)
+ffi_current.cdef(CURRENT_PATCHED_FUNCS_CDEF)
 
 # a function only the current generation exports: what Library looks at before binding a
 # generation's declarations
@@ -137,7 +141,10 @@ def _caps(api: str, has) -> Caps:
     """The capabilities of a library of generation ``api`` whose exports ``has(name)`` tells."""
     if api == "current":
         return Caps(api="current", defrag=False, safe_defrag=False, stats=False, cell_view=False,
-                    span_restore=False, span_range_read=False, state_io=False, kv_shift=True, slot_retry=True,
+                    # states need pending K-shifts applied before they are read (patches/current/0002)
+                    span_restore=has("llama_state_seq_add_data") and has("llama_memory_update"),
+                    span_range_read=False, state_io=has("llama_memory_update"),
+                    kv_shift=True, slot_retry=True,
                     scattered_cells=True, recurrent_checkpoints=True,
                     partial_remove_may_fail=True, flash_attn_auto=True, architectures=archs.CURRENT)
     patched = has("llama_kv_self_stats")

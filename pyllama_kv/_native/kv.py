@@ -18,6 +18,7 @@ order is not the cache's there: ``caps.cell_view`` is False).
 """
 from __future__ import annotations
 
+import struct
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -419,6 +420,16 @@ class NativeContext:
         got = int(self.L.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
         return got, self.ffi.buffer(buf, size)[:]
 
+    def state_seq_read(self, seq_id: int, copy: bool = True) -> bytes | memoryview | None:
+        """The state of seq_id in the mission format (core/state.py's docstring): bytes, or with
+        ``copy=False`` a read-only view of the buffer C wrote; None when llama.cpp could not size it
+        or wrote another size."""
+        n = self.state_seq_size(seq_id)
+        if n == 0:
+            return None
+        got, data = self.state_seq_get(seq_id, n, copy)
+        return data if got == n else None
+
     def state_seq_range_size(self, seq_id: int, p0: int, p1: int) -> int | None:
         """llama_state_seq_get_size_range (patch 0017): the size of the state of positions [p0, p1) of
         seq_id; None when the library lacks it."""
@@ -455,11 +466,51 @@ class NativeContext:
         return int(fn(self.ptr, self.ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
 
 
+_CURRENT_MAGIC = 0xAF143CD8   # llama-context.cpp's io_magic: the first field of a one-sequence state
+
+
+def _current_to_mission(buf: np.ndarray, seq_id: int) -> np.ndarray | None:
+    """The current API's one-sequence state ``buf`` (uint8) in the mission format, in a new array;
+    None unless it is [magic][seq_id][1 stream][cell_count][cells of (pos, 1, seq_id)][the data]."""
+    if buf.size < 16:
+        return None
+    magic, _sid, n_stream, c = struct.unpack_from("=IiII", buf.data, 0)
+    meta_end = 16 + 12 * c
+    if magic != _CURRENT_MAGIC or n_stream != 1 or buf.size < meta_end:
+        return None
+    meta = buf[16:meta_end].view(np.int32).reshape(c, 3)
+    if c and ((meta[:, 1] != 1).any() or (meta[:, 2] != seq_id).any()):
+        return None
+    out = np.empty(4 + 8 * c + (buf.size - meta_end), dtype=np.uint8)
+    out[:4] = np.frombuffer(struct.pack("=I", c), dtype=np.uint8)
+    cells = out[4:4 + 8 * c].view(np.int32).reshape(c, 2)
+    cells[:, 0] = meta[:, 0]
+    cells[:, 1] = 0
+    out[4 + 8 * c:] = buf[meta_end:]
+    return out
+
+
+def _mission_to_current(data: bytes | memoryview, seq_id: int) -> np.ndarray:
+    """A mission-format one-sequence state (checked by the caller) framed as the current API reads
+    it; a state of 0 cells is the frame alone (that API reads no layer headers then)."""
+    a = np.frombuffer(data, dtype=np.uint8)
+    (c,) = struct.unpack_from("=I", data, 0)
+    rest = a[4 + 8 * c:] if c else a[:0]
+    out = np.empty(16 + 12 * c + rest.size, dtype=np.uint8)
+    out[:16] = np.frombuffer(struct.pack("=IiII", _CURRENT_MAGIC, seq_id, 1, c), dtype=np.uint8)
+    cells = out[16:16 + 12 * c].view(np.int32).reshape(c, 3)
+    cells[:, 0] = a[4:4 + 8 * c].view(np.int32).reshape(c, 2)[:, 0]
+    cells[:, 1] = 1
+    cells[:, 2] = seq_id
+    out[16 + 12 * c:] = rest
+    return out
+
+
 class CurrentContext(NativeContext):
     """A ``llama_context *`` of the current pin's API: the KV calls go to ``llama_memory_*`` on
-    ``llama_get_memory(ctx)``; there is no defrag (a no-op), no explicit update (llama_decode applies
-    pending shifts itself), no cell view (``view`` and ``used_cells`` come from the
-    :class:`CellShadow`) and no stats counters."""
+    ``llama_get_memory(ctx)``; there is no defrag (a no-op), an explicit update only with
+    patches/current/0002 (else llama_decode applies pending shifts itself), no cell view (``view``
+    and ``used_cells`` come from the :class:`CellShadow`) and no stats counters."""
 
     def __init__(self, lib: Library, ptr: Any, view_seq_max: int):
         self.lib = lib
@@ -517,7 +568,13 @@ class CurrentContext(NativeContext):
         """Nothing: the current library writes batches into non-contiguous cells and has no defrag."""
 
     def update(self) -> None:
-        """Nothing: llama_decode applies pending shifts itself (there is no llama_kv_self_update)."""
+        """llama_memory_update (patches/current/0002): apply pending K-shifts now, as llama_decode would
+        first; nothing on an unpatched build, where only the next llama_decode applies them."""
+        try:
+            fn = self.L.llama_memory_update
+        except AttributeError:
+            return
+        fn(self.ptr)
 
     def used_cells(self) -> int:
         """The cells some sequence holds (the shadow's count; llama.h has no counter)."""
@@ -551,10 +608,60 @@ class CurrentContext(NativeContext):
         raise LibraryError(f"{self.lib.path} has no KV cache counters (llama_kv_self_stats is patch 0004 of the "
                            "mission pin's series)")
 
+    # -- sequence states: the current API frames a one-sequence state with a header ([u32 magic][i32
+    # seq_id][u32 n_stream]), lists each cell's sequence id and writes no layer headers after a
+    # cell count of 0; the layers above see the mission format (core/state.py) on both pins,
+    # translated here. A cell extension (M-RoPE's 2D position, a PLE token) makes a state
+    # untranslatable: reading one gives None.
+
+    def state_seq_read(self, seq_id: int, copy: bool = True) -> bytes | memoryview | None:
+        """The state of seq_id in the mission format: bytes, or with ``copy=False`` a read-only view of
+        the translation (one copy less); for an empty sequence just its cell count (4 bytes: this API
+        writes no layer headers then); None when llama.cpp could not write it or it is not a plain KV
+        cache's one-sequence state."""
+        n = self.state_seq_size(seq_id)
+        if n == 0:
+            return None
+        buf = np.empty(n, dtype=np.uint8)
+        got = int(self.L.llama_state_seq_get_data(self.ptr, self.ffi.from_buffer("uint8_t[]", buf), n, seq_id))
+        if got != n:
+            return None
+        out = _current_to_mission(buf, seq_id)
+        if out is None:
+            return None
+        if copy:
+            return out.tobytes()
+        out.flags.writeable = False
+        return out.data
+
+    def _write_state(self, fn: Any, data: bytes | memoryview, seq_id: int) -> int:
+        """``fn`` (set or add) of the mission-format ``data`` translated: the bytes of ``data`` it
+        stands for when C read all of the translation, else 0 (or what C read, when not 0)."""
+        cur = _mission_to_current(data, seq_id)
+        got = int(fn(self.ptr, self.ffi.from_buffer("uint8_t[]", cur), cur.size, seq_id))
+        if got != cur.size:
+            return got
+        (c,) = struct.unpack_from("=I", data, 0)   # the shadow learns the cells placed
+        pos = np.frombuffer(data, dtype=np.int32, count=2 * c, offset=4)[0::2]
+        self.cells.add(np.full(c, seq_id, dtype=np.int32), pos)
+        return len(data)
+
     def state_seq_set(self, data: bytes, seq_id: int) -> int:
-        raise LibraryError(f"{self.lib.path}: writing a sequence state is not supported on this library's API")
+        """llama_state_seq_set_data of the mission-format ``data`` (see :meth:`_write_state`): the
+        sequence's cells are replaced."""
+        self.cells.rm(seq_id, -1, -1)
+        return self._write_state(self.L.llama_state_seq_set_data, data, seq_id)
 
     def state_seq_add(self, data: bytes | memoryview, seq_id: int) -> int | None:
+        """llama_state_seq_add_data (patches/current/0001) of the mission-format ``data``; None when
+        the library lacks it (an unpatched current build)."""
+        try:
+            fn = self.L.llama_state_seq_add_data
+        except AttributeError:
+            return None
+        return self._write_state(fn, data, seq_id)
+
+    def state_seq_range_size(self, seq_id: int, p0: int, p1: int) -> int | None:
         return None
 
 

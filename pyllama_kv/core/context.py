@@ -229,10 +229,10 @@ class Context(_kv.CResource):
             self, self._adopt, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max + 1,
             flash_attn=flash_attn, type_k=KV_CACHE_TYPES[type_k], type_v=KV_CACHE_TYPES[type_v],
             n_threads=n_threads, defrag_thold=defrag_thold)
-        # n_ctx may be padded up (256 with flash attention)
-        self.n_ctx, self.n_batch, self.n_ubatch = native.sizes()
+        self.n_ctx, self.n_batch, self.n_ubatch = native.sizes()   # n_ctx may be padded up (to 256)
         self.n_seq_max: int = n_seq_max
         self._spare_id: int = n_seq_max
+        self._layout: _state.Layout | None = None   # the layout of its states (_layout_of), read once
         self.flash_attn = flash_attn
         self.type_k, self.type_v = type_k, type_v
         # llama.cpp's word, unless a K-shift of this model would continue wrongly (Model.k_shift_exact)
@@ -467,20 +467,58 @@ class Context(_kv.CResource):
         return self._native.state_seq_set(data, sid)
 
     def cache_layout(self) -> _state.Layout:
-        """The layout of this context's sequence states (cache types, row sizes, V layout), read from
-        its spare sequence, which holds no cells between calls."""
+        """The layout of this context's sequence states (cache types, row sizes, V layout), read once
+        from its spare sequence, which holds no cells between calls."""
         with self.critical():
             self.check_open()
-            return self._layout_of(self._spare_id)
+            return self._layout_of()
 
-    def _layout_of(self, sid: int) -> _state.Layout:
-        return _state.context_layout(self._read_seq_state(sid), self.type_k, self.type_v)
+    def _layout_of(self) -> _state.Layout:
+        if self._layout is None:
+            self._need_states("reading a sequence's state")
+            data = self._read_seq_state(self._spare_id)
+            if len(data) == 4:   # an API that writes no layer headers for an empty sequence
+                data = self._probe_state()
+            self._layout = _state.context_layout(data, self.type_k, self.type_v)
+        return self._layout
+
+    def _probe_state(self) -> bytes:
+        """An empty state with its layer headers, from the state of one token decoded into the spare
+        sequence (which holds no cells again after), its cell cut out. Between decodes only: it
+        overwrites llama.cpp's output rows."""
+        assert self._native is not None
+        self._raw_decode([(self._spare_id, [0], 0)])
+        try:
+            one = self._read_seq_state(self._spare_id)
+        finally:
+            self._native.seq_rm(self._spare_id, -1, -1)
+        try:
+            p = _state.parse(one, max_cells=1)
+        except InvalidInputError as exc:
+            raise LlamaError(f"llama.cpp's state of one cell is not in the expected format: {exc}") from None
+        return bytes(_state.select(one, p, np.zeros(0, dtype=np.intp)))
+
+    def _need_states(self, what: str) -> None:
+        """``_need("state_io")``, and a memory whose states the binding reads: a plain KV cache, not
+        recurrent layers or a sliding-window cache (their states hold more than cells)."""
+        self._need("state_io", what)
+        if self.model.recurrent or self.model.n_swa > 0:
+            kind = "recurrent layers" if self.model.recurrent else "a sliding-window cache"
+            raise LibraryError(f"{what} needs a plain KV cache; this model's memory has {kind}, whose states "
+                               "the binding does not read (a recurrent state alone: Sequence.checkpoint())")
+
+    @property
+    def can_save_state(self) -> bool:
+        """Whether sequences can be exported and snapshotted here: a library whose states the binding
+        reads (``caps.state_io``) and a plain KV cache (not recurrent layers or a sliding-window
+        cache); False once closed."""
+        return self._native is not None and self.caps.state_io and not (self.model.recurrent or self.model.n_swa > 0)
 
     @property
     def can_restore(self) -> bool:
-        """Whether this context's library can restore a span (llama_state_seq_add_data, patch 0014 of
-        the series); False once closed."""
-        return self._native is not None and self.caps.span_restore
+        """Whether a span can be restored here (:attr:`can_save_state`, and the library has
+        llama_state_seq_add_data: patch 0014, patches/current/0001); False once closed."""
+        return self.can_save_state and self.caps.span_restore
 
     def import_sequence(self, state):
         """A new sequence holding the cells and tokens of ``state`` (from Sequence.export_state).
@@ -497,7 +535,7 @@ class Context(_kv.CResource):
             self.check_open()
             if not isinstance(state, _SequenceState):
                 raise InvalidInputError("import_sequence needs a SequenceState from Sequence.export_state()")
-            self._need("state_io", "importing a sequence's state")
+            self._need_states("importing a sequence's state")
             s = self.new_sequence()  # LlamaError when no id is free; given back on any failure below
             try:
                 self._import_into(self._table[s.id], state)
@@ -509,7 +547,7 @@ class Context(_kv.CResource):
     def _import_into(self, e: _SeqEntry, state: _SequenceState) -> None:
         """Fill the new, empty sequence of ``e`` from ``state``; on any error it holds no cells."""
         sid = e.id
-        toks, data, p = _state.check_import(state, self.model, self.n_ctx, lambda: self._layout_of(sid))
+        toks, data, p = _state.check_import(state, self.model, self.n_ctx, self._layout_of)
         if p.cell_count == 0:
             return
         # free cells may still carry the pending delta of a removed cell: the next update would
@@ -754,16 +792,17 @@ class Context(_kv.CResource):
         """Sequence.export_state."""
         with self.critical():
             e = self._entry(seq)
-            self._need("state_io", "exporting a sequence's state")
+            self._need_states("exporting a sequence's state")
             # a state copies K as stored: a K-shift still pending would be lost
             self._c_update()
-            return _state.export_state(self._read_seq_state(e.id), list(e.tokens), e.id, self.n_ctx, self.model)
+            data = _state.empty_state(self._layout_of()) if not e.tokens else self._read_seq_state(e.id)
+            return _state.export_state(data, list(e.tokens), e.id, self.n_ctx, self.model)
 
     def sequence_snapshot(self, seq, start: int, end: int | None) -> _Span:
         """Sequence.snapshot: a compact copy of the cells of ``seq`` over positions [start, end)."""
         with self.critical():
             e = self._entry(seq)
-            self._need("state_io", "a snapshot of a sequence's cells")
+            self._need_states("a snapshot of a sequence's cells")
             end = _spanio.span_end(start, end, len(e.tokens))
             self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
             if self.caps.span_range_read:   # just the span's cells (patch 0017)
@@ -778,7 +817,7 @@ class Context(_kv.CResource):
             e = self._entry(seq)
             self._need("span_restore", "restoring a span")
             span = _spanio.check_restore(span, self.model, len(e.tokens), e.id, self.n_ctx,
-                                         lambda: self._layout_of(self._spare_id))
+                                         self._layout_of)
             self._c_update()   # free cells may still carry the pending delta of a removed cell
             st = self.kv_stats()
             if st.largest_free_block < len(span) <= st.free_cells:

@@ -21,12 +21,10 @@ __all__ = ["check_restore", "make_span", "no_block", "read_seq_state", "read_spa
 def read_seq_state(native: NativeContext, sid: int, copy: bool = True) -> bytes | memoryview:
     """llama.cpp's state of sequence ``sid`` (LlamaError when it cannot be read whole): bytes, or with
     ``copy=False`` a read-only view of the buffer llama.cpp wrote (one copy less, for a snapshot)."""
-    n = native.state_seq_size(sid)
-    if n == 0:
-        raise LlamaError(f"llama.cpp could not size the state of sequence {sid}")
-    got, data = native.state_seq_get(sid, n, copy)
-    if got != n:
-        raise LlamaError(f"llama.cpp wrote {got} bytes of the state of sequence {sid}, expected {n}")
+    data = native.state_seq_read(sid, copy)
+    if data is None:
+        raise LlamaError(f"llama.cpp could not write the state of sequence {sid} whole (or in a format the "
+                         "binding reads)")
     return data
 
 

@@ -289,6 +289,17 @@ def concat(a: bytes | memoryview, pa: ParsedState, b: bytes | memoryview, pb: Pa
     return b"".join(out)
 
 
+def empty_state(layout: Layout) -> bytes:
+    """The state of a sequence holding no cells in ``layout``: the cell count 0 and the layer headers
+    (what the mission pin writes for an empty sequence; the current API writes only the count)."""
+    out = [struct.pack("=III", 0, int(layout.v_trans), len(layout.layers))]
+    out += [struct.pack("=iQ", ly.k_type, ly.k_row) for ly in layout.layers]
+    for ly in layout.layers:
+        out.append(struct.pack("=iII", ly.v_type, ly.v_elem, ly.n_embd_v) if layout.v_trans
+                   else struct.pack("=iQ", ly.v_type, ly.v_row))
+    return b"".join(out)
+
+
 def context_layout(empty_state: bytes, type_k: str, type_v: str) -> Layout:
     """The layout of a context's states, from llama.cpp's state of one of its sequences that holds no
     cells (exactly the headers: V layout, n_layer, per layer K/V type and row size) and its cache types."""

@@ -50,7 +50,7 @@ def vet_here(path: str, lib: str, n_gpu_layers: int, use_mmap: bool) -> dict:
         stage("defrag")
         b.close()
         ctx.defrag()
-        if ctx.caps.state_io:   # the current llama.cpp has no sequence states pyllama_kv reads
+        if ctx.can_save_state:   # not a recurrent or sliding-window memory, whose states the binding does not read
             stage("state")
             st = a.export_state()
             a.close()
