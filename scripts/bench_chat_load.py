@@ -20,12 +20,9 @@ where it says so, is in its row, ``flash_attn_log``):
   * ``ours-no-tier`` the same with ``--cache-ram 0`` (evicted prefixes are dropped);
   * ``pin``          llama-server from our pinned, patched build (``build --tools``): ``-np C`` fixed slots
                      of ctx/C cells, its per-slot prompt cache;
-  * ``ours-current`` ``pyllama-kv serve --lib current --cache-ram 0``: ours on the current llama.cpp
-                     (``build/current-*``), measured next to ``current``. The current library has no
-                     host tier (paging a span back in needs llama_state_seq_add_data, patch 0014 of
-                     our pin's series; ``patches/current/`` has none), so evicted prefixes are
-                     dropped, as in ``ours-no-tier``: serve would accept ``--cache-ram MiB`` there and
-                     turn the tier off, so 0 is passed to say so;
+  * ``ours-current`` ``pyllama-kv serve --lib current --cache-ram MiB``: ours on the current llama.cpp
+                     (``build/current-*``, with its series ``patches/current/``: the host tier too),
+                     measured next to ``current``;
   * ``current``      llama-server of the newest llama.cpp on the package index, ``-kvu`` (one unified
                      cache of ctx cells) and ``--cache-ram MiB`` (evicted slots saved to host RAM).
 
@@ -109,8 +106,8 @@ def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
         exe = find_peer_server()
         assert exe is not None
         return [str(exe), *common, "-kvu", "--cache-ram", str(args.cache_ram), *(["-fa", fa] if fa else [])]
-    # the tier only on ours: ours-no-tier turns it off, and the current library has none (see above)
-    ram = args.cache_ram if name == "ours" else 0
+    # ours-no-tier turns the tier off
+    ram = 0 if name == "ours-no-tier" else args.cache_ram
     return [*pyllama_kv_cmd(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--ctx", str(args.ctx), "--parallel", str(args.clients), "--threads", str(args.threads),
             "--batch", "512", "--lib", "current" if name == "ours-current" else "patched",
@@ -288,7 +285,7 @@ def main(argv=None) -> int:
                                                       "cache_ram", "max_tokens", "threads", "seed")},
                      # "defaults": no flag given, each server chose (its row's flash_attn_log says what)
                      "flash_attn": "defaults" if args.defaults else args.flash_attn,
-                     "host_tier": {n: n == "ours" for n in only if n.startswith("ours")}},
+                     "host_tier": {n: n != "ours-no-tier" for n in only if n.startswith("ours")}},
         "peer": (lambda p: str(p) if p else None)(find_peer_server()),
         "rows": [],
     }

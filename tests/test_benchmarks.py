@@ -181,10 +181,10 @@ def test_bench_chat_load():
         assert row["completion_tokens"] > 0 and row["peak_rss_mib"] > 0, row
         assert row["prompt_evaluated"] + row["prompt_cached"] == row["prompt_tokens"] > 0, row
         assert 0 < row["later_ttft_p50_s"] <= row["later_ttft_p95_s"], row
-    # the current library has no host tier: ours-current drops evicted prefixes, ours pages them out
-    assert s["host_tier"] == {"ours": True, "ours-current": False}
+    # both pins page evicted prefixes out to the host tier (the current one through patches/current/)
+    assert s["host_tier"] == {"ours": True, "ours-current": True}
     by = {row["server"]: row for row in d["rows"]}
-    assert by["ours-current"]["tier_host_mib_end"] is None and by["ours"]["tier_host_mib_end"] is not None
+    assert by["ours-current"]["tier_host_mib_end"] is not None and by["ours"]["tier_host_mib_end"] is not None
     assert set(d["ratios"]) == {"ours/pin", "ours/ours-current"}
     assert all(v > 0 for k in d["ratios"] for v in d["ratios"][k].values())
 
@@ -218,15 +218,16 @@ def _load_chat_bench():
 
 
 def test_bench_chat_load_commands(monkeypatch):
-    """Equal flags: every server the same flash attention, ours-current on the current library with no
-    tier; --defaults: no flash-attention flag for any server, the rest unchanged."""
+    """Equal flags: every server the same flash attention, ours-current on the current library with the
+    host tier (ours-no-tier without); --defaults: no flash-attention flag for any server, the rest unchanged."""
     bench = _load_chat_bench()
     monkeypatch.setattr(bench, "find_peer_server", lambda: Path("/peer/llama-server"))
     monkeypatch.setattr(bench, "llama_server_path", lambda: Path("/pin/llama-server"))
     ap = bench.argparse.Namespace(ctx=512, clients=4, threads=2, cache_ram=1024, flash_attn="on", defaults=False)
     cmds = {n: bench.server_cmd(n, Path("m.gguf"), 1, ap) for n in bench.SERVERS}
     oc = cmds["ours-current"]
-    assert oc[oc.index("--lib") + 1] == "current" and oc[oc.index("--cache-ram") + 1] == "0"
+    assert oc[oc.index("--lib") + 1] == "current" and oc[oc.index("--cache-ram") + 1] == "1024"
+    assert cmds["ours-no-tier"][cmds["ours-no-tier"].index("--cache-ram") + 1] == "0"
     assert oc[oc.index("--flash-attn") + 1] == "on" and cmds["pin"][-1] == "-fa"
     assert cmds["current"][cmds["current"].index("-fa") + 1] == "on"
     for n in ("ours", "ours-no-tier", "ours-current"):   # the same cells, slots and threads as ours
