@@ -255,20 +255,21 @@ def test_hostile_file_is_refused_with_a_useful_message(hostile, name):
 MODEL_ALL = r"""
 import json, sys
 import pyllama_kv as pk
-for path in sys.argv[1:]:
+for path in sys.argv[2:]:
     print(json.dumps(path), flush=True)          # the last line names the file if llama.cpp kills us
     try:
-        pk.Model(path)
+        pk.Model(path, lib=sys.argv[1])
         print(json.dumps("loaded"), flush=True)
     except pk.ModelLoadError as exc:
         print(json.dumps(str(exc)), flush=True)
 """
 
 
-def test_model_refuses_every_hostile_file_before_llama_cpp_sees_it(hostile):
-    """Model(path) on every hostile file, in one subprocess (without validation many would kill it)."""
+def test_model_refuses_every_hostile_file_before_llama_cpp_sees_it(hostile, pin_lib):
+    """Model(path) on every hostile file, in one subprocess (without validation many would kill it),
+    on both pins: the checks run in Python before either llama.cpp reads the file."""
     paths = [str(hostile(name)) for name in HOSTILE]
-    r = run_py(["-c", MODEL_ALL, *paths])
+    r = run_py(["-c", MODEL_ALL, pin_lib, *paths])
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     lines = [json.loads(ln) for ln in r.stdout.splitlines()]
     assert lines[0::2] == paths
