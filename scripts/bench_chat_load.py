@@ -152,6 +152,7 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         with httpx.Client() as c:   # one tiny request first: no server's first-request setup counts
             one_request(c, srv.url, model_id, [{"role": "user", "content": "Hello"}], 1)
         rss_start = rss_mib(srv.proc.pid, "VmRSS") if srv.proc else None
+        m0 = srv.metrics()
         histories = [list(m) for m in chats]
         for turn in range(args.turns):
             if turn:
@@ -164,7 +165,11 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
                 h.append({"role": "assistant", "content": r["text"]})
             per_turn.append(results)
         rss = rss_mib(srv.proc.pid) if srv.proc else None
-        tier = {k: v for k, v in srv.metrics().items() if k.startswith("pyllama_kv_prefix_host_bytes")}
+        m1 = srv.metrics()
+        tier = {k: v for k, v in m1.items() if k.startswith("pyllama_kv_prefix_host_bytes")}
+        # ours: where the engine's time went (its step, llama_decode, page-outs and restores of the tiers)
+        secs = {k.removeprefix("pyllama_kv_").removesuffix("_total"): round(v - m0.get(k, 0.0), 2)
+                for k, v in m1.items() if "seconds" in k and k.startswith("pyllama_kv_") and not k.endswith("_created")}
         log_tail = srv.log_tail(3)
     fa_log = flash_attn_log(srv.log_path)
     allr = [r for turn in per_turn for r in turn]
@@ -191,7 +196,7 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         "peak_rss_mib": rss, "rss_after_warmup_mib": rss_start,
         "rss_growth_mib": None if rss is None or rss_start is None else round(rss - rss_start, 1),
         "tier_host_mib_end": round(next(iter(tier.values())) / 2**20, 1) if tier else None,
-        "flash_attn_log": fa_log,
+        "flash_attn_log": fa_log, "seconds": secs or None,
         "log_tail": log_tail if len(allr) != len(ok) else None,
     }
 

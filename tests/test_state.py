@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import run_py
+from conftest import F32, run_py
 from pyllama_kv.core import state as S
 from pyllama_kv.tools.gguf import make_tiny_model
 
@@ -38,7 +38,7 @@ def model1(one_layer_model, pin_lib):
 
 
 def f32ctx(model, n_ctx=256, n_seq_max=4, **kw):
-    return model.context(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32", **kw)
+    return model.context(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=64, n_ubatch=64, **{**F32, **kw})
 
 
 def fresh(model, tokens):

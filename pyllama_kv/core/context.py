@@ -155,16 +155,18 @@ def _is_model(obj) -> bool:
 
 
 def _auto_flash_attn(model: Model, type_v: str) -> bool | None:
-    """Flash attention's "auto" for ``model``: on for a quantized V cache (it needs it); off on the CPU;
-    on a GPU, the library's own auto (None) where it has one, else on where the GPU backend has a
-    kernel for the model's head size (the mission pin's CUDA set, patch 0015)."""
+    """Flash attention's "auto" for ``model``: on for a quantized V cache (it needs it); the library's
+    own auto (None) where it has one (the current pin: on where the backend has a kernel, the CPU's
+    included: there ``serve`` ran a many-chats load 12% faster with it on, docs/benchmarks.md);
+    else off on the CPU and, on a GPU, on where the backend has a kernel for the model's head size
+    (the mission pin's CUDA set, patch 0015)."""
     if type_v in QUANTIZED_KV_TYPES:
         return True
-    if not model.on_gpu:
-        return False
     caps = model.native_library.caps
     if caps.flash_attn_auto:
         return None
+    if not model.on_gpu:
+        return False
     return model.head_dim_k == model.head_dim_v and model.head_dim_k in caps.gpu_flash_attn_head_sizes
 
 
