@@ -111,7 +111,7 @@ def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
     return [*pyllama_kv_cmd(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--ctx", str(args.ctx), "--parallel", str(args.clients), "--threads", str(args.threads),
             "--batch", "512", "--lib", "current" if name == "ours-current" else "patched",
-            "--cache-ram", str(ram), *(["--flash-attn", fa] if fa else [])]
+            "--cache-ram", str(ram), "--prefix-cache", str(args.prefix_cache), *(["--flash-attn", fa] if fa else [])]
 
 
 FA_LOG = re.compile(r"(flash.?attn|flash attention)\b.*?\b(enabled|disabled|on|off|auto)\b", re.IGNORECASE)
@@ -169,7 +169,7 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         tier = {k: v for k, v in m1.items() if k.startswith("pyllama_kv_prefix_host_bytes")}
         # ours: where the engine's time went (its step, llama_decode, page-outs and restores of the tiers)
         secs = {k.removeprefix("pyllama_kv_").removesuffix("_total"): round(v - m0.get(k, 0.0), 2)
-                for k, v in m1.items() if "seconds" in k and k.startswith("pyllama_kv_") and not k.endswith("_created")}
+                for k, v in m1.items() if k.startswith("pyllama_kv_") and k.endswith("seconds_total")}
         log_tail = srv.log_tail(3)
     fa_log = flash_attn_log(srv.log_path)
     allr = [r for turn in per_turn for r in turn]
@@ -252,6 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-ram", type=int, default=1024,
                     help="MiB of host memory for evicted prefixes, ours and current (default 1024)")
     ap.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each answer (default 24)")
+    ap.add_argument("--prefix-cache", type=int, default=4,
+                    help="our servers' idle cached sequences kept in the KV cache (serve's default, 4)")
     ap.add_argument("-t", "--threads", type=int, default=default_threads(), help="CPU threads of every server")
     ap.add_argument("--flash-attn", choices=("on", "off"), default="off",
                     help="flash attention for every server (default off: the pin's default; the current "

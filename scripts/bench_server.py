@@ -5,7 +5,11 @@ In one run and one after another, on the real model (default: the catalogue's sm
 the same seeded load goes to
   * patched:      `pyllama-kv serve MODEL --lib patched` (our patch series: one shared cache, prefix reuse);
   * vanilla:      `pyllama-kv serve MODEL --lib vanilla` (the same server on the unpatched library);
-  * llama-server: llama.cpp's own server from our patched build, `-np C -cb`, same threads and batch.
+  * llama-server: llama.cpp's own server from our patched build, `-np C -cb`, same threads and batch;
+  * ours-current: `pyllama-kv serve MODEL --lib current` (ours on the current llama.cpp and its series);
+  * current:      the current llama-server (`pyllama-kv build --peer`, built when missing), `-np C -kvu`
+                  (one unified cache of all the cells, as ours), the same threads, batch and flash attention.
+The default `--only` is the first three.
 Each server is a subprocess on 127.0.0.1 with a free port, waited for through /health and stopped after.
 
 Context: both get the same total KV cells N. llama-server splits them into C fixed slots of N/C cells
@@ -44,11 +48,12 @@ from prometheus_client.parser import text_string_to_metric_families
 import pyllama_kv as pk
 from pyllama_kv.config import default_threads
 from pyllama_kv.harness import build as _build
+from pyllama_kv.harness.peer import build_peer, find_peer_server
 from pyllama_kv.modelfile import catalogue
 from pyllama_kv.tools.bench import machine
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SERVERS = ("patched", "vanilla", "llama-server")
+SERVERS = ("patched", "vanilla", "llama-server", "ours-current", "current")
 TARGET_TPS = 2.0          # patched / llama-server completion tokens/s
 START_TIMEOUT = 120.0     # seconds a server may take to answer /health
 REQUEST_TIMEOUT = 300.0   # seconds one request may take
@@ -120,6 +125,15 @@ def server_cmd(name: str, model: Path, port: int, n_ctx: int, clients: int, thre
     ``libs``: a path for "patched", "vanilla" or "llama-server" instead of the build's;
     ``flash_attn``: the same setting for every server."""
     libs = libs or {}
+    if name == "current":   # the current llama-server (build --peer): one unified cache, -fa takes a value
+        exe = find_peer_server()
+        assert exe is not None
+        return [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx),
+                "-np", str(clients), "-kvu", "-t", str(threads), "-tb", str(threads), "-b", str(n_batch),
+                "-ub", str(n_batch), "-ngl", str(999 if ngl < 0 else ngl), "--metrics", "--no-webui",
+                "-fa", "on" if flash_attn else "off"]
+    if name == "ours-current":
+        name = "current"   # pyllama-kv serve on the current library
     if name == "llama-server":
         return [libs.get(name) or str(llama_server_path()), "-m", str(model), "--host", "127.0.0.1",
                 "--port", str(port),
@@ -323,7 +337,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=None,
                     help="total KV cells of each server (default: 512 per client)")
     ap.add_argument("-t", "--threads", type=int, default=default_threads(), help="CPU threads of each server")
-    ap.add_argument("--only", default=",".join(SERVERS), help=f"servers to run, of {','.join(SERVERS)} (default all)")
+    ap.add_argument("--only", default=",".join(SERVERS[:3]),
+                    help=f"servers to run, of {','.join(SERVERS)} (default {','.join(SERVERS[:3])})")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the prompts and questions (default 1234)")
     ap.add_argument("--quick", action="store_true", help="a small load (fewer, shorter requests), for the test suite")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
@@ -349,6 +364,9 @@ def main(argv=None) -> int:
 
     model_path = catalogue.resolve(args.model)
     libs = {"patched": args.patched_lib, "llama-server": args.llama_server}
+    if "current" in only and find_peer_server() is None:
+        print("current: building the peer llama-server (`pyllama-kv build --peer`) ...", file=sys.stderr)
+        build_peer(log=lambda m: print(m, file=sys.stderr))
     with pk.Model(model_path, args.n_gpu_layers, lib=args.patched_lib) as model:
         ngl = model.n_gpu_layers
         fa = model.on_gpu if args.flash_attn == "auto" else args.flash_attn == "on"
@@ -397,19 +415,20 @@ def main(argv=None) -> int:
                       f"{row['errors']} errors, prompt tokens evaluated {row['prompt_evaluated']} / reused "
                       f"{row['prompt_reused']}", file=sys.stderr)
                 secs = {k.removeprefix("pyllama_kv_").removesuffix("_total"): v
-                        for k, v in (row.get("metrics_delta") or {}).items() if "seconds" in k}
+                        for k, v in (row.get("metrics_delta") or {}).items()
+                        if k.endswith("seconds_total") or k.endswith("seconds")}
                 if secs:
                     print(f"{name}: where the time went (s): {secs}", file=sys.stderr)
             else:
                 print(f"{name}: {row['errors']} errors: {row['error_samples'][:1]}", file=sys.stderr)
     by = {r["server"]: r for r in out["rows"]}
-    ref = by.get("llama-server")
     ratios = {}
-    for name in ("patched", "vanilla"):
-        r = by.get(name)
+    for name, ref_name in (("patched", "llama-server"), ("vanilla", "llama-server"), ("ours-current", "current"),
+                           ("patched", "current")):
+        r, ref = by.get(name), by.get(ref_name)
         if not (r and ref and r.get("completion_tps") and ref.get("completion_tps")):
             continue
-        ratios[f"{name}/llama-server"] = {
+        ratios[f"{name}/{ref_name}"] = {
             "completion_tps": round(r["completion_tps"] / ref["completion_tps"], 3),
             "latency_p95": round(r["latency_p95_s"] / ref["latency_p95_s"], 3),
             "ttft_p95": round(r["ttft_p95_s"] / ref["ttft_p95_s"], 3),

@@ -166,6 +166,22 @@ def test_bench_server():
         assert all(v > 0 for v in d["ratios"][k].values())
 
 
+def test_bench_server_commands_of_the_current_pair(monkeypatch):
+    """ours-current is serve on the current library; current is the peer llama-server with one unified
+    cache (-kvu) of the same cells, slots, threads, batch and flash attention."""
+    spec = importlib.util.spec_from_file_location("bench_server", ROOT / "scripts" / "bench_server.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "find_peer_server", lambda: Path("/peer/llama-server"))
+    oc = bench.server_cmd("ours-current", Path("m.gguf"), 1, 8192, 8, 2, 512, 0, {}, True)
+    cur = bench.server_cmd("current", Path("m.gguf"), 1, 8192, 8, 2, 512, 0, {}, True)
+    assert oc[oc.index("--lib") + 1] == "current" and oc[oc.index("--flash-attn") + 1] == "on"
+    assert cur[0] == "/peer/llama-server" and "-kvu" in cur and cur[cur.index("-fa") + 1] == "on"
+    for flag, ours in (("-c", "--ctx"), ("-np", "--parallel"), ("-t", "--threads"), ("-b", "--batch")):
+        assert cur[cur.index(flag) + 1] == oc[oc.index(ours) + 1], flag
+
+
 def test_bench_chat_load():
     """The many-chats load over HTTP: ours with the tier, llama-server at the pin and ours on the
     current llama.cpp (the current llama-server needs `build --peer`, 18 minutes: the benchmark, not
@@ -223,7 +239,8 @@ def test_bench_chat_load_commands(monkeypatch):
     bench = _load_chat_bench()
     monkeypatch.setattr(bench, "find_peer_server", lambda: Path("/peer/llama-server"))
     monkeypatch.setattr(bench, "llama_server_path", lambda: Path("/pin/llama-server"))
-    ap = bench.argparse.Namespace(ctx=512, clients=4, threads=2, cache_ram=1024, flash_attn="on", defaults=False)
+    ap = bench.argparse.Namespace(ctx=512, clients=4, threads=2, cache_ram=1024, flash_attn="on", defaults=False,
+                                  prefix_cache=4)
     cmds = {n: bench.server_cmd(n, Path("m.gguf"), 1, ap) for n in bench.SERVERS}
     oc = cmds["ours-current"]
     assert oc[oc.index("--lib") + 1] == "current" and oc[oc.index("--cache-ram") + 1] == "1024"

@@ -16,8 +16,8 @@ from pyllama_kv.errors import KVCacheFullError, QueueFullError
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    with pk.Model(tiny_model) as m:
+def model(tiny_model, pin_lib):
+    with pk.Model(tiny_model, lib=pin_lib) as m:
         yield m
 
 
@@ -175,12 +175,14 @@ def test_cancel_frees_cells_within_one_step(model):
 
 
 def test_admission_waits_instead_of_preempting(model):
-    # 4 requests of 100 prompt + 60 output tokens; the cache holds 2 of them with their reserves
+    # 4 requests of 100 prompt + 60 output tokens; the cache holds 2 of them with their reserves of 64
+    # (3 on the current pin, which pads 384 cells to 512)
     cfg = EngineConfig(n_ctx=384, parallel=4, prefix_cache=0, output_reserve=64, **F32)
     with Engine(model, cfg) as eng:
         hs = [eng.submit(toks(100, 10 + i), GREEDY, max_tokens=60) for i in range(4)]
         eng.step()
-        assert eng.running == 2 and eng.waiting == 2
+        fit = eng.n_ctx // 164
+        assert fit < 4 and eng.running == fit and eng.waiting == 4 - fit
         eng.run_until_idle()
         assert [h.result()[0].finish_reason for h in hs] == ["length"] * 4
         assert eng.stats.preempted == 0 and eng.stats.finished["cache_full"] == 0

@@ -157,7 +157,7 @@ def _is_model(obj) -> bool:
 def _auto_flash_attn(model: Model, type_v: str) -> bool | None:
     """Flash attention's "auto" for ``model``: on for a quantized V cache (it needs it); the library's
     own auto (None) where it has one (the current pin: on where the backend has a kernel, the CPU's
-    included: there ``serve`` ran a many-chats load 12% faster with it on, docs/benchmarks.md);
+    included; ``serve`` ran a many-chats load faster with it on there, docs/benchmarks.md);
     else off on the CPU and, on a GPU, on where the backend has a kernel for the model's head size
     (the mission pin's CUDA set, patch 0015)."""
     if type_v in QUANTIZED_KV_TYPES:
