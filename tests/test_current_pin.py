@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import F32, run_cli, toks
+from conftest import F32, run_cli, run_py, toks
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig
 from pyllama_kv.errors import InvalidInputError, LibraryError
 from test_engine import greedy_run
@@ -182,6 +182,25 @@ def test_what_the_current_library_lacks_is_a_clear_error(model):
         model.context(n_ctx=256, defrag_thold=0.1)
     with pytest.raises(InvalidInputError, match="llama_max_parallel_sequences"):
         model.context(n_ctx=2048, n_seq_max=256)   # one id more is the spare: 257 > 256
+
+
+MANY_SEQUENCES = """
+import sys
+import pyllama_kv as pk
+with pk.Model(sys.argv[1], lib=sys.argv[2]) as m, m.context(n_ctx=256, n_seq_max=80, n_batch=64, n_ubatch=8) as c:
+    seqs = [c.new_sequence() for _ in range(64)]
+    out = c.decode({s: [3 + i, 5] for i, s in enumerate(seqs)})
+    print(len(out), c.kv_stats().used_cells)
+"""
+
+
+def test_more_sequences_than_n_batch_decode(tiny_model, current):
+    """The current llama.cpp sizes its output buffer for n_seq_max rows and asserts that they fit in
+    n_outputs_max, which defaults to n_batch: a context of 81 sequence ids and n_batch 64 aborted the
+    process at its first decode. The binding sets n_outputs_max (a subprocess: a regression kills it)."""
+    r = run_py(["-c", MANY_SEQUENCES, str(tiny_model), current])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["64", "128"]
 
 
 def test_the_engine_generates_as_a_plain_decode_loop(model):

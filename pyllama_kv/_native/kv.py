@@ -271,6 +271,10 @@ class NativeContext:
             # one cell buffer for all sequences: seq_cp shares cells (forks) instead of copying a
             # per-sequence buffer, which aborts on a partial range
             p.kv_unified = True
+            # the output buffer is sized for max(outputs, n_seq_max) rows and asserted to fit in
+            # n_outputs_max (default n_batch): more sequences than n_batch aborted the process at the
+            # first decode (llama-context.cpp, output_reserve)
+            p.n_outputs_max = max(n_batch, n_seq_max)
             p.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
                                  L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         else:
