@@ -170,10 +170,10 @@ class CacheConfig(_Config):
     ``n_batch`` is the most tokens one decode takes, ``n_ubatch`` the most one compute graph takes;
     as llama.cpp does, a batch is never bigger than the cache (``n_batch`` is brought down to ``n_ctx``)
     nor a graph than the batch (``n_ubatch`` to ``n_batch``). A quantized V cache needs ``flash_attn``.
-    ``flash_attn`` None is auto: on where the model's layers are on a GPU whose backend has a kernel for
-    the model's head size (faster there, and a V cache that is not transposed is copied out in a few
-    transfers), as llama.cpp's own "auto" since mid-2025; off on the CPU (our measured default there);
-    a quantized V cache turns it on.
+    ``flash_attn`` None is auto: on the current library, llama.cpp's own "auto" (on where the backend
+    has a kernel, the CPU's included); on the mission pin's, on where the model's layers are on a GPU
+    whose backend has a kernel for the model's head size (faster there, and a V cache that is not
+    transposed is copied out in a few transfers) and off on the CPU; a quantized V cache turns it on.
     """
 
     n_ctx: int = DEFAULT_N_CTX

@@ -94,7 +94,8 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     Flag(ContextConfig, "type_v", ("--type-v",), f"V cache type: {_KV_TYPES}; a quantized one needs "
          "--flash-attn on (default {default})", str, metavar="TYPE"),
     Flag(ContextConfig, "flash_attn", ("--flash-attn",), "flash attention: on, off or auto (default auto: on "
-         "where the model's layers are on a GPU with a kernel for its head size, as llama.cpp's auto; off on the "
+         "the current library, llama.cpp's own auto, on where the backend has a kernel, the CPU's included; on "
+         "the mission pin's, on where the model's layers are on a GPU with a kernel for its head size, off on the "
          "CPU; on is faster on a long or full cache, and the V cache is then not transposed)", on_off_auto,
          metavar="on|off|auto"),
     Flag(ContextConfig, "n_batch", ("--batch",), "tokens per decode (default {default})", metavar="N"),
