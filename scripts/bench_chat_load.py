@@ -197,6 +197,9 @@ def run_server(name: str, model: Path, args, chats: list[list[dict]], log_dir: P
         "rss_growth_mib": None if rss is None or rss_start is None else round(rss - rss_start, 1),
         "tier_host_mib_end": round(next(iter(tier.values())) / 2**20, 1) if tier else None,
         "flash_attn_log": fa_log, "seconds": secs or None,
+        # llama_decode calls over the load: ours' engine counter, or llama-server's n_decode_total
+        "decode_calls": next((round(m1[k] - m0.get(k, 0.0)) for k in ("pyllama_kv_decode_calls_total",
+                                                                     "llamacpp:n_decode_total") if k in m1), None),
         "log_tail": log_tail if len(allr) != len(ok) else None,
     }
 
