@@ -623,14 +623,8 @@ class CurrentContext(NativeContext):
         the translation (one copy less); for an empty sequence just its cell count (4 bytes: this API
         writes no layer headers then); None when llama.cpp could not write it or it is not a plain KV
         cache's one-sequence state."""
-        n = self.state_seq_size(seq_id)
-        if n == 0:
-            return None
-        buf = np.empty(n, dtype=np.uint8)
-        got = int(self.L.llama_state_seq_get_data(self.ptr, self.ffi.from_buffer("uint8_t[]", buf), n, seq_id))
-        if got != n:
-            return None
-        out = _current_to_mission(buf, seq_id)
+        raw = super().state_seq_read(seq_id, copy=False)
+        out = None if raw is None else _current_to_mission(np.frombuffer(raw, dtype=np.uint8), seq_id)
         if out is None:
             return None
         if copy:

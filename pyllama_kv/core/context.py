@@ -504,17 +504,23 @@ class Context(_kv.CResource):
         """``_need("state_io")``, and a memory whose states the binding reads: a plain KV cache, not
         recurrent layers or a sliding-window cache (their states hold more than cells)."""
         self._need("state_io", what)
-        if self.model.recurrent or self.model.n_swa > 0:
+        if not self._plain_memory:
             kind = "recurrent layers" if self.model.recurrent else "a sliding-window cache"
             raise LibraryError(f"{what} needs a plain KV cache; this model's memory has {kind}, whose states "
                                "the binding does not read (a recurrent state alone: Sequence.checkpoint())")
+
+    @property
+    def _plain_memory(self) -> bool:
+        """A plain KV cache: no recurrent layers and no sliding-window cache (their states hold more
+        than cells, in formats the binding does not read)."""
+        return not (self.model.recurrent or self.model.n_swa > 0)
 
     @property
     def can_save_state(self) -> bool:
         """Whether sequences can be exported and snapshotted here: a library whose states the binding
         reads (``caps.state_io``) and a plain KV cache (not recurrent layers or a sliding-window
         cache); False once closed."""
-        return self._native is not None and self.caps.state_io and not (self.model.recurrent or self.model.n_swa > 0)
+        return self._native is not None and self.caps.state_io and self._plain_memory
 
     @property
     def can_restore(self) -> bool:

@@ -249,8 +249,10 @@ class Model(_kv.CResource):
         self.add_bos: bool = info.add_bos
         self.rope_type: int = info.rope_type
         self.has_encoder: bool = info.has_encoder
-        # layers that keep recurrent state (recurrent or hybrid): no partial removal or partial copy
+        # layers that keep recurrent state (recurrent or hybrid): no partial removal or partial copy,
+        # but a fork at a checkpoint of that state where the library reads and writes it alone
         self.recurrent: bool = info.recurrent
+        self.recurrent_checkpoints: bool = info.recurrent and self._lib.caps.recurrent_checkpoints
         # the sliding window of a cache that reuses the cells of positions outside it (0: none, or a
         # cache that keeps them): a cut back to a position whose window it no longer holds is refused
         self.n_swa: int = info.n_swa

@@ -93,7 +93,7 @@ class PrefixCache:
         #: a recurrent model's state where its prefixes branch (None: a model without recurrent layers,
         #: or a library that cannot write that state back)
         self.checkpoints: Checkpoints | None = None
-        if ctx.model.recurrent and ctx.caps.recurrent_checkpoints:
+        if ctx.model.recurrent_checkpoints:
             self.checkpoints = Checkpoints()
         #: the idle cached sequences and the one eviction rule (evicted ones paged out to the tiers)
         self.idle: IdlePrefixes[Sequence] = IdlePrefixes(self._page_out, self._absorbed)

@@ -45,7 +45,6 @@ class Checkpoints:
         self._lru: OrderedDict[tuple[int, int], Checkpoint] = OrderedDict()
         self._lengths: dict[int, int] = {}   # n -> how many checkpoints follow n tokens
         self.n_bytes = 0
-        self.reused = 0   # forks made from a checkpoint
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -598,7 +598,7 @@ class Server:
         system prompt forks all of it (pyllama_kv.prefixcache.checkpoints). None for other models, or
         when the messages start with no system message (or are nothing else)."""
         m = self.model
-        if not (m.recurrent and m.native_library.caps.recurrent_checkpoints):
+        if not m.recurrent_checkpoints:
             return None
         k = next((i for i, msg in enumerate(msgs) if msg.get("role") not in ("system", "developer")), len(msgs))
         if k == 0 or k == len(msgs):
