@@ -246,7 +246,8 @@ def main(argv=None) -> int:
                     help="layers on the GPU, for both programs (default: pk.Model's: all on a GPU library)")
     ap.add_argument("--flash-attn", choices=("on", "off"), default="off", help="flash attention, both programs")
     ap.add_argument("--batched-bench", default=None, metavar="PATH",
-                    help="the llama-batched-bench to compare with (default: the patched build's)")
+                    help="the llama-batched-bench to compare with (default: the patched build's); ours then "
+                         "runs on the libllama.so beside it")
     ap.add_argument("--lib", default="patched",
                     help=f"libraries, comma-separated, of {','.join(LIBS)}, measured in the same run (default "
                          "patched; current: ours on the current llama.cpp against its own llama-batched-bench)")
@@ -283,7 +284,11 @@ def main(argv=None) -> int:
         else:
             mp = make_tiny_model(Path(tmp) / "bench.gguf", n_layer=layers, n_embd=embd, n_head=8, n_head_kv=8,
                                  n_ff=4 * embd, dtype="f16", n_ctx_train=max(4096, n_ctx))
-        models = {lib: stack.enter_context(pk.Model(mp, args.n_gpu_layers, lib=lib)) for lib in libs}
+        # a llama-batched-bench given by path: ours runs on the libllama beside it (the same build)
+        beside = {lib: exes[lib].parent / "libllama.so" for lib in libs}
+        models = {lib: stack.enter_context(pk.Model(
+            mp, args.n_gpu_layers, lib=str(beside[lib]) if given[lib] and beside[lib].exists() else lib))
+            for lib in libs}
         model = models[libs[0]]
         ngl = model.n_gpu_layers
         out["model"] = {"file": mp.name, "desc": model.desc, "n_layer": model.n_layer, "n_embd": model.n_embd,

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import F32, toks
+from conftest import DEVICE_F32_ATOL, F32, cache_on_device, toks
 from pyllama_kv.engine import EngineConfig
 from pyllama_kv.prefixcache import spanfile
 from pyllama_kv.prefixcache.cache import PrefixCache
 from pyllama_kv.tools.gguf import make_tiny_model
+
+#: what the tiers store, every evicted prefix paged out (the page-out rule: test_page_out_rule.py)
+pytestmark = pytest.mark.usefixtures("every_page_out")
 
 ATOL = 1e-4
 
@@ -146,7 +149,8 @@ def test_a_bad_file_is_a_miss_and_the_sequence_is_untouched(model, tmp_path, kin
         # and the API path evaluates instead, correctly
         s = pc.acquire(a + [5])
         assert s.reused_tokens == 0
-        np.testing.assert_allclose(s.logits(), fresh_logits(model, a + [5]), atol=ATOL)
+        np.testing.assert_allclose(s.logits(), fresh_logits(model, a + [5]),
+                                   atol=DEVICE_F32_ATOL if cache_on_device(model) else ATOL)
 
 
 def test_files_that_are_not_span_files_are_left_alone(model, tmp_path):
@@ -470,6 +474,7 @@ import json, os, signal, sys
 import numpy as np
 import pyllama_kv as pk
 from pyllama_kv.prefixcache import spanfile
+
 
 model_path, cache_dir, convs_path, kill_at, rounds, mib = sys.argv[1:7]
 kill_at, rounds, mib = int(kill_at), int(rounds), int(mib)

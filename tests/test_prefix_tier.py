@@ -14,6 +14,9 @@ from pyllama_kv.engine import GREEDY, Engine, EngineConfig
 from pyllama_kv.prefixcache.tiers import SpanTrie
 from pyllama_kv.server.metrics import Snapshot, _EngineCollector
 
+#: what the tiers store, every evicted prefix paged out (the page-out rule: test_page_out_rule.py)
+pytestmark = pytest.mark.usefixtures("every_page_out")
+
 
 @pytest.fixture(scope="module")
 def model(tiny_model, pin_lib):

@@ -26,6 +26,9 @@ import pyllama_kv as pk
 from conftest import F32, toks
 from pyllama_kv.engine import Engine, EngineConfig, SamplingParams
 
+#: what the tiers store, every evicted prefix paged out (the page-out rule: test_page_out_rule.py)
+pytestmark = pytest.mark.usefixtures("every_page_out")
+
 TOL = 1e-4                # |log-probability - the cache-free one|, F32 (measured ~1e-6)
 TOP = 5                   # alternatives compared per answer token
 ANSWER = 8                # answer tokens per request

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Callable
 
@@ -90,6 +91,7 @@ from .batching import (
     fill_batch as _fill_batch,
 )
 from .checkpoint import Checkpoint
+from .cost import EvalCost
 from .critical import Critical as _Critical, LockState as _LockState
 from .kvstats import KVStats, kv_stats as _kv_stats
 from .returncodes import decode_error as _decode_error
@@ -127,6 +129,15 @@ _CAP_TEXT = {
     "recurrent_checkpoints": "a sequence's recurrent state read and written alone (llama_state_seq_*_ext with "
                              "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the current pin)",
 }
+
+
+def _check_cache_types(model: Model, type_k: str, type_v: str) -> None:
+    """A quantized cache type needs head sizes that are a multiple of its block size."""
+    for name, t, hd in (("type_k", type_k, model.head_dim_k), ("type_v", type_v, model.head_dim_v)):
+        block = kv_type_block(t)
+        if hd % block:
+            raise InvalidInputError(f"{name}={t!r} needs a head size that is a multiple of its block size "
+                                    f"{block}; this model's is {hd}")
 
 
 def _check_library_params(lib: _kv.Library, defrag_thold: float | None, n_seq_max: int) -> None:
@@ -205,11 +216,7 @@ class Context(_kv.CResource):
                 f"n_ctx={n_ctx} is larger than the model supports (n_ctx_train={model.n_ctx_train})")
         if n_seq_max > n_ctx:
             raise InvalidInputError(f"n_seq_max={n_seq_max} is larger than n_ctx={n_ctx}")
-        for name, t, hd in (("type_k", type_k, model.head_dim_k), ("type_v", type_v, model.head_dim_v)):
-            block = kv_type_block(t)
-            if hd % block:
-                raise InvalidInputError(f"{name}={t!r} needs a head size that is a multiple of its block size "
-                                        f"{block}; this model's is {hd}")
+        _check_cache_types(model, type_k, type_v)
 
         lib = model.native_library
         self.caps: _kv.Caps = lib.caps
@@ -246,6 +253,7 @@ class Context(_kv.CResource):
         self._abort_fn: Callable[[], bool] | None = None
         native.set_abort_poll(self._on_abort_poll)
         self._abort_installed = False
+        self.eval_cost = EvalCost()   # what a token costs to evaluate, from the decodes (decode alone writes it)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -527,6 +535,12 @@ class Context(_kv.CResource):
         """Whether a span can be restored here (:attr:`can_save_state`, and the library has
         llama_state_seq_add_data: patch 0014, patches/current/0001); False once closed."""
         return self.can_save_state and self.caps.span_restore
+
+    @property
+    def cache_on_device(self) -> bool:
+        """Whether some of the KV cache is in a device's memory (layers offloaded to a GPU or to RPC
+        servers): a snapshot of it is a transfer, not a memcpy of host memory."""
+        return bool(self.model.n_gpu_layers) and bool(self.model.rpc or self._libobj.gpu_devices())
 
     def import_sequence(self, state):
         """A new sequence holding the cells and tokens of ``state`` (from Sequence.export_state).
@@ -974,7 +988,9 @@ class Context(_kv.CResource):
         with self.critical():
             self.check_open()
             plan, entries = self._plan(batch)
+            t0 = time.perf_counter()
             results = self._raw_decode(plan, copy)
+            self.eval_cost.observe(sum(len(p[1]) for p in plan), time.perf_counter() - t0)
             out: dict[_Sequence, np.ndarray] = {}
             for e, (_sid, new, _), logits in zip(entries, plan, results):
                 assert logits is not None   # every entry ends in the batch: it has an output

@@ -164,6 +164,10 @@ def _host_metrics(tier: dict):
                    tier["restore_seconds"])
     yield _counter("prefix_host_evicted_bytes", "paged-out bytes dropped for the host budget",
                    tier["evicted_bytes"])
+    yield _counter("prefix_page_outs_skipped", "evicted prefixes dropped, not paged out: evaluating them "
+                   "again was measured cheaper (a cache in device memory)", tier["page_outs_skipped"])
+    yield _gauge("eval_token_seconds", "the measured cost of evaluating one more token in a batch "
+                 "(0: not measured yet)", tier["eval_token_seconds"])
 
 
 def _disk_metrics(tier: dict, gauge, counter):
