@@ -416,7 +416,7 @@ def main(argv=None) -> int:
                       f"{row['prompt_reused']}", file=sys.stderr)
                 secs = {k.removeprefix("pyllama_kv_").removesuffix("_total"): v
                         for k, v in (row.get("metrics_delta") or {}).items()
-                        if k.endswith("seconds_total") or k.endswith("seconds")}
+                        if k.endswith("seconds_total")}   # counters: a gauge's delta says nothing
                 if secs:
                     print(f"{name}: where the time went (s): {secs}", file=sys.stderr)
             else:
