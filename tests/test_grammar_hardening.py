@@ -44,8 +44,8 @@ def tool(params) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(real_model):
-    with ServerProc(MODEL, "--ctx", "1024", "--parallel", "2", "--max-tokens-cap", "64") as s:
+def server(real_model, pin_lib):   # on each pin's library in turn
+    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "1024", "--parallel", "2", "--max-tokens-cap", "64") as s:
         yield s
 
 

@@ -19,8 +19,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
 
 
 @pytest.fixture(scope="module")
-def server(real_model):
-    with ServerProc(MODEL, "--ctx", "2048", "--parallel", "4", "--max-tokens-cap", "256") as s:
+def server(real_model, pin_lib):   # on each pin's library in turn
+    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "2048", "--parallel", "4", "--max-tokens-cap", "256") as s:
         yield s
 
 

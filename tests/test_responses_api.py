@@ -26,8 +26,8 @@ ESSAY = "Write a very long essay about the history of the bicycle, with many det
 
 
 @pytest.fixture(scope="module")
-def server(real_model):
-    with ServerProc(MODEL, "--ctx", "2048", "--parallel", "4", "--max-tokens-cap", "256",
+def server(real_model, pin_lib):   # on each pin's library in turn
+    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "2048", "--parallel", "4", "--max-tokens-cap", "256",
                     "--max-body", "65536") as s:
         yield s
 

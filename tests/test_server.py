@@ -128,8 +128,9 @@ class ServerProc:
 
 
 @pytest.fixture(scope="module")
-def server(real_model):
-    with ServerProc(MODEL, "--ctx", "2048", "--parallel", "8", "--max-tokens-cap", "256",
+def server(real_model, pin_lib):
+    """The main server, on each pin's library in turn (issue 32: the server suite on both pins)."""
+    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "2048", "--parallel", "8", "--max-tokens-cap", "256",
                     "--max-body", "65536") as s:
         yield s
 
@@ -160,14 +161,15 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:
 # the API
 
 
-def test_models_health_and_startup_line(server, client):
+def test_models_health_and_startup_line(server, client, request):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     r = httpx.get(server.root + "/health", timeout=10)   # no key needed
     assert r.status_code == 200 and r.json()["status"] == "ok"
     line = server.lines[0]
     assert server.url.startswith("http://127.0.0.1:")
-    assert MODEL in line and "library patched" in line and "ctx 2048" in line and "parallel 8" in line
+    pin = request.node.callspec.params["pin_lib"]   # the startup line names the pin's library
+    assert MODEL in line and f"library {pin}" in line and "ctx 2048" in line and "parallel 8" in line
 
 
 def test_chat_and_usage(client):
@@ -256,9 +258,9 @@ def test_stop_strings(client):
 
 
 @pytest.fixture(scope="module")
-def small(real_model):
+def small(real_model, pin_lib):
     """One request at a time, one waiting, no prefix cache: every request starts from an empty cache."""
-    with ServerProc(MODEL, "--ctx", "512", "--parallel", "1", "--max-queue", "1", "--prefix-cache", "0",
+    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "512", "--parallel", "1", "--max-queue", "1", "--prefix-cache", "0",
                     "--shutdown-grace", "30") as s:
         yield s
 

@@ -278,8 +278,8 @@ def test_control_tokens_in_tool_data_stay_plain(qwen):
 
 
 @pytest.fixture(scope="module")
-def smol(real_model):
-    with ServerProc(MODEL, "--ctx", "2048", "--parallel", "2", "--max-tokens-cap", "256") as s:
+def smol(real_model, pin_lib):   # on each pin's library in turn
+    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "2048", "--parallel", "2", "--max-tokens-cap", "256") as s:
         yield s
 
 

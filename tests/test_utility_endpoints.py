@@ -11,8 +11,8 @@ from test_server import MODEL, ServerProc
 
 
 @pytest.fixture(scope="module")
-def server(real_model):
-    with ServerProc(MODEL, "--ctx", "512", "--parallel", "1") as s:
+def server(real_model, pin_lib):   # on each pin's library in turn
+    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "512", "--parallel", "1") as s:
         yield s
 
 
