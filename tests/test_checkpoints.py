@@ -38,7 +38,7 @@ def lfm2(lfm2_path, current_lib):
 # -- the store (pure Python) -----------------------------------------------------------------------
 
 def ck(tokens, size=10) -> Checkpoint:
-    return Checkpoint.of(tokens, b"x" * size, model=1)
+    return Checkpoint.of(tokens, b"x" * size, model="m")
 
 
 def test_the_store_finds_the_longest_checkpoint_of_a_prefix_within_the_limit():
@@ -110,12 +110,20 @@ def test_a_wrong_checkpoint_is_refused_with_nothing_changed(lfm2, lfm2_path, cur
             s.fork(10, checkpoint=other.checkpoint())
         with pytest.raises(pk.InvalidInputError, match="Checkpoint"):
             s.fork(10, checkpoint=b"state")
-        with pk.Model(lfm2_path, lib=current_lib) as m2:   # the same file loaded again: another model
-            with m2.context(n_ctx=256, n_seq_max=1, **F32) as c2:
-                s2 = c2.new_sequence()
-                s2.extend(a[:10])
-                with pytest.raises(pk.InvalidInputError, match="another model"):
-                    s.fork(10, checkpoint=s2.checkpoint())
+        # a model with other weights (the same shapes): refused
+        other_path = make_tiny_model(lfm2_path.with_name("ckpt-lfm2-other.gguf"), seed=4, **ARCHS["lfm2"])
+        with pk.Model(other_path, lib=current_lib) as m2, m2.context(n_ctx=256, n_seq_max=1, **F32) as c2:
+            s2 = c2.new_sequence()
+            s2.extend(a[:10])
+            with pytest.raises(pk.InvalidInputError, match="another model"):
+                s.fork(10, checkpoint=s2.checkpoint())
+        # the same file loaded again is the same model (its fingerprint): its checkpoint serves
+        with pk.Model(lfm2_path, lib=current_lib) as m3, m3.context(n_ctx=256, n_seq_max=1, **F32) as c3:
+            s3 = c3.new_sequence()
+            s3.extend(a[:10])
+            f = s.fork(10, checkpoint=s3.checkpoint())
+            assert close(f.extend([7]), fresh(lfm2, a[:10] + [7]))
+            f.close()
         with pytest.raises(pk.InvalidInputError, match="empty"):
             c.new_sequence().checkpoint()
         assert c.free_sequence_ids == free - 2 and s.tokens == a

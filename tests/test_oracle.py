@@ -49,6 +49,15 @@ issue 8, 2 vCPU Xeon, f32 logits of magnitude ~6):
     1l-f32-shift          3.1e-6               9.3e-6      summation order; K-shift rotation in f32
     1l-f16-fa-shift       6.7e-3               2.1e-2      f16 K/V re-rounded by the K-shift, and the above
 
+The current pin's rows (``...@current``, issue 32; 7 runs, one derandomized, 1,800 to 3,800 checks
+each; the current llama.cpp's CPU kernels, flash attention's among them):
+
+    2l-f32@current            4.8e-6           1.5e-5
+    2l-f32-fa@current         1.1e-2           3.3e-2
+    2l-f16@current            3.5e-3           1.1e-2
+    1l-f32-shift@current      3.8e-6           1.2e-5
+    1l-f16-fa-shift@current   9.3e-3           2.8e-2
+
 Sensitivity (``test_one_wrong_cell_exceeds_the_tolerance``): at every length up to MAX_LEN, in every
 configuration, one wrong cell must move the probes' logits by ``SENSITIVITY_MARGIN`` times the
 tolerance: 5x for a cell holding another token's K/V (what only the logits can see), 1.5x for a cell
@@ -100,18 +109,28 @@ _models: dict = {}
 RUN_STATS: dict = {}
 
 
-def _model(tmp_root, n_layer: int) -> pk.Model:
-    if n_layer not in _models:
+def _model(tmp_root, n_layer: int, lib: str = "patched") -> pk.Model:
+    """The oracle's model of ``n_layer`` layers on ``lib`` (patched: the mission pin's build; current)."""
+    if (n_layer, lib) not in _models:
         import gguf
 
-        p = make_tiny_model(tmp_root / f"oracle-{n_layer}l.gguf", n_layer=n_layer, seed=7 + n_layer)
-        r = gguf.GGUFReader(p, "r+")  # flatter attention: scale the query weights in place
-        for t in r.tensors:
-            if t.name.endswith("attn_q.weight"):
-                t.data[...] *= Q_SCALE
-        del r
-        _models[n_layer] = pk.Model(p)
-    return _models[n_layer]
+        from conftest import _lib
+
+        p = tmp_root / f"oracle-{n_layer}l.gguf"
+        if not p.exists():
+            make_tiny_model(p, n_layer=n_layer, seed=7 + n_layer)
+            r = gguf.GGUFReader(p, "r+")  # flatter attention: scale the query weights in place
+            for t in r.tensors:
+                if t.name.endswith("attn_q.weight"):
+                    t.data[...] *= Q_SCALE
+            del r
+        _models[(n_layer, lib)] = pk.Model(p, lib=_lib(lib))
+    return _models[(n_layer, lib)]
+
+
+def _lib_of(name: str) -> str:
+    """A configuration named ``...@current`` runs on the current pin's library (issue 32)."""
+    return "current" if name.endswith("@current") else "patched"
 
 
 def _context_kwargs(flash_attn: bool, kv_type: str) -> dict:
@@ -132,7 +151,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        m = _model(self.tmp_root, self.n_layer)
+        m = _model(self.tmp_root, self.n_layer, _lib_of(self.name))
         self.m = m
         kw = _context_kwargs(self.flash_attn, self.kv_type)
         self.ctx = m.context(n_seq_max=8, n_batch=32, n_ubatch=16, n_threads=1, **kw)
@@ -157,7 +176,7 @@ class KVMachine(RuleBasedStateMachine):
         n = c.n_ctx - 16
         filler.extend(list(np.arange(n) % 500 + 3))
         for p in range(0, n, 2):
-            c._L.llama_kv_self_seq_rm(c._ptr, filler.id, p, p + 1)  # raw: holes, no shift
+            assert c._native.seq_rm(filler.id, p, p + 1)  # raw: holes, no shift
         # the filler only holds cells: never used through the API again (its tokens no longer match its cells)
         self.filler = filler
         self.filler_cells = list(range(1, n, 2))  # positions of the cells it keeps
@@ -375,6 +394,7 @@ class KVMachine(RuleBasedStateMachine):
             assert s.tokens == before[s] + t
             self.cells[s] += self._new_cells(len(t))
 
+    @precondition(lambda self: self.ctx.caps.defrag)
     @rule()
     def defrag(self):
         st_ = self.ctx.defrag()
@@ -395,7 +415,15 @@ class KVMachine(RuleBasedStateMachine):
 
     def _check_cells(self):
         ctx = self.ctx
-        pos, seqs = ctx.kv_view()
+        if ctx.caps.cell_view:
+            pos, seqs = ctx.kv_view()
+        else:   # the current API: positions from C (_check_positions), sharing from the binding's shadow
+            self._check_positions()
+            with ctx.critical():
+                ctx._apply_shifts()
+                pos, seqs = ctx._read_view()
+            seqs = np.where(seqs < ctx.n_seq_max, seqs, -1)   # not the spare id
+            seqs = np.sort(seqs, axis=1)[:, ::-1]             # holders first
         used = seqs[:, 0] >= 0
         got = Counter((p, frozenset(x for x in row if x >= 0))
                       for p, row in zip(pos[used].tolist(), seqs[used].tolist()))
@@ -414,6 +442,8 @@ class KVMachine(RuleBasedStateMachine):
                 f"the cache does not hold what the sequences should: positions per sequence id {bad}; "
                 f"shared cells (position, holders) got {shared_got}, want {shared_want}")
         n_used = sum(want.values())
+        if not ctx.caps.cell_view:
+            return
         st_ = ctx.kv_stats()
         assert (st_.used_cells, st_.free_cells, st_.n_cells) == (n_used, ctx.n_ctx - n_used, ctx.n_ctx), st_
         assert int(ctx._L.llama_kv_self_used_cells(ctx._ptr)) == n_used, "llama.cpp's used-cell counter is off"
@@ -422,6 +452,21 @@ class KVMachine(RuleBasedStateMachine):
         assert int((occ == -2).sum()) == sum(k for (_, ids), k in want.items() if len(ids) > 1)
         for s in self.live:
             assert len(self.cells[s]) == len(s)
+
+    def _check_positions(self):
+        """From C, where the library has no cell view: every live sequence holds exactly positions
+        0..n-1 (llama_memory_seq_pos_min/max), a closed id none, the filler its odd positions."""
+        ctx = self.ctx
+        L_, mem = ctx._L, ctx._native.mem
+        live = {s.id: len(s) for s in self.live}
+        for sid in range(ctx.n_seq_max):
+            lo, hi = int(L_.llama_memory_seq_pos_min(mem, sid)), int(L_.llama_memory_seq_pos_max(mem, sid))
+            if sid == self.filler.id:
+                want = (self.filler_cells[0], self.filler_cells[-1])
+            else:
+                n = live.get(sid, 0)
+                want = (0, n - 1) if n else (-1, -1)
+            assert (lo, hi) == want, f"sequence {sid} holds positions [{lo}, {hi}] in C, want {want}"
 
     def _fresh(self, tokens: tuple, probes: bool) -> list:
         """The reference: ``tokens`` evaluated from position 0 in a clean cache, then each probe (one
@@ -490,11 +535,19 @@ CONFIGS = [
     ("2l-f16", 2, False, "f16", False),
     ("1l-f32-shift", 1, False, "f32", True),
     ("1l-f16-fa-shift", 1, True, "f16", True),
+    # the current pin (issue 32): every configuration without a defrag (it has none)
+    ("2l-f32@current", 2, False, "f32", False),
+    ("2l-f32-fa@current", 2, True, "f32", False),
+    ("2l-f16@current", 2, False, "f16", False),
+    ("1l-f32-shift@current", 1, False, "f32", True),
+    ("1l-f16-fa-shift@current", 1, True, "f16", True),
 ]
 # 3x the largest difference measured in correct operations (table in the module docstring)
 TOLERANCE = {"2l-f32": 1.5e-5, "2l-f32-graphdefrag": 1.5e-5, "2l-f32-fa-graphdefrag": 2.9e-2,
              "2l-f32-movesdefrag": 1.5e-5, "2l-f32-fa": 2.9e-2, "2l-f16": 1.1e-2,
              "1l-f32-shift": 9.3e-6, "1l-f16-fa-shift": 2.1e-2}
+TOLERANCE.update({"2l-f32@current": 1.5e-5, "2l-f32-fa@current": 3.3e-2, "2l-f16@current": 1.1e-2,
+                  "1l-f32-shift@current": 1.2e-5, "1l-f16-fa-shift@current": 2.8e-2})
 # LLAMA_KV_DEFRAG_GRAPH per configuration (read by llama.cpp at every defrag): the defrag path
 DEFRAG_GRAPH = {"graphdefrag": "1", "movesdefrag": "moves"}
 
@@ -530,7 +583,8 @@ def test_oracle_exercised_fragmentation_retries_and_defrags():
         pytest.skip("the oracle machines did not run (deselected)")
     print(json.dumps(RUN_STATS, indent=1, sort_keys=True))
     for name, v in RUN_STATS.items():
-        assert v["slot_retries"] > 0 and v["defrags"] >= v["slot_retries"] and v["moves"] > 0, (name, v)
+        if _lib_of(name) == "patched":   # the current pin has no slot retry or defrag: it needs none
+            assert v["slot_retries"] > 0 and v["defrags"] >= v["slot_retries"] and v["moves"] > 0, (name, v)
         # a sequence is checked through a re-evaluation of its last token (fallback) only when no cell
         # is free, and goes unchecked (skip) only when, besides, its last cell is shared. Measured
         # (8 random runs per configuration): fallbacks 0 to 18% of the checks of a run, 5% at most on
@@ -541,9 +595,10 @@ def test_oracle_exercised_fragmentation_retries_and_defrags():
     from conftest import cache_on_device
 
     on_device = any(cache_on_device(m) for m in _models.values())
-    graph_cfgs = [c[0] for c in CONFIGS if on_device or any(key in c[0] for key in DEFRAG_GRAPH)]
+    mission = [c[0] for c in CONFIGS if _lib_of(c[0]) == "patched"]
+    graph_cfgs = [k for k in mission if on_device or any(key in k for key in DEFRAG_GRAPH)]
     assert all(RUN_STATS.get(k, {"graphs": 1})["graphs"] > 0 for k in graph_cfgs), RUN_STATS
-    assert all(v["graphs"] == 0 for k, v in RUN_STATS.items() if k not in graph_cfgs), RUN_STATS
+    assert all(v["graphs"] == 0 for k, v in RUN_STATS.items() if k in mission and k not in graph_cfgs), RUN_STATS
 
 
 SENSITIVITY_MARGIN = {"token": 5.0, "position": 1.5}
@@ -563,7 +618,8 @@ def one_wrong_cell(model: pk.Model, flash_attn: bool, kv_type: str, lengths, tri
     out = {"token": {}, "position": {}}
     with model.context(n_seq_max=3, n_batch=64, n_ubatch=64, n_threads=1, **_context_kwargs(flash_attn, kv_type)) as c:
         s, other = c.new_sequence(), c.new_sequence()
-        L_ = c._L
+        native = c._native
+        last_position_probed = c.caps.cell_view   # the mission pin decodes after any position
 
         def probe() -> np.ndarray:
             f = s.fork()
@@ -583,16 +639,22 @@ def one_wrong_cell(model: pk.Model, flash_attn: bool, kv_type: str, lengths, tri
                 right = probe()
                 k = int(rng.integers(0, n))
                 other.extend(t[:k] + [3 + (t[k] - 3 + int(rng.integers(1, 898))) % 898])
-                L_.llama_kv_self_seq_rm(c._ptr, s.id, k, k + 1)
-                L_.llama_kv_self_seq_cp(c._ptr, other.id, s.id, k, k + 1)  # s now holds other's cell k
+                assert native.seq_rm(s.id, k, k + 1)
+                native.seq_cp(other.id, s.id, k, k + 1)  # s now holds other's cell k
                 d_tok.append(float(np.abs(probe() - right).max()))
+                if not last_position_probed and n <= 2:
+                    continue
                 c.clear()
                 s.extend(t)
-                k = int(rng.integers(1, n))
-                L_.llama_kv_self_seq_add(c._ptr, s.id, k, k + 1, -1)
+                # the current llama.cpp refuses a decode after a last position one too low (its positions
+                # must stay consecutive), and the oracle's C check (_check_positions) sees that cell
+                # exactly: there only the cells before it need the logits
+                k = int(rng.integers(1, n if last_position_probed else n - 1))
+                native.seq_add(s.id, k, k + 1, -1)
                 d_pos.append(float(np.abs(probe() - right).max()))
             out["token"][n] = (min(d_tok), float(np.median(d_tok)))
-            out["position"][n] = (min(d_pos), float(np.median(d_pos)))
+            if d_pos:
+                out["position"][n] = (min(d_pos), float(np.median(d_pos)))
     return out
 
 
@@ -604,7 +666,7 @@ def test_one_wrong_cell_exceeds_the_tolerance(cfg, oracle_root):
     tolerance, in every trial (SENS_TRIALS per length)."""
     name, n_layer, fa, kv, _ = cfg
     tol = TOLERANCE[name]
-    got = one_wrong_cell(_model(oracle_root, n_layer), fa, kv, SENS_LENGTHS, SENS_TRIALS)
+    got = one_wrong_cell(_model(oracle_root, n_layer, _lib_of(name)), fa, kv, SENS_LENGTHS, SENS_TRIALS)
     table = {kind: {n: round(v[0] / tol, 1) for n, v in d.items()} for kind, d in got.items()}
     for kind, d in got.items():
         for n, (smallest, _) in d.items():

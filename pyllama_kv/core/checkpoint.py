@@ -30,11 +30,12 @@ __all__ = ["Checkpoint"]
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
     """The recurrent state of a sequence that held exactly ``tokens`` (see the module docstring).
-    ``model`` is the identity of the model it belongs to (a fork refuses another model's)."""
+    ``model`` is the fingerprint of the model file it belongs to (``core.state.model_fingerprint``):
+    a fork refuses another model's, and takes one made by another Model object of the same file."""
 
     tokens: np.ndarray            # int32, read-only
     data: bytes                   # llama.cpp's partial sequence state
-    model: int = field(repr=False, default=0)
+    model: str = field(repr=False, default="")
 
     @property
     def n(self) -> int:
@@ -49,7 +50,7 @@ class Checkpoint:
         return f"Checkpoint(n={self.n}, {self.n_bytes} bytes)"
 
     @classmethod
-    def of(cls, tokens, data: bytes, model: int) -> Checkpoint:
+    def of(cls, tokens, data: bytes, model: str) -> Checkpoint:
         t = np.array(tokens, dtype=np.int32)
         t.flags.writeable = False
         return cls(tokens=t, data=data, model=model)

@@ -651,7 +651,7 @@ class Context(_kv.CResource):
         if not isinstance(ck, Checkpoint):
             raise InvalidInputError(f"checkpoint must be a pyllama_kv Checkpoint, got {type(ck).__name__}")
         self._need("recurrent_checkpoints", "a fork from a checkpoint")
-        if ck.model != id(self.model):
+        if ck.model != _state.model_fingerprint(self.model):
             raise InvalidInputError("the checkpoint belongs to another model")
         if ck.n != n or not np.array_equal(ck.tokens, np.asarray(e.tokens[:n], dtype=np.int32)):
             raise InvalidInputError(f"the checkpoint follows {ck.n} tokens that are not the first {n} of sequence "
@@ -673,7 +673,7 @@ class Context(_kv.CResource):
             data = self._native.recurrent_state_get(e.id)
             if not data:
                 raise LlamaError(f"llama.cpp could not write the recurrent state of sequence {e.id} (its log says why)")
-            return Checkpoint.of(e.tokens, data, id(self.model))
+            return Checkpoint.of(e.tokens, data, _state.model_fingerprint(self.model))
 
     def can_fork(self, seq, n: int, checkpoint: Checkpoint | None = None) -> bool:
         """Whether ``seq.fork(n, checkpoint)`` (or, without a checkpoint, a truncation to ``n``) can be
