@@ -260,8 +260,8 @@ def test_stop_strings(client):
 @pytest.fixture(scope="module")
 def small(real_model, pin_lib):
     """One request at a time, one waiting, no prefix cache: every request starts from an empty cache."""
-    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "512", "--parallel", "1", "--max-queue", "1", "--prefix-cache", "0",
-                    "--shutdown-grace", "30") as s:
+    with ServerProc(MODEL, "--lib", pin_lib, "--ctx", "512", "--parallel", "1", "--max-queue", "1",
+                    "--prefix-cache", "0", "--shutdown-grace", "30") as s:
         yield s
 
 
