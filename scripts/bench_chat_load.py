@@ -37,7 +37,8 @@ here, so only they compare; a run with request errors compares with nothing: its
 no ratio (listed under "ratios_refused", with the errors, on stderr too) and the exit status is 1.
 
     .venv/bin/python scripts/bench_chat_load.py [--quick] [--defaults]
-                                                [--only ours,ours-no-tier,pin,ours-current,current] ...
+                                                [--only ours,ours-no-tier,pin,ours-current,current]
+                                                [--rounds N] ...
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ import argparse
 import json
 import random
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -242,6 +244,24 @@ def ratios(rows: list[dict]) -> tuple[dict, dict[str, list[str]]]:
     return out, refused
 
 
+def median_ratios(per_round: list[tuple[dict, dict[str, list[str]]]], out: dict) -> tuple[dict, dict[str, list[str]]]:
+    """One round's ratios as they are; of several, each ratio's median over the rounds that have it (the
+    rounds' own under ``out["ratios_by_round"]``), and every round's refusals."""
+    if len(per_round) == 1:
+        return per_round[0]
+    out["ratios_by_round"] = [r for r, _ in per_round]
+    refused: dict[str, list[str]] = {}
+    for _, ref in per_round:
+        for k, why in ref.items():
+            refused.setdefault(k, []).extend(why)
+    merged: dict = {}
+    for pair in dict.fromkeys(k for r, _ in per_round for k in r):
+        vals = [r[pair] for r, _ in per_round if pair in r]
+        merged[pair] = {m: (round(statistics.median(v[m] for v in vals), 3)
+                            if all(v.get(m) is not None for v in vals) else None) for m in vals[0]}
+    return merged, refused
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"catalogue name or GGUF path (default {DEFAULT_MODEL})")
@@ -266,6 +286,10 @@ def main(argv=None) -> int:
                          "threads, batch and --cache-ram stay the same for all: they define the load)")
     ap.add_argument("--only", default=",".join(SERVERS), help=f"servers, of {','.join(SERVERS)} (default all)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the servers this many times, the order reversed every other round (A B, B A, ...: "
+                         "a server that goes first is not always the one that warms the machine); each ratio is "
+                         "then the median of the rounds' (default 1)")
     ap.add_argument("--quick", action="store_true", help="a small load (a smoke run, not a measurement)")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
@@ -276,8 +300,8 @@ def main(argv=None) -> int:
         args.conversations, args.turns, args.doc_words, args.max_tokens = 5, 2, 40, 4
         args.ctx = args.ctx or 512
     args.ctx = args.ctx or 4096
-    if min(args.conversations, args.turns, args.doc_words, args.clients, args.ctx, args.max_tokens) < 1:
-        ap.error("--conversations, --turns, --doc-words, --clients, --ctx and --max-tokens must be >= 1")
+    if min(args.conversations, args.turns, args.doc_words, args.clients, args.ctx, args.max_tokens, args.rounds) < 1:
+        ap.error("--conversations, --turns, --doc-words, --clients, --ctx, --max-tokens and --rounds must be >= 1")
     if "current" in only and find_peer_server() is None:
         print("current: the peer llama-server is not built; building it (`pyllama-kv build --peer`) ...",
               file=sys.stderr)
@@ -299,17 +323,23 @@ def main(argv=None) -> int:
         "peer": (lambda p: str(p) if p else None)(find_peer_server()),
         "rows": [],
     }
+    rounds: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in only:
-            try:
-                row = run_server(name, model_path, args, chats, Path(tmp))
-            except RuntimeError as exc:
-                row = {"server": name, "errors": args.conversations * args.turns, "started": False,
-                       "error_samples": [str(exc)[:500]]}
-            out["rows"].append(row)
-            print(f"{name}: {json.dumps({k: row.get(k) for k in ('wall_s', 'completion_tps', 'later_ttft_p95_s', 'prompt_evaluated', 'prompt_cached', 'peak_rss_mib', 'errors')})}",  # noqa: E501
-                  file=sys.stderr)
-    out["ratios"], refused = ratios(out["rows"])
+        for r in range(args.rounds):
+            rounds.append([])
+            for name in (only if r % 2 == 0 else only[::-1]):
+                try:
+                    row = run_server(name, model_path, args, chats, Path(tmp))
+                except RuntimeError as exc:
+                    row = {"server": name, "errors": args.conversations * args.turns, "started": False,
+                           "error_samples": [str(exc)[:500]]}
+                if args.rounds > 1:
+                    row["round"] = r
+                rounds[-1].append(row)
+                out["rows"].append(row)
+                print(f"{name}: {json.dumps({k: row.get(k) for k in ('wall_s', 'completion_tps', 'later_ttft_p95_s', 'prompt_evaluated', 'prompt_cached', 'peak_rss_mib', 'errors')})}",  # noqa: E501
+                      file=sys.stderr)
+    out["ratios"], refused = median_ratios([ratios(rows) for rows in rounds], out)
     if refused:
         out["ratios_refused"] = refused
     print(json.dumps(out, indent=None if args.json else 2))

@@ -284,6 +284,21 @@ def test_bench_chat_load_gives_no_ratio_for_a_run_with_errors():
     assert r["ours-current/current"] == {"completion_tps": 1.0, "later_ttft_p95": 1.0, "wall": 2.0}
 
 
+def test_bench_chat_load_takes_the_median_of_its_rounds():
+    """--rounds N: each ratio is the median over the rounds (each round's kept), refusals of any round
+    listed; one round is reported as it is."""
+    bench = _load_chat_bench()
+    one = ({"a/b": {"completion_tps": 1.0, "later_ttft_p95": None, "wall": 2.0}}, {})
+    out: dict = {}
+    assert bench.median_ratios([one], out) == one and "ratios_by_round" not in out
+    rounds = [({"a/b": {"completion_tps": t, "later_ttft_p95": 1.0, "wall": w}}, {}) for t, w in
+              ((0.8, 1.3), (1.2, 0.9), (1.0, 1.0))]
+    rounds.append(({}, {"a/c": ["c had 2 request errors"]}))
+    r, refused = bench.median_ratios(rounds, out)
+    assert r == {"a/b": {"completion_tps": 1.0, "later_ttft_p95": 1.0, "wall": 1.0}}
+    assert refused == {"a/c": ["c had 2 request errors"]} and len(out["ratios_by_round"]) == 4
+
+
 def test_bench_grammar_flood():
     """Hostile grammars flood the server while another client probes it: the server lives, the chains
     are refused, the grammars within the bounds are served, and the probe never fails (its latency is
