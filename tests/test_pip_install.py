@@ -1,7 +1,9 @@
 """`pip install`: an sdist that carries the patched llama.cpp tree, and a wheel that carries the
 patched library, each installed into a fresh venv outside the checkout (issue 14).
 
-Each install compiles libllama once (a minute or two on 2 cores). The venvs take their dependencies
+The sdist is built from the checkout; pip builds the wheel from the sdist (compiling libllama once:
+a minute or two on 2 cores), and both install tests install that wheel, as ``pip install <sdist>``
+would. The venvs take their dependencies
 (numpy, cffi, gguf, jinja2; scikit-build-core for the build) from pip's cache or the package index;
 our package is always built afresh (--no-cache-dir for it). The programs run from a temporary
 directory, with a download cache of their own that holds only the pinned archive (no registry of the
@@ -146,11 +148,11 @@ def test_sdist_carries_the_patched_tree_and_no_build_outputs(sdist):
     assert Path(sdist).stat().st_size < 5_000_000
 
 
-def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_checkout(sdist, outside):
+def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_checkout(wheel, outside):
     base, env = outside
     py = _venv(base / "venv-sdist", env)
-    # --no-cache-dir: build this sdist now, never take a wheel pip cached from an earlier run
-    p = _ok(_run([py, "-m", "pip", "install", "--no-cache-dir", "--no-deps", sdist], base, env))
+    # the sdist's wheel (built by pip from the sdist, never from pip's cache: the `wheel` fixture)
+    p = _ok(_run([py, "-m", "pip", "install", "--no-deps", wheel], base, env))
     assert "Successfully installed pyllama-kv" in p.stdout
     _smoke(py, base, env)
     cli = base / "venv-sdist" / "bin" / "pyllama-kv"
@@ -164,8 +166,16 @@ def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_checkout(sdist, o
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory, builds) -> Path:
-    return _python_build("wheel", tmp_path_factory.mktemp("wheel"))
+def wheel(sdist, outside, tmp_path_factory) -> Path:
+    """The wheel pip builds from the sdist (``pip wheel``: what ``pip install <sdist>`` does before it
+    installs), outside the checkout: this module's one compile of the patched library, installed by
+    the sdist's test and the wheel's alike."""
+    out = tmp_path_factory.mktemp("wheel")
+    base, env = outside
+    _ok(_run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", out, sdist], base, env,
+             timeout=1200))
+    (f,) = out.glob("pyllama_kv-*.whl")
+    return f
 
 
 def test_wheel_contains_the_libraries_the_data_and_the_licenses(wheel):
