@@ -286,6 +286,10 @@ def main(argv=None) -> int:
                                  n_ff=4 * embd, dtype="f16", n_ctx_train=max(4096, n_ctx))
         # a llama-batched-bench given by path: ours runs on the libllama beside it (the same build)
         beside = {lib: exes[lib].parent / "libllama.so" for lib in libs}
+        for lib in libs:
+            if given[lib] and not beside[lib].exists():
+                print(f"{lib}: no libllama.so beside {exes[lib]}; ours runs on the {lib} build pyllama-kv finds",
+                      file=sys.stderr)
         models = {lib: stack.enter_context(pk.Model(
             mp, args.n_gpu_layers, lib=str(beside[lib]) if given[lib] and beside[lib].exists() else lib))
             for lib in libs}

@@ -441,6 +441,8 @@ class KVMachine(RuleBasedStateMachine):
             raise AssertionError(
                 f"the cache does not hold what the sequences should: positions per sequence id {bad}; "
                 f"shared cells (position, holders) got {shared_got}, want {shared_want}")
+        for s in self.live:
+            assert len(self.cells[s]) == len(s)
         n_used = sum(want.values())
         if not ctx.caps.cell_view:
             return
@@ -450,12 +452,13 @@ class KVMachine(RuleBasedStateMachine):
         occ = ctx.kv_cells()
         assert int((occ == -1).sum()) == ctx.n_ctx - n_used
         assert int((occ == -2).sum()) == sum(k for (_, ids), k in want.items() if len(ids) > 1)
-        for s in self.live:
-            assert len(self.cells[s]) == len(s)
 
     def _check_positions(self):
-        """From C, where the library has no cell view: every live sequence holds exactly positions
-        0..n-1 (llama_memory_seq_pos_min/max), a closed id none, the filler its odd positions."""
+        """From C, where the library has no cell view: the smallest and largest position of every
+        sequence (llama_memory_seq_pos_min/max): 0 and n-1 for a live one, none for a closed id, the
+        filler's first and last odd position. A wrong position inside a sequence is the logits'
+        to catch (the sensitivity test's position trials); the sharing of cells is checked against
+        the binding's shadow of them, its own bookkeeping, not llama.cpp's."""
         ctx = self.ctx
         L_, mem = ctx._L, ctx._native.mem
         live = {s.id: len(s) for s in self.live}

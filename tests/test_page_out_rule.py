@@ -103,3 +103,14 @@ def test_a_host_cache_always_pages_out(sequences, eval_seconds):
 def test_no_estimate_no_rule(sequences):
     stats, stored = page_out_many(sequences, on_device=True, eval_seconds=None)
     assert all(n == 20 for n in stored) and stats.page_outs_skipped == 0
+
+
+def test_a_slow_restore_counts_against_a_page_out(sequences):
+    """What a page-out saves is paid again by its restore: with copies out cheaper than an evaluation
+    but restores far dearer, the rule drops."""
+    stats = TierStats(enabled=True)
+    tiers = Tiers(SimpleNamespace(cache_on_device=True, eval_cost=FixedCost(1.0)), 64 << 20, stats)
+    stored = [tiers.page_out(s) for s in sequences[:PAGE_OUT_EVIDENCE + 2]]
+    assert all(n == 20 for n in stored) and stats.page_outs_skipped == 0, "copies out cost less than 1 s a token"
+    tiers._restored.add(1, 10.0)   # a restore measured at 10 s a token
+    assert tiers.page_out(sequences[PAGE_OUT_EVIDENCE + 2]) == 0 and stats.page_outs_skipped == 1

@@ -64,7 +64,7 @@ class TierStats:
     # the page-out rule (a cache in device memory): an evicted sequence is dropped, not paged out, while
     # a page-out and a restore cost more a token than evaluating the tokens again
     page_outs_skipped: int = 0   # cumulative: evicted sequences dropped because evaluating them again is cheaper
-    eval_token_seconds: float = 0.0  # the last measured cost of evaluating a token (0: not measured yet)
+    eval_token_seconds: float = 0.0  # the last measured cost of evaluating a token (a device cache; 0: not yet)
     evicted_nodes: int = 0       # spans dropped from host memory for the budget (to disk, if there is one)
     evicted_bytes: int = 0
     not_stored: int = 0          # spans larger than what the budget could free (to disk, if there is one)
@@ -292,6 +292,27 @@ def context_layout(ctx) -> _state.Layout:
     return ctx.cache_layout()
 
 
+class _Rate:
+    """Seconds per token of recent copies (each copy's weight halves after ``HALF_LIFE`` newer ones),
+    and how many copies were counted."""
+
+    HALF_LIFE = 16
+
+    def __init__(self) -> None:
+        self._keep = 0.5 ** (1.0 / self.HALF_LIFE)
+        self.tokens = self.seconds = 0.0
+        self.count = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * self._keep + tokens
+        self.seconds = self.seconds * self._keep + seconds
+        self.count += 1
+
+    def per_token(self) -> float:
+        """0.0 before anything was counted."""
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+
 class Tiers:
     """Host memory (a :class:`SpanTrie` of ``budget_bytes``) and optionally a directory
     (:class:`~pyllama_kv.prefixcache.spanfile.SpanDir`) for the prefixes a context pages out."""
@@ -306,6 +327,8 @@ class Tiers:
         self._weigh = bool(ctx.cache_on_device)   # the page-out rule (cheaper_to_evaluate) applies
         self._eval_cost = ctx.eval_cost
         self._candidates = 0
+        self._paged = _Rate()      # the copies of page-outs that stored tokens
+        self._restored = _Rate()   # the copies of restores
 
     def _spill(self, tokens: Sequence[int], span: Span) -> None:
         """Write a span leaving host memory to disk; never raises (the trie is mid-eviction)."""
@@ -318,40 +341,57 @@ class Tiers:
     def page_out(self, seq) -> int:
         """Store what the tiers lack of ``seq``'s cells (the sequence is unchanged); the tokens stored
         in host memory. A sequence whose cells cannot be copied (not a clean [0, n)) stores nothing,
-        and so does one that :meth:`cheaper_to_evaluate` says to drop."""
-        if not len(seq) or self.cheaper_to_evaluate():
+        and so does one that :meth:`cheaper_to_evaluate` says to drop (asked only when the trie lacks
+        some of its tokens: storing nothing new costs nothing)."""
+        if not len(seq):
             return 0
+        tokens = seq.tokens
+        if self._weigh and self.trie.matched(tokens) < len(tokens) and self.cheaper_to_evaluate():
+            return 0
+        copied = [0.0]
+
+        def snapshot(a: int, b: int) -> Span:   # the copy out of the cache, timed for the rule
+            t = time.perf_counter()
+            try:
+                return seq.snapshot(a, b)
+            finally:
+                copied[0] += time.perf_counter() - t
+
         t0 = time.perf_counter()
         try:
-            return self.trie.insert(seq.tokens, seq.snapshot)
+            n = self.trie.insert(tokens, snapshot)
         except LlamaError:
-            return 0
+            n = 0
         finally:
             self.stats.page_out_seconds += time.perf_counter() - t0
+        if n:
+            self._paged.add(n, copied[0])
+        return n
 
     def cheaper_to_evaluate(self) -> bool:
         """The page-out rule, for a cache in device memory (``Context.cache_on_device``), where a
         page-out is a transfer that can cost more than the evaluation it saves (on an H200, 8B
         shapes: 0.29 ms a token paged out, 0.06 restored, against ~0.1 evaluated). True (and counted
-        in ``page_outs_skipped``) when, as measured in this context so far, paging a token out and
-        restoring it costs more than evaluating it again (``Context.eval_cost``). Never before
-        ``PAGE_OUT_EVIDENCE`` page-outs and an evaluation estimate, and never for every
-        ``PAGE_OUT_PROBE``-th evicted sequence, which keeps the page-out cost measured. A cache in host
-        memory always pages out (a memcpy)."""
+        in ``page_outs_skipped``) when, as measured in this context lately, copying a token out and
+        restoring it costs more than evaluating it again (``Context.eval_cost``). The copy and restore
+        costs are of the copies alone (``seq.snapshot``, ``seq.restore``), each a recent average
+        (:class:`_Rate`). Never before ``PAGE_OUT_EVIDENCE`` page-outs and an evaluation estimate, and
+        never for every ``PAGE_OUT_PROBE``-th evicted sequence, which keeps the page-out cost
+        measured. It assumes the prefix comes back (a restore saves its evaluation), so that it
+        drops only what would cost more even then. A cache in host memory always pages out (a memcpy)."""
         if not self._weigh:
             return False
         st = self.stats
         ev = self._eval_cost.per_token()
-        if ev is None or st.page_outs < PAGE_OUT_EVIDENCE or not st.paged_out_tokens:
+        if ev is None:
             return False
         st.eval_token_seconds = ev
+        if self._paged.count < PAGE_OUT_EVIDENCE:
+            return False
         self._candidates += 1
         if self._candidates % PAGE_OUT_PROBE == 0:
             return False
-        cost = st.page_out_seconds / st.paged_out_tokens
-        if st.restored_tokens:
-            cost += st.restore_seconds / st.restored_tokens
-        if cost <= ev:
+        if self._paged.per_token() + self._restored.per_token() <= ev:
             return False
         st.page_outs_skipped += 1
         return True
@@ -361,7 +401,9 @@ class Tiers:
         does not fit. InvalidInputError (a span the context refuses) propagates."""
         while True:
             try:
+                t = time.perf_counter()
                 seq.restore(span)
+                self._restored.add(len(span), time.perf_counter() - t)
                 return True
             except KVCacheFullError:
                 if make_room is None or not make_room():
