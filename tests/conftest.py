@@ -65,9 +65,9 @@ def every_page_out(monkeypatch):
 
 
 def cache_on_device(model) -> bool:
-    """Whether ``model``'s contexts keep their KV cache on a GPU (its layers are offloaded there): the
-    patched defrag then takes the gather graphs, not the host memcpy path."""
-    return bool(model.n_gpu_layers) and bool(model._lib.gpu_devices())
+    """Whether ``model``'s contexts keep their KV cache on a device (``Model.on_device``): the patched
+    defrag then takes the gather graphs, not the host memcpy path."""
+    return model.on_device
 
 
 def _lib(variant: str) -> str:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import pyllama_kv as pk
-from conftest import cache_on_device, toks
+from conftest import DEVICE_RUN, toks
 from pyllama_kv.core.cost import MIN_DECODES, EvalCost
 from pyllama_kv.prefixcache.tiers import PAGE_OUT_EVIDENCE, PAGE_OUT_PROBE, Tiers, TierStats
 
@@ -35,7 +35,7 @@ def test_eval_cost_says_nothing_from_batches_of_one_size():
 
 def test_a_context_measures_its_decodes(tiny_model, patched_lib):
     with pk.Model(tiny_model, lib=patched_lib) as m, m.context(n_ctx=2048, n_seq_max=2) as ctx:
-        assert ctx.cache_on_device == cache_on_device(m)
+        assert ctx.cache_on_device == DEVICE_RUN, "a CPU run's cache is in host memory, a GPU run's on the GPU"
         assert ctx.eval_cost.decodes == 0 and ctx.eval_cost.per_token() is None
         seqs = [ctx.new_sequence() for _ in range(2)]
         n = 0

@@ -538,9 +538,9 @@ class Context(_kv.CResource):
 
     @property
     def cache_on_device(self) -> bool:
-        """Whether some of the KV cache is in a device's memory (layers offloaded to a GPU or to RPC
-        servers): a snapshot of it is a transfer, not a memcpy of host memory."""
-        return bool(self.model.n_gpu_layers) and bool(self.model.rpc or self._libobj.gpu_devices())
+        """Whether some of the KV cache is in a device's memory (:attr:`Model.on_device
+        <pyllama_kv.Model.on_device>`): a snapshot of it is a transfer, not a memcpy of host memory."""
+        return self.model.on_device
 
     def import_sequence(self, state):
         """A new sequence holding the cells and tokens of ``state`` (from Sequence.export_state).

@@ -345,6 +345,13 @@ class Model(_kv.CResource):
         return dict(self._lib.info)
 
     @property
+    def on_device(self) -> bool:
+        """Whether some of its layers, and so their KV cache, are in a device's memory (a GPU of its
+        library, or RPC servers): a copy out of such a cache is a transfer, and a defrag of it takes
+        the gather graphs, not the host memcpy path."""
+        return bool(self.n_gpu_layers) and bool(self.rpc or self._lib.gpu_devices())
+
+    @property
     def native_library(self) -> _kv.Library:
         """The loaded libllama (:class:`~pyllama_kv._native.kv.Library`) this model's contexts and
         samplers call (package interface; :attr:`library` is its public description)."""
