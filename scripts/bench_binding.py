@@ -285,14 +285,15 @@ def main(argv=None) -> int:
             mp = make_tiny_model(Path(tmp) / "bench.gguf", n_layer=layers, n_embd=embd, n_head=8, n_head_kv=8,
                                  n_ff=4 * embd, dtype="f16", n_ctx_train=max(4096, n_ctx))
         # a llama-batched-bench given by path: ours runs on the libllama beside it (the same build)
-        beside = {lib: exes[lib].parent / "libllama.so" for lib in libs}
-        for lib in libs:
-            if given[lib] and not beside[lib].exists():
+        lib_of = dict(zip(libs, libs))
+        for lib in (lib for lib in libs if given[lib]):
+            beside = exes[lib].parent / "libllama.so"
+            if beside.exists():
+                lib_of[lib] = str(beside)
+            else:
                 print(f"{lib}: no libllama.so beside {exes[lib]}; ours runs on the {lib} build pyllama-kv finds",
                       file=sys.stderr)
-        models = {lib: stack.enter_context(pk.Model(
-            mp, args.n_gpu_layers, lib=str(beside[lib]) if given[lib] and beside[lib].exists() else lib))
-            for lib in libs}
+        models = {lib: stack.enter_context(pk.Model(mp, args.n_gpu_layers, lib=lib_of[lib])) for lib in libs}
         model = models[libs[0]]
         ngl = model.n_gpu_layers
         out["model"] = {"file": mp.name, "desc": model.desc, "n_layer": model.n_layer, "n_embd": model.n_embd,
