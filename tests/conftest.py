@@ -173,16 +173,21 @@ def toks(n, seed=0, lo=3, hi=600):
     return np.random.default_rng(seed).integers(lo, hi, n).tolist()
 
 
+def cell_rows(ctx):
+    """(position, holders) of every cell: llama.cpp's cell view (``kv_view``) where the library has
+    one, else the binding's shadow of the cells (pending K-shifts applied first)."""
+    if ctx.caps.cell_view:
+        return ctx.kv_view()
+    with ctx.critical():
+        ctx._apply_shifts()
+        return ctx._read_view()
+
+
 def held_positions(ctx) -> dict[int, list[int]]:
     """For each sequence id, the positions of the cells it holds, sorted (the spare id left out): from
     llama.cpp's cell view where the library has one, else from the binding's shadow of the cells (the
     current API has no per-cell view)."""
-    if ctx.caps.cell_view:
-        pos, held = ctx.kv_view()
-    else:
-        with ctx.critical():
-            ctx._apply_shifts()
-            pos, held = ctx._read_view()
+    pos, held = cell_rows(ctx)
     out: dict[int, list[int]] = {}
     for p, row in zip(pos.tolist(), held.tolist()):
         for sid in row:

@@ -415,13 +415,12 @@ class KVMachine(RuleBasedStateMachine):
 
     def _check_cells(self):
         ctx = self.ctx
-        if ctx.caps.cell_view:
-            pos, seqs = ctx.kv_view()
-        else:   # the current API: positions from C (_check_positions), sharing from the binding's shadow
+        from conftest import cell_rows
+
+        if not ctx.caps.cell_view:   # the current API: positions from C, sharing from the binding's shadow
             self._check_positions()
-            with ctx.critical():
-                ctx._apply_shifts()
-                pos, seqs = ctx._read_view()
+        pos, seqs = cell_rows(ctx)
+        if not ctx.caps.cell_view:
             seqs = np.where(seqs < ctx.n_seq_max, seqs, -1)   # not the spare id
             seqs = np.sort(seqs, axis=1)[:, ::-1]             # holders first
         used = seqs[:, 0] >= 0
