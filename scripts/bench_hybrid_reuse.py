@@ -2,7 +2,8 @@
 """A hybrid model's prefix reuse: `pyllama-kv serve --lib current` against the current llama-server
 (``pyllama-kv build --peer``), one after another in one run, on a tiny LFM2 (short-convolution layers
 with recurrent state between attention layers; random F32 weights, written by the project's
-generator). Prints JSON.
+generator), or with ``--arch gemma3`` on a tiny Gemma 3 whose sliding-window layers attend to the last
+``--window`` tokens only (the same load: what a sliding-window cache lets a server reuse). Prints JSON.
 
 A recurrent layer's state cannot be rolled back, so a prompt that shares only a part of a cached
 sequence cannot simply fork it. The current llama-server keeps periodic context checkpoints and
@@ -19,7 +20,7 @@ each request, the floor no cache can go below: for a later turn, what its prompt
 previous prompt and answer of its conversation; for B and C, what follows the system prompt. Both
 servers get the same cells, slots and threads.
 
-    .venv/bin/python scripts/bench_hybrid_reuse.py [--system-words 300] [--turns 4]
+    .venv/bin/python scripts/bench_hybrid_reuse.py [--system-words 300] [--turns 4] [--arch lfm2|gemma3]
 """
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\
           "'<|im_end|>' + '\\n'}}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 SERVERS = ("ours-current", "current")
+ARCHS = {"lfm2": "tiny lfm2 (6 layers: conv/attention, F32)",
+         "gemma3": "tiny gemma3 (6 layers: 5 with a sliding window, 1 global; F32)"}
+
+
+def tiny_model(tmp: Path, args) -> Path:
+    extra = {"sliding_window": args.window} if args.arch == "gemma3" else {}
+    return make_tiny_model(tmp / f"tiny-{args.arch}.gguf", seed=3, arch=args.arch, n_layer=6, n_ctx_train=16384,
+                           kv_overrides={"tokenizer.chat_template": CHATML}, **extra)
 
 
 def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
@@ -110,16 +119,19 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=",".join(SERVERS))
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="lfm2",
+                    help="the tiny model: lfm2 (hybrid: recurrent state) or gemma3 (a sliding-window cache of "
+                         "--window tokens in 5 of 6 layers)")
+    ap.add_argument("--window", type=int, default=128, help="gemma3's sliding window (default 128)")
     args = ap.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
     if "current" in only and find_peer_server() is None:
         print("current: building the peer llama-server (`pyllama-kv build --peer`) ...", file=sys.stderr)
         build_peer(log=lambda m: print(m, file=sys.stderr))
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_model(Path(tmp) / "tiny-lfm2.gguf", seed=3, arch="lfm2", n_layer=6, n_ctx_train=16384,
-                                kv_overrides={"tokenizer.chat_template": CHATML})
+        model = tiny_model(Path(tmp), args)
         out: dict = {"benchmark": "hybrid-reuse", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                     "model": "tiny lfm2 (6 layers: conv/attention, F32)", "servers": {}}
+                     "model": ARCHS[args.arch], "servers": {}}
         for name in only:
             print(f"{name} ...", file=sys.stderr)
             out["servers"][name] = run_server(name, model, args, Path(tmp))

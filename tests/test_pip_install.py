@@ -2,7 +2,7 @@
 patched library, each installed into a fresh venv outside the checkout (issue 14).
 
 The sdist is built from the checkout; pip builds the wheel from the sdist (compiling libllama once:
-a minute or two on 2 cores), and both install tests install that wheel, as ``pip install <sdist>``
+a minute or two on 2 cores), and the install test installs that wheel, as ``pip install <sdist>``
 would. The venvs take their dependencies
 (numpy, cffi, gguf, jinja2; scikit-build-core for the build) from pip's cache or the package index;
 our package is always built afresh (--no-cache-dir for it). The programs run from a temporary
@@ -148,23 +148,6 @@ def test_sdist_carries_the_patched_tree_and_no_build_outputs(sdist):
     assert Path(sdist).stat().st_size < 5_000_000
 
 
-def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_checkout(wheel, outside):
-    base, env = outside
-    py = _venv(base / "venv-sdist", env)
-    # the sdist's wheel (built by pip from the sdist, never from pip's cache: the `wheel` fixture)
-    p = _ok(_run([py, "-m", "pip", "install", "--no-deps", wheel], base, env))
-    assert "Successfully installed pyllama-kv" in p.stdout
-    _smoke(py, base, env)
-    cli = base / "venv-sdist" / "bin" / "pyllama-kv"
-    st = json.loads(_ok(_run([cli, "status", "--json"], base, env)).stdout)
-    assert st["revision"] == _vendor.Pin.load().revision
-    assert [p["name"] for p in st["patches"]] == SERIES          # the series shipped inside the package
-    assert st["package_library"]["patches"] == SERIES
-    ver = _ok(_run([cli, "--version"], base, env)).stdout
-    assert "pyllama-kv " in ver and _vendor.Pin.load().revision[:12] in ver and SERIES[-1][:-6] in ver
-    assert "(package, patched, cpu)" in ver
-
-
 @pytest.fixture(scope="module")
 def wheel(sdist, outside, tmp_path_factory) -> Path:
     """The wheel pip builds from the sdist (``pip wheel``: what ``pip install <sdist>`` does before it
@@ -194,12 +177,24 @@ def test_wheel_contains_the_libraries_the_data_and_the_licenses(wheel):
     assert not [n for n in names if "__pycache__" in n or n.startswith(("include/", "bin/", "lib/"))]
 
 
-def test_wheel_installs_into_a_fresh_venv_and_builds_vanilla_into_the_cache(wheel, outside):
+def test_the_sdists_wheel_installs_into_a_fresh_venv_runs_outside_the_checkout_and_builds_vanilla(wheel, outside):
+    """What ``pip install <sdist>`` gives (the wheel pip built from the sdist, never from pip's cache:
+    the ``wheel`` fixture), in a fresh venv outside the checkout: the package's own library runs, the
+    CLI reports the pin and the series it ships, and it vendors, checks the series and builds the vanilla
+    library into the cache, where ``lib="vanilla"`` finds it."""
     base, env = outside
-    py = _venv(base / "venv-wheel", env)
-    _ok(_run([py, "-m", "pip", "install", "--no-deps", wheel], base, env))
+    py = _venv(base / "venv", env)
+    p = _ok(_run([py, "-m", "pip", "install", "--no-deps", wheel], base, env))
+    assert "Successfully installed pyllama-kv" in p.stdout
     _smoke(py, base, env)
-    cli = base / "venv-wheel" / "bin" / "pyllama-kv"
+    cli = base / "venv" / "bin" / "pyllama-kv"
+    st = json.loads(_ok(_run([cli, "status", "--json"], base, env)).stdout)
+    assert st["revision"] == _vendor.Pin.load().revision
+    assert [p["name"] for p in st["patches"]] == SERIES          # the series shipped inside the package
+    assert st["package_library"]["patches"] == SERIES
+    ver = _ok(_run([cli, "--version"], base, env)).stdout
+    assert "pyllama-kv " in ver and _vendor.Pin.load().revision[:12] in ver and SERIES[-1][:-6] in ver
+    assert "(package, patched, cpu)" in ver
     cache = Path(env["PYLLAMA_KV_CACHE"])
     if not (cache / "downloads" / _vendor.Pin.load().filename).exists():
         pytest.skip("the pinned archive is not in the download cache: `pyllama-kv vendor` would need the network")
@@ -208,12 +203,17 @@ def test_wheel_installs_into_a_fresh_venv_and_builds_vanilla_into_the_cache(whee
     assert (cache / "src" / "llama.cpp" / "include" / "llama.h").is_file()
     chk = _ok(_run([cli, "patch", "--check"], base, env))
     assert f"0 applied; {len(SERIES)} would apply cleanly" in chk.stdout, chk.stdout + chk.stderr
-    _ok(_run([cli, "build", "--vanilla"], base, env, timeout=1200))
+    # compiled without optimisation (--cmake-arg, which this checks too): half the compile time, and
+    # nothing here runs the library's kernels
+    no_opt = [f"-DCMAKE_{lang}_FLAGS_RELEASE=-O0" for lang in ("C", "CXX")]
+    _ok(_run([cli, "build", "--vanilla", *(f"--cmake-arg={f}" for f in no_opt)], base, env, timeout=1200))
     p = _ok(_run([py, "-c", "import json, pyllama_kv as pk; i = pk.library_info('vanilla'); i.pop('system_info'); "
                       "print(json.dumps(i))"], base, env))
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["variant"] == "vanilla" and info["has_stats"] is False, info
     assert info["path"].startswith(str(cache / "builds")), info
+    manifest = json.loads((Path(info["path"]).parent.parent.parent / "manifest.json").read_text())
+    assert set(no_opt) <= set(manifest["cmake_flags"]), manifest["cmake_flags"]
 
 
 def test_cuda_without_cublas_stops_with_our_message(sdist, outside):
