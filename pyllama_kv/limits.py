@@ -108,7 +108,12 @@ def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:
 RESPONSES_STORED = 1024
 RESPONSES_STORED_BYTES = 64 << 20
 
-# -- a recurrent model's checkpoints (pyllama_kv.prefixcache.checkpoints) --------------------------------
+# -- checkpoints where prompts branch (pyllama_kv.prefixcache.checkpoints, PrefixCache.keeps_checkpoints) --
+
+#: the fewest tokens a checkpoint follows: a shorter boundary is not worth a cut of the prompt's
+#: evaluation, nor (a sliding-window model) an idle sequence and its id (a template that renders a
+#: system message into the first user turn gives a system-prompt boundary of just BOS)
+CHECKPOINT_MIN_TOKENS = 16
 
 #: the host memory the prefix cache's checkpoints of recurrent state may take together (least recently
 #: used first out): a 1B hybrid's state is a few hundred KiB, a 30B gated-delta-net's tens of MiB

@@ -203,3 +203,94 @@ def test_the_engine_serves_a_shared_system_prompt_from_its_checkpoint(lfm2):
                 assert reused == [0, SYSTEM, SYSTEM] and rec.checkpoints[0] == SYSTEM
             else:
                 assert reused == [0, 0, SYSTEM] and rec.checkpoints[0] == SYSTEM
+
+
+# -- a sliding-window model: its checkpoints are idle sequences of exactly the branch's tokens -----------
+
+@pytest.fixture(scope="module")
+def gemma3(models, current_lib):
+    with pk.Model(make_tiny_model(models / "ckpt-gemma3.gguf", seed=3, **ARCHS["gemma3"]), lib=current_lib) as m:
+        yield m
+
+
+def _reuse_old_windows(spacer, ctx) -> None:
+    """The spacer (the cache's first cells, before the first conversation's) goes, and a new sequence
+    of 145 tokens comes: llama.cpp's search starts at the freed cells and goes on through the first
+    conversation's, taking those of positions outside every window of the one sequence holding them
+    (how a server's cache loses them as requests come and go); then it goes too."""
+    spacer.close()
+    s = ctx.new_sequence()
+    s.extend(toks(145, 900))
+    s.close()
+
+
+def test_a_sliding_window_models_checkpoint_keeps_a_shared_system_prompt_forkable(gemma3):
+    """Gemma 3's SWA layers attend to the last 8 positions: a fork of a longer cached sequence's first
+    n tokens needs the cells of the window before n, which that sequence no longer attends to, so the
+    cache reuses them when other sequences come and go (and llama.cpp then drops every earlier
+    position of that sequence), and the fork is refused (the prompt is then evaluated again). Without
+    the turn boundary the first conversation alone holds the system prompt: after that, the second
+    evaluates everything and keeps a checkpoint where it leaves the first, which the third forks.
+    With the boundary the first keeps a checkpoint at the end of the system prompt (an idle sequence
+    of exactly it, whose window is its own last tokens): every later conversation forks all of it.
+    Every answer is the greedy continuation of a fresh evaluation."""
+    system = toks(SYSTEM, 20)
+    cfg = EngineConfig(n_ctx=512, parallel=2, prefix_cache=4, **F32)
+    for bounds in ([SYSTEM], None):
+        with Engine(gemma3, cfg) as eng:
+            cache = eng.kv.cache
+            assert cache.keeps_checkpoints and cache.checkpoints is None
+            spacer = eng.context.new_sequence()
+            spacer.extend(toks(20, 800))
+            reused = []
+            for i in range(3):
+                prompt = system + toks(15, 30 + i)
+                h = eng.submit(prompt, GREEDY, max_tokens=6, boundaries=bounds)
+                eng.run_until_idle()
+                assert list(h.result()[0].tokens) == greedy_run(gemma3, prompt, len(h.result()[0].tokens))
+                reused.append(h.usage.reused_tokens)
+                if i == 0:
+                    first = max(cache.cached, key=len)
+                    assert len(first) > SYSTEM + 15
+                    _reuse_old_windows(spacer, eng.context)
+                    # the first conversation no longer serves the system prompt: llama.cpp purged its
+                    # positions up to the reused cells (a sequence's positions stay contiguous)
+                    assert not eng.context.can_fork(first, SYSTEM)
+            if bounds:   # the checkpoint kept its cells: it serves every later conversation
+                assert reused == [0, SYSTEM, SYSTEM]
+                assert [list(s.tokens) for s in cache.cached if len(s) == SYSTEM] == [system]
+            else:        # the second evaluates everything, and keeps a checkpoint where it left the first
+                assert reused == [0, 0, SYSTEM]
+            assert cache.stats.checkpoint_forks >= 1
+
+
+def test_the_prefix_cache_keeps_a_window_checkpoint_where_a_prompt_branches(gemma3):
+    """acquire() on the sliding-window model: a prompt that leaves a cached one inside it keeps an idle
+    sequence of exactly the shared tokens (a checkpoint), which a longer sequence cached after it does
+    not absorb (rule 5 keeps it), and a sequence of the same tokens does not duplicate; while the
+    longer one still holds the window, a prompt forks that one. clear() drops them."""
+    sys_, q = toks(60, 5), [toks(10, 10 + i) for i in range(3)]
+    with gemma3.context(n_ctx=512, n_seq_max=8, **F32) as c:
+        cache = pk.PrefixCache(c, max_sequences=4)
+        a = cache.acquire(sys_ + q[0])
+        a.extend(toks(30, 50))
+        cache.release(a)                           # absorbs the cached prompt sys+q[0]
+        b = cache.acquire(sys_ + q[1])             # leaves a after 60 tokens: forks them, keeps a checkpoint
+        assert cache.last_reused_tokens == 60
+        kept = [s for s in cache.cached if len(s) == 60]
+        assert len(kept) == 1 and list(kept[0].tokens) == sys_
+        b.extend([4, 5])
+        cache.release(b)                           # b's prompt and answer: the checkpoint is not absorbed
+        assert kept[0] in cache.cached
+        d = c.new_sequence()
+        d.extend(sys_)
+        cache.release(d)                           # exactly the checkpoint's tokens: not kept twice
+        assert d.closed and [s for s in cache.cached if len(s) == 60] == kept
+        longest = max(cache.cached, key=len)
+        s = cache.acquire(sys_ + q[2])
+        assert cache.last_reused_tokens == 60 and close(s.extend([7]), fresh(gemma3, sys_ + q[2] + [7]))
+        assert cache.stats.checkpoint_forks == 0   # the longest still held the window: forked from it
+        s.close()
+        assert c.can_fork(longest, 60)
+        cache.clear()
+        assert not cache.cached

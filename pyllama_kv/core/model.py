@@ -256,6 +256,9 @@ class Model(_kv.CResource):
         # the sliding window of a cache that reuses the cells of positions outside it (0: none, or a
         # cache that keeps them): a cut back to a position whose window it no longer holds is refused
         self.n_swa: int = info.n_swa
+        # whether a prefix cache keeps checkpoints where prompts branch (PrefixCache.keeps_checkpoints):
+        # a recurrent model's state, or a sliding-window model's sequence of exactly the branch's tokens
+        self.branch_checkpoints: bool = self.recurrent_checkpoints or (self.n_swa > 0 and not self.recurrent)
         # whether a K-shift continues exactly: RoPE in every layer (llama.cpp rotates the K of
         # archs.NOPE_LAYERS' layers without it all the same) and no recurrent state (a shift of
         # positions takes no token out of it)

@@ -33,6 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from ..core.context import Context
+from ..limits import CHECKPOINT_MIN_TOKENS
 from ..prefixcache.cache import PrefixCache
 from ..prefixcache.tiers import TierStats
 
@@ -115,9 +116,11 @@ class KVCache(Protocol):
 
     def checkpoints_at(self, tokens: Sequence[int], boundaries: Sequence[int], held: int) -> list[int]:
         """Where a start()ed sequence for ``tokens`` holding ``held`` of them should keep a checkpoint
-        of its state while the rest is evaluated (a model with recurrent layers: the caller's turn
-        ``boundaries`` and where ``tokens`` leave the longest cached prefix), ascending, inside
-        (held, len(tokens)); [] for a cache that keeps none."""
+        of its state while the rest is evaluated (a model with recurrent layers or a sliding-window
+        cache: the caller's turn ``boundaries`` and where ``tokens`` leave the longest cached
+        prefix; PrefixCache.keeps_checkpoints), ascending, in [held, len(tokens)) (``held`` itself: the
+        sequence holds the point's tokens already, as a fork that ends where the prompt branches);
+        [] for a cache that keeps none."""
 
     def checkpoint(self, seq: Hashable) -> None:
         """Keep a checkpoint of live ``seq``'s state after its current tokens (see checkpoints_at)."""
@@ -280,10 +283,10 @@ class ContextKV(PrefixPolicy):
         self.cache.remember(seq)
 
     def checkpoints_at(self, tokens, boundaries, held: int) -> list[int]:
-        if self.cache.checkpoints is None:
+        if not self.cache.keeps_checkpoints:
             return []
         points = set(boundaries) | {self.cache.branch_point(tokens)}
-        return sorted(p for p in points if held < p < len(tokens))
+        return sorted(p for p in points if CHECKPOINT_MIN_TOKENS <= p and held <= p < len(tokens))
 
     def checkpoint(self, seq) -> None:
         self.cache.checkpoint(seq)

@@ -571,6 +571,9 @@ class Engine:
         cont.seq = seq
         cont.pending = list(tokens[n:])
         cont.checkpoints = self.kv.checkpoints_at(tokens, cont.boundaries, n)
+        if cont.checkpoints and cont.checkpoints[0] == n:   # the fork ends at a point already
+            self.kv.checkpoint(seq)
+            del cont.checkpoints[0]
         self._continuations.append(cont)
 
     # -- internals: batch, decode, sampling ------------------------------------------------------

@@ -13,6 +13,7 @@ from ..core.checkpoint import Checkpoint
 from ..core.context import Context
 from ..core.sequence import Sequence
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError
+from ..limits import CHECKPOINT_MIN_TOKENS
 from .checkpoints import Checkpoints
 from .eviction import IdlePrefixes
 from .tiers import SpanTrie, Tiers, TierStats, can_restore, context_layout, shared_prefix
@@ -30,7 +31,7 @@ class PrefixCacheStats:
     restored_tokens: int = 0    # tokens restored from host memory or disk (not evaluated)
     evaluated_tokens: int = 0   # tokens decoded by acquire() (or left to the caller of fork_prefix)
     evictions: int = 0
-    checkpoint_forks: int = 0   # forks whose recurrent state came from a checkpoint (a recurrent model)
+    checkpoint_forks: int = 0   # forks that went back to a checkpoint (see PrefixCache.keeps_checkpoints)
 
 
 class PrefixCache:
@@ -57,6 +58,8 @@ class PrefixCache:
     A model with recurrent layers (a hybrid such as LFM2) keeps checkpoints of their state where
     prefixes branch (``self.checkpoints``, :mod:`~pyllama_kv.prefixcache.checkpoints`): a fork of a
     cached sequence's first n tokens takes its recurrent state from the checkpoint of those n tokens.
+    A sliding-window model (Gemma 3) keeps its checkpoints as idle cached sequences of exactly those
+    tokens (see :attr:`keeps_checkpoints`).
 
     Every acquired sequence has ``reused_tokens`` (the tokens it did not evaluate; the last acquire's
     are ``last_reused_tokens``); ``stats`` sums them up, ``tier_info``
@@ -95,6 +98,10 @@ class PrefixCache:
         self.checkpoints: Checkpoints | None = None
         if ctx.model.recurrent_checkpoints:
             self.checkpoints = Checkpoints()
+        #: a sliding-window model's checkpoints: idle cached sequences by id (see keeps_checkpoints)
+        self._window_checkpoints: dict[int, Sequence] | None = None
+        if ctx.model.branch_checkpoints and not ctx.model.recurrent:
+            self._window_checkpoints = {}
         #: the idle cached sequences and the one eviction rule (evicted ones paged out to the tiers)
         self.idle: IdlePrefixes[Sequence] = IdlePrefixes(self._page_out, self._absorbed)
         try:
@@ -112,6 +119,17 @@ class PrefixCache:
         return list(self.idle)
 
     @property
+    def keeps_checkpoints(self) -> bool:
+        """Whether this cache keeps checkpoints where prefixes branch (:meth:`checkpoint`,
+        :meth:`branch_point`). A recurrent model's are its recurrent state (:attr:`checkpoints`). A
+        sliding-window model's are idle cached sequences of exactly the branch's tokens, kept when a
+        longer one holds them too: a fork of a longer sequence's first n tokens needs the cells of the
+        window before n, which that sequence no longer attends to, so the cache reuses them for other
+        tokens when it finds them first (Context.can_fork), while the window of a sequence's own last
+        tokens stays. False for other models: any prefix of a cached sequence forks."""
+        return self.checkpoints is not None or self._window_checkpoints is not None
+
+    @property
     def tier(self) -> SpanTrie | None:
         """The host tier's trie of spans (None when paging is off)."""
         return None if self.tiers is None else self.tiers.trie
@@ -126,25 +144,40 @@ class PrefixCache:
         """The idle cached sequence with the longest common prefix with ``toks``, and its length."""
         return self.idle.best(toks)
 
-    def _fork_point(self, best, n: int, toks) -> tuple[int, Checkpoint | None]:
-        """Where ``best`` (sharing the first ``n`` of ``toks``) can be forked: ``(n, None)`` when
-        ``best.fork(n)`` can be made; for a model whose recurrent layers cannot go back to position n,
-        the longest checkpoint of a prefix of those n tokens ``(m, ck)``; else ``(0, None)``: the
-        prompt is evaluated afresh (so is one whose sliding-window cache reused older cells: see
-        Context.can_fork)."""
+    def _source(self, toks) -> Sequence | None:
+        """The idle cached sequence :meth:`fork_prefix` would fork for ``toks`` (None: none), which
+        an eviction for that prompt keeps."""
+        best, n = self._best(toks)
+        return self._fork_point(best, min(n, toks.size - 1), toks)[0]
+
+    def _fork_point(self, best, n: int, toks) -> tuple[Sequence | None, int, Checkpoint | None]:
+        """What to fork for the first ``n`` of ``toks`` (``best`` shares them): ``(best, n, None)``
+        when ``best.fork(n)`` can be made; else, for a model whose recurrent layers cannot go back to
+        position n, ``(best, m, ck)`` with the longest checkpoint of a prefix of those n tokens; else
+        the longest idle sequence that is all a prefix of them ``(s, len(s), None)`` (forked whole:
+        a sliding-window model's checkpoint); else ``(best, 0, None)``: the prompt is evaluated
+        afresh (see Context.can_fork)."""
         if best is None or n <= 0 or self.ctx.can_fork(best, n):
-            return n, None
+            return best, n, None
         if self.checkpoints is not None:
             ck = self.checkpoints.best(toks, n)
             if ck is not None and self.ctx.can_fork(best, ck.n, ck):
-                return ck.n, ck
-        return 0, None
+                return best, ck.n, ck
+        whole = [s for s in self.idle.prefixes(toks[:n]) if len(s)]
+        if whole:
+            s = max(whole, key=len)
+            return s, len(s), None
+        return best, 0, None
 
-    def _absorbed(self, seq) -> None:
-        """An idle cached sequence is closed because a longer one holds its tokens: a recurrent
-        model's state after them is kept as a checkpoint (the longer one holds only its own)."""
+    def _absorbed(self, seq) -> bool:
+        """An idle cached sequence is closed because a longer one holds its tokens, unless this
+        returns True: a sliding-window model's checkpoint stays; a recurrent model's state after
+        them is kept as a checkpoint (the longer one holds only its own)."""
+        if self._window_checkpoints is not None:
+            return self._window_checkpoints.get(seq.id) is seq
         if self.checkpoints is not None:
             self.checkpoint(seq)
+        return False
 
     def _resident_changed(self) -> None:
         st = self.tier_info
@@ -177,9 +210,15 @@ class PrefixCache:
 
     def _remember(self, s) -> None:
         """Cache ``s`` (idle), closing cached sequences it makes redundant (prefixes of it: it holds
-        their tokens, so nothing is lost), then evicting down to ``max_sequences``."""
+        their tokens, so nothing is lost; not a sliding-window model's checkpoints, so ``s`` itself is
+        closed when one holds exactly its tokens), then evicting down to ``max_sequences``."""
         if self.max_sequences == 0:
             s.close()
+            return
+        same = self._exactly(s.tokens) if self._window_checkpoints is not None else None
+        if same is not None and same is not s and self._is_window_checkpoint(same):
+            s.close()
+            self.idle.touch(same)
             return
         self.idle.add(s)
         self.stats.evictions += self.idle.trim(self.max_sequences)
@@ -197,34 +236,76 @@ class PrefixCache:
             m = min(n, toks.size - 1)
             if m <= 0:
                 return n
-            f = self._fork_point(best, m, toks)[0]
+            f = self._fork_point(best, m, toks)[1]
             return n if f == m else f
 
     def branch_point(self, tokens) -> int:
-        """Where ``tokens`` leave the longest idle cached sequence they share a prefix with, when a fork
-        can go only to an earlier point (a recurrent model without a checkpoint there); 0 otherwise.
-        The engine keeps a checkpoint there while it evaluates the prompt, so that the next prompt
-        sharing as much forks all of it."""
-        if self.checkpoints is None:
+        """Where ``tokens`` leave the longest idle cached sequence they share a prefix with, inside
+        it, when this cache keeps checkpoints (:attr:`keeps_checkpoints`) and none is there (a
+        recurrent model: a fork can go only to an earlier point; a sliding-window model: no idle
+        sequence of exactly those tokens); 0 otherwise. The engine keeps a checkpoint there while it
+        evaluates the prompt, so that the next prompt sharing as much forks all of it."""
+        if not self.keeps_checkpoints:
             return 0
         with self.ctx.critical():
             toks = self.ctx.model.check_tokens(tokens)
             best, n = self._best(toks)
             m = min(n, toks.size - 1)
-            return m if m > 0 and self._fork_point(best, m, toks)[0] < m else 0
+            if best is None or m < CHECKPOINT_MIN_TOKENS:
+                return 0
+            if self._window_checkpoints is not None:
+                return m if m < len(best) and not self._is_window_checkpoint(self._exactly(toks[:m])) else 0
+            return m if self._fork_point(best, m, toks)[1] < m else 0
+
+    def _exactly(self, toks) -> Sequence | None:
+        """The idle cached sequence that holds exactly ``toks``, if any."""
+        return next((s for s in self.idle.prefixes(toks) if len(s) == len(toks)), None)
+
+    def _is_window_checkpoint(self, seq) -> bool:
+        return seq is not None and self._window_checkpoints is not None and self._window_checkpoints.get(seq.id) is seq
 
     def checkpoint(self, seq) -> bool:
-        """Keep the recurrent state of ``seq`` after its tokens as a checkpoint (a recurrent model:
-        see :mod:`~pyllama_kv.prefixcache.checkpoints`); whether one was kept (False without
-        recurrent layers, for an empty sequence, or when one of the same tokens is kept already)."""
-        if self.checkpoints is None:
+        """Keep a checkpoint after the tokens of ``seq`` (see :attr:`keeps_checkpoints`): a recurrent
+        model's state (:mod:`~pyllama_kv.prefixcache.checkpoints`), or a sliding-window model's fork of
+        ``seq`` as an idle cached sequence that no longer one absorbs (it counts against
+        ``max_sequences`` and goes by the eviction rule like any other; it needs a free sequence id).
+        Whether one was kept (False for other models, for an empty sequence, or when one of the same
+        tokens is kept already)."""
+        if not self.keeps_checkpoints:
             return False
         with self.ctx.critical():
             self.ctx.check_sequence(seq)
-            if len(seq) == 0 or seq.tokens in self.checkpoints:
+            if len(seq) == 0:
+                return False
+            if self._window_checkpoints is not None:
+                return self._keep_window_checkpoint(seq)
+            assert self.checkpoints is not None
+            if seq.tokens in self.checkpoints:
                 return False
             self.checkpoints.add(seq.checkpoint())
             return True
+
+    def _keep_window_checkpoint(self, seq) -> bool:
+        """A sliding-window model's checkpoint after the tokens of ``seq`` (see checkpoint): the idle
+        sequence that holds exactly them becomes one, else a fork of ``seq`` is cached as one (the least
+        recently used idle sequence evicted first when no sequence id is free)."""
+        if self.max_sequences == 0 or len(seq) < CHECKPOINT_MIN_TOKENS:
+            return False
+        assert self._window_checkpoints is not None
+        same = self._exactly(seq.tokens)
+        if same is not None:
+            if self._is_window_checkpoint(same):
+                return False
+            self._window_checkpoints[same.id] = same
+            self.idle.touch(same)
+            return True
+        if not self.ctx.free_sequence_ids and not self._evict():
+            return False
+        kept = seq.fork()
+        self._window_checkpoints = {i: s for i, s in self._window_checkpoints.items() if not s.closed}
+        self._window_checkpoints[kept.id] = kept
+        self._remember(kept)
+        return True
 
     def fork_prefix(self, tokens):
         """A new sequence holding the longest cached prefix of ``tokens`` (at most all but the last
@@ -238,13 +319,13 @@ class PrefixCache:
             if toks.size == 0:
                 raise InvalidInputError("a prompt needs at least one token")
             best, n = self._best(toks)
-            n, ck = self._fork_point(best, min(n, toks.size - 1), toks)
-            if best is not None:
-                self.idle.touch(best)
-            seq = self._with_room(lambda: best.fork(n, ck) if (best is not None and n > 0) else ctx.new_sequence(),
-                                  best, full=LlamaError)
+            src, n, ck = self._fork_point(best, min(n, toks.size - 1), toks)
+            if src is not None:
+                self.idle.touch(src)
+            seq = self._with_room(lambda: src.fork(n, ck) if (src is not None and n > 0) else ctx.new_sequence(),
+                                  src, full=LlamaError)
             n = len(seq)
-            if ck is not None:
+            if ck is not None or (n and src is not best and self._is_window_checkpoint(src)):
                 self.stats.checkpoint_forks += 1
             seq.reused_tokens = n
             st = self.stats
@@ -288,7 +369,7 @@ class PrefixCache:
         with self.ctx.critical():
             keep = None
             if keep_for is not None and len(keep_for):
-                keep = self._best(self.ctx.model.check_tokens(keep_for))[0]
+                keep = self._source(self.ctx.model.check_tokens(keep_for))
             return self._evict(keep)
 
     @property
@@ -305,13 +386,14 @@ class PrefixCache:
             branch = self.branch_point(tokens)
             seq, n = self.fork_prefix(tokens)
             toks = ctx.model.check_tokens(tokens)
-            keep = self._best(toks)[0]
+            keep = self._source(toks)
             try:
                 n += self.restore_into(seq, toks, toks.size - 1, make_room=lambda: self._evict(keep))
                 at = n
-                if at < branch:   # a recurrent model's state where the prompt leaves the cached one, kept
+                if branch and at <= branch:   # a checkpoint where the prompt leaves the cached one, kept
                     head = toks[at:branch]
-                    self._with_room(lambda: seq.extend(head), keep)
+                    if head.size:
+                        self._with_room(lambda: seq.extend(head), keep)
                     self.checkpoint(seq)
                     at = branch
                 rest = toks[at:]
@@ -346,5 +428,7 @@ class PrefixCache:
             self._resident_changed()
             if self.checkpoints is not None:
                 self.checkpoints.clear()
+            if self._window_checkpoints is not None:
+                self._window_checkpoints.clear()
             if self.tiers is not None:
                 self.tiers.clear()

@@ -19,8 +19,8 @@ the API's :class:`~pyllama_kv.prefixcache.cache.PrefixCache` and by the engine's
    disk tier when one is set, :mod:`pyllama_kv.prefixcache.tiers`) when the tiers are on, then closed:
    its id and the cells no other sequence shares are free.
 5. Caching a sequence closes the idle ones that are a prefix of it (it holds their tokens, so
-   nothing is lost; these are not evictions), and :meth:`IdlePrefixes.trim` evicts down to a bound
-   (``PrefixCache.max_sequences``).
+   nothing is lost; these are not evictions; a sliding-window model's checkpoints stay), and
+   :meth:`IdlePrefixes.trim` evicts down to a bound (``PrefixCache.max_sequences``).
 
 What the callers add, by composition, never by a second copy of the rule:
 
@@ -67,10 +67,12 @@ class IdlePrefixes(Generic[S]):
     :class:`~pyllama_kv.core.sequence.Sequence`); its tokens are read once, when it is added (an
     idle sequence does not change). ``page_out(seq)`` is called on a sequence before it is evicted
     (None: evicted sequences are dropped), ``absorbed(seq)`` on one before it is closed because a
-    longer one holds its tokens (rule 5: the prefix cache keeps a recurrent model's state there)."""
+    longer one holds its tokens (rule 5: the prefix cache keeps a recurrent model's state there);
+    when it returns True the sequence stays (a sliding-window model's checkpoint: the longer one
+    holds the window before its end only until the cache reuses those cells)."""
 
     def __init__(self, page_out: Callable[[S], object] | None = None,
-                 absorbed: Callable[[S], object] | None = None):
+                 absorbed: Callable[[S], bool] | None = None):
         self.page_out = page_out
         self.absorbed = absorbed
         self._lru: OrderedDict[int, S] = OrderedDict()   # seq id -> sequence, least recently used first
@@ -96,6 +98,10 @@ class IdlePrefixes(Generic[S]):
         that share as many, the least recently used. ``(None, 0)`` when none shares a token."""
         return self._trie.longest(tokens)
 
+    def prefixes(self, tokens: Sequence[int] | np.ndarray) -> list[S]:
+        """The idle sequences whose tokens are all a prefix of ``tokens`` (``tokens`` itself included)."""
+        return self._trie.prefixes(tokens)
+
     def touch(self, seq: S) -> None:
         """``seq`` was used (a prompt forks it): it is the most recently used now."""
         self._used[seq.id] = next(self._clock)
@@ -107,8 +113,8 @@ class IdlePrefixes(Generic[S]):
         are a prefix of it (rule 5)."""
         toks = np.asarray(seq.tokens, dtype=np.int32)
         for o in self._trie.prefixes(toks):
-            if self.absorbed is not None:
-                self.absorbed(o)
+            if self.absorbed is not None and self.absorbed(o):
+                continue   # kept: the caller says the longer one does not hold it for good
             self._forget(o)
             o.close()
         sid = seq.id

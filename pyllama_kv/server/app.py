@@ -57,7 +57,7 @@ from ..core.embedding import embed_inputs, rerank_tokens
 from ..core.span import shared_prefix
 from ..engine.request import GRAMMAR_ERROR
 from ..errors import InvalidInputError, LlamaError, QueueFullError
-from ..limits import prompt_too_long
+from ..limits import CHECKPOINT_MIN_TOKENS, prompt_too_long
 from ..sampling.grammar import Grammar, GrammarCache, GrammarError
 from . import messages, protocol, responses
 from .config import ServerConfig
@@ -593,12 +593,12 @@ class Server:
             raise protocol.bad(param, str(e)) from None
 
     def _system_end(self, msgs: list, tools: list | None, prompt_ids: list[int]) -> list[int] | None:
-        """Where the leading system messages end in ``prompt_ids``, for a model with recurrent layers:
-        the engine keeps a checkpoint of their state there, so that every conversation under the same
-        system prompt forks all of it (pyllama_kv.prefixcache.checkpoints). None for other models, or
-        when the messages start with no system message (or are nothing else)."""
+        """Where the leading system messages end in ``prompt_ids``, for a model with recurrent layers or a
+        sliding-window cache (Model.branch_checkpoints): the engine keeps a checkpoint there, so that
+        every conversation under the same system prompt forks all of it (PrefixCache.keeps_checkpoints).
+        None for other models, or when the messages start with no system message (or are nothing else)."""
         m = self.model
-        if not m.recurrent_checkpoints:
+        if not m.branch_checkpoints:
             return None
         k = next((i for i, msg in enumerate(msgs) if msg.get("role") not in ("system", "developer")), len(msgs))
         if k == 0 or k == len(msgs):
@@ -608,7 +608,7 @@ class Server:
         except InvalidInputError:
             return None   # a template that refuses a conversation of system messages alone
         b = shared_prefix(head, prompt_ids)
-        return [b] if 0 < b < len(prompt_ids) else None
+        return [b] if CHECKPOINT_MIN_TOKENS <= b < len(prompt_ids) else None
 
     async def _serve(self, request: HTTPRequest, dialect: Dialect) -> Response:
         """A generating endpoint, whatever its dialect: check the body into a chat or completion request,
