@@ -110,12 +110,12 @@ def test_bench_prefix():
 
 def test_bench_real(real_model):
     # one thread: on a busy machine, threads that wait for each other slow every column down badly
-    r = run_py(["scripts/bench_real.py", "--quick", "--json", "-t", "1"], timeout=600)
+    r = run_py(["scripts/bench_real.py", "--quick", "--json", "-t", "1", "--npl", "1,4"], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(r.stdout)
     _machine(d)
     s = d["settings"]
-    assert d["benchmark"] == "real" and [r["parallel"] for r in d["rows"]] == s["npl"] == [1, 4, 8]
+    assert d["benchmark"] == "real" and [r["parallel"] for r in d["rows"]] == s["npl"] == [1, 4]
     for row in d["rows"]:
         e, c, p = row["engine_tps"], row["batched_bench_tps"], row["llama_cpp_python_tps"]
         assert e > 0 and c > 0 and p > 0
