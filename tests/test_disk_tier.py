@@ -512,7 +512,8 @@ def killing_open(path, mode="r", *args, **kw):
 
 spanfile.open = killing_open
 results = []
-with pk.Model(model_path) as m, m.context(n_ctx=512, n_seq_max=4, type_k="f32", type_v="f32") as ctx:
+# one thread: two of these run at once, and two threads each on two cores spin at ggml's barriers
+with pk.Model(model_path) as m, m.context(n_ctx=512, n_seq_max=4, type_k="f32", type_v="f32", n_threads=1) as ctx:
     pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=cache_dir, cache_dir_mib=mib)
     for r in range(rounds):
         for i, conv in enumerate(convs):
@@ -520,7 +521,7 @@ with pk.Model(model_path) as m, m.context(n_ctx=512, n_seq_max=4, type_k="f32", 
             s = pc.acquire(prompt)   # restored from files (ours or the other process's) as far as they go
             n, ok = s.reused_tokens, True
             if n:
-                with m.context(n_ctx=512, n_seq_max=1, type_k="f32", type_v="f32") as c:
+                with m.context(n_ctx=512, n_seq_max=1, type_k="f32", type_v="f32", n_threads=1) as c:
                     ok = bool(np.allclose(s.logits(), c.new_sequence().extend(prompt), atol=1e-4))
             s.close()
             pc.evict()   # the prompt is paged out: the files get what they lack of it
