@@ -182,6 +182,15 @@ class Evaluated(KVWrapper):
         self.kv.checkpoint(seq)
 
 
+def _conversation(eng, model, prompt, bounds) -> int:
+    """One request through ``eng`` (6 greedy tokens, the turn ``bounds``), run to its end: its answer
+    is the greedy continuation of a fresh evaluation; returns the prompt tokens it reused."""
+    h = eng.submit(prompt, GREEDY, max_tokens=6, boundaries=bounds)
+    eng.run_until_idle()
+    assert list(h.result()[0].tokens) == greedy_run(model, prompt, len(h.result()[0].tokens))
+    return h.usage.reused_tokens
+
+
 def test_the_engine_serves_a_shared_system_prompt_from_its_checkpoint(lfm2):
     """Conversations under one system prompt on the hybrid model: with the turn boundary given, the
     first keeps a checkpoint at the end of the system prompt and every later one forks all of it;
@@ -194,11 +203,7 @@ def test_the_engine_serves_a_shared_system_prompt_from_its_checkpoint(lfm2):
             eng.kv = rec = Evaluated(eng.kv)
             reused = []
             for i in range(3):
-                prompt = system + toks(15, 30 + i)
-                h = eng.submit(prompt, GREEDY, max_tokens=6, boundaries=bounds)
-                eng.run_until_idle()
-                assert list(h.result()[0].tokens) == greedy_run(lfm2, prompt, len(h.result()[0].tokens))
-                reused.append(h.usage.reused_tokens)
+                reused.append(_conversation(eng, lfm2, system + toks(15, 30 + i), bounds))
             if bounds:
                 assert reused == [0, SYSTEM, SYSTEM] and rec.checkpoints[0] == SYSTEM
             else:
@@ -244,11 +249,7 @@ def test_a_sliding_window_models_checkpoint_keeps_a_shared_system_prompt_forkabl
             spacer.extend(toks(20, 800))
             reused = []
             for i in range(3):
-                prompt = system + toks(15, 30 + i)
-                h = eng.submit(prompt, GREEDY, max_tokens=6, boundaries=bounds)
-                eng.run_until_idle()
-                assert list(h.result()[0].tokens) == greedy_run(gemma3, prompt, len(h.result()[0].tokens))
-                reused.append(h.usage.reused_tokens)
+                reused.append(_conversation(eng, gemma3, system + toks(15, 30 + i), bounds))
                 if i == 0:
                     first = max(cache.cached, key=len)
                     assert len(first) > SYSTEM + 15
