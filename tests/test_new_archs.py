@@ -363,3 +363,42 @@ def test_context_shift_continues_exactly_or_re_evaluates_everything(cut_model):
             assert close(logits, want)
     if model.recurrent:   # the 5 kept tokens were decoded again at every shift
         assert st.reevaluated_tokens >= st.context_shifts * 5
+
+
+# Gemma 3's own template (its text part): the system prompt goes into the first user turn
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') + message['content'] | trim "
+    "+ '<end_of_turn>\\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+
+
+def test_the_servers_system_prompt_boundary_under_a_template_that_folds_it_into_the_first_turn(current_lib, tmp_path):
+    """Gemma's template renders the system prompt into the first user turn, so the system messages
+    alone render as BOS: the server's boundary for the engine's checkpoint (Server._system_end) is
+    then where the first user message's content starts, the point where two conversations under the
+    same system prompt part; ChatML's (lfm2 here) stays the end of the system message."""
+    from types import SimpleNamespace
+
+    from pyllama_kv.chat.conversation import Transcripts
+    from pyllama_kv.core.span import shared_prefix
+    from pyllama_kv.server.app import Server
+
+    system = {"role": "system", "content": "You answer in one short sentence about the notes. " * 3}
+    kv = {**ARCHS["gemma3"]["kv_overrides"], "tokenizer.chat_template": GEMMA3_TEMPLATE}
+    path = make_tiny_model(tmp_path / "gemma3-template.gguf", seed=3, **{**ARCHS["gemma3"], "kv_overrides": kv})
+    for p in (path, make_tiny_model(tmp_path / "lfm2.gguf", seed=3, **ARCHS["lfm2"])):
+        with pk.Model(p, lib=current_lib) as m:
+            assert m.branch_checkpoints
+            srv = SimpleNamespace(model=m, transcripts=Transcripts(m))
+            a, b = ([system, {"role": "user", "content": c}] for c in ("Hello there", "Bonjour"))
+            ta, tb = (srv.transcripts.tokenize(m.apply_chat_template(x)) for x in (a, b))
+            end = Server._system_end(srv, a, None, ta)
+            alone = srv.transcripts.tokenize(m.apply_chat_template([system], add_generation_prompt=False))
+            if p == path:   # the system messages alone: BOS; the boundary: where the two conversations part
+                assert shared_prefix(alone, ta) < 16 and end == [shared_prefix(ta, tb)] and end[0] > 40, end
+            else:           # ChatML: the end of the system message
+                assert end == [len(alone)] and len(alone) > 40, end

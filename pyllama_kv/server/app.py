@@ -596,18 +596,27 @@ class Server:
         """Where the leading system messages end in ``prompt_ids``, for a model with recurrent layers or a
         sliding-window cache (Model.branch_checkpoints): the engine keeps a checkpoint there, so that
         every conversation under the same system prompt forks all of it (PrefixCache.keeps_checkpoints).
-        None for other models, or when the messages start with no system message (or are nothing else)."""
+        None for other models, or when the messages start with no system message (or are nothing else).
+        A template that renders the system prompt into the first user turn (Gemma's) renders the
+        system messages alone as little more than BOS: there the end is where the first user message's
+        content starts, found as where two renderings with different contents part."""
         m = self.model
         if not m.branch_checkpoints:
             return None
         k = next((i for i, msg in enumerate(msgs) if msg.get("role") not in ("system", "developer")), len(msgs))
         if k == 0 or k == len(msgs):
             return None
+
+        def rendered(extra: list) -> list[int]:
+            return self.transcripts.tokenize(m.apply_chat_template(msgs[:k] + extra, add_generation_prompt=False,
+                                                                   tools=tools))
         try:
-            head = self.transcripts.tokenize(m.apply_chat_template(msgs[:k], add_generation_prompt=False, tools=tools))
+            b = shared_prefix(rendered([]), prompt_ids)
+            if b < CHECKPOINT_MIN_TOKENS:
+                x, y = (rendered([{"role": "user", "content": c}]) for c in ("x", "y"))
+                b = shared_prefix(x[:shared_prefix(x, y)], prompt_ids)
         except InvalidInputError:
             return None   # a template that refuses a conversation of system messages alone
-        b = shared_prefix(head, prompt_ids)
         return [b] if CHECKPOINT_MIN_TOKENS <= b < len(prompt_ids) else None
 
     async def _serve(self, request: HTTPRequest, dialect: Dialect) -> Response:
