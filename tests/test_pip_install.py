@@ -29,6 +29,8 @@ pytestmark = pytest.mark.slow
 
 RUNTIME_DEPS = ["cffi>=1.15", "numpy>=1.22", "gguf>=0.10", "jinja2>=3.1"]
 SERIES = [p.name for p in _patch.series()]
+# the package tests' compiles, without optimisation: half the time, and nothing they build is a benchmark
+NO_OPT = [f"-DCMAKE_{lang}_FLAGS_RELEASE=-O0" for lang in ("C", "CXX")]
 
 SMOKE = r"""
 import json, sys
@@ -157,7 +159,7 @@ def wheel(sdist, outside, tmp_path_factory) -> Path:
     builds', from the same sources)."""
     out = tmp_path_factory.mktemp("wheel")
     base, env = outside
-    no_opt = dict(env, CMAKE_ARGS="-DCMAKE_C_FLAGS_RELEASE=-O0 -DCMAKE_CXX_FLAGS_RELEASE=-O0")
+    no_opt = dict(env, CMAKE_ARGS=" ".join(NO_OPT))
     _ok(_run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", out, sdist], base, no_opt,
              timeout=1200))
     (f,) = out.glob("pyllama_kv-*.whl")
@@ -206,17 +208,15 @@ def test_the_sdists_wheel_installs_into_a_fresh_venv_runs_outside_the_checkout_a
     assert (cache / "src" / "llama.cpp" / "include" / "llama.h").is_file()
     chk = _ok(_run([cli, "patch", "--check"], base, env))
     assert f"0 applied; {len(SERIES)} would apply cleanly" in chk.stdout, chk.stdout + chk.stderr
-    # compiled without optimisation (--cmake-arg, which this checks too): half the compile time, and
-    # nothing here runs the library's kernels
-    no_opt = [f"-DCMAKE_{lang}_FLAGS_RELEASE=-O0" for lang in ("C", "CXX")]
-    _ok(_run([cli, "build", "--vanilla", *(f"--cmake-arg={f}" for f in no_opt)], base, env, timeout=1200))
+    # compiled without optimisation (NO_OPT, through --cmake-arg, which this checks too)
+    _ok(_run([cli, "build", "--vanilla", *(f"--cmake-arg={f}" for f in NO_OPT)], base, env, timeout=1200))
     p = _ok(_run([py, "-c", "import json, pyllama_kv as pk; i = pk.library_info('vanilla'); i.pop('system_info'); "
                       "print(json.dumps(i))"], base, env))
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["variant"] == "vanilla" and info["has_stats"] is False, info
     assert info["path"].startswith(str(cache / "builds")), info
     manifest = json.loads((Path(info["path"]).parent.parent.parent / "manifest.json").read_text())
-    assert set(no_opt) <= set(manifest["cmake_flags"]), manifest["cmake_flags"]
+    assert set(NO_OPT) <= set(manifest["cmake_flags"]), manifest["cmake_flags"]
 
 
 def test_cuda_without_cublas_stops_with_our_message(sdist, outside):

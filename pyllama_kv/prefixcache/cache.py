@@ -302,8 +302,7 @@ class PrefixCache:
         if not self.ctx.free_sequence_ids and not self._evict():
             return False
         kept = seq.fork()
-        self._window_checkpoints = {i: s for i, s in self._window_checkpoints.items() if not s.closed}
-        self._window_checkpoints[kept.id] = kept
+        self._window_checkpoints[kept.id] = kept   # by id: at most one entry an id, a closed one's replaced
         self._remember(kept)
         return True
 
@@ -313,28 +312,33 @@ class PrefixCache:
         holds (0: an empty sequence). Idle cached sequences other than the matching one are evicted
         when no sequence id is free; LlamaError when none can be had. The caller restores what it
         can (:meth:`restore_into`) and decodes the rest."""
-        ctx = self.ctx
-        with ctx.critical():
-            toks = ctx.model.check_tokens(tokens)
-            if toks.size == 0:
-                raise InvalidInputError("a prompt needs at least one token")
-            best, n = self._best(toks)
-            src, n, ck = self._fork_point(best, min(n, toks.size - 1), toks)
-            if src is not None:
-                self.idle.touch(src)
-            seq = self._with_room(lambda: src.fork(n, ck) if (src is not None and n > 0) else ctx.new_sequence(),
-                                  src, full=LlamaError)
-            n = len(seq)
-            if ck is not None or (n and src is not best and self._is_window_checkpoint(src)):
-                self.stats.checkpoint_forks += 1
-            seq.reused_tokens = n
-            st = self.stats
-            st.requests += 1
-            st.prompt_tokens += int(toks.size)
-            st.reused_tokens += n
-            st.evaluated_tokens += int(toks.size) - n
-            self.tier_info.evaluated_tokens += int(toks.size) - n
+        with self.ctx.critical():
+            seq, n, _ = self._fork_prefix(self.ctx.model.check_tokens(tokens))
             return seq, n
+
+    def _fork_prefix(self, toks) -> tuple[Sequence, int, Sequence | None]:
+        """:meth:`fork_prefix` of checked ``toks``, and the idle sequence it forked (None: none), which
+        the caller's evictions keep."""
+        ctx = self.ctx
+        if toks.size == 0:
+            raise InvalidInputError("a prompt needs at least one token")
+        best, n = self._best(toks)
+        src, n, ck = self._fork_point(best, min(n, toks.size - 1), toks)
+        if src is not None:
+            self.idle.touch(src)
+        seq = self._with_room(lambda: src.fork(n, ck) if (src is not None and n > 0) else ctx.new_sequence(),
+                              src, full=LlamaError)
+        n = len(seq)
+        if ck is not None or (n and src is not best and self._is_window_checkpoint(src)):
+            self.stats.checkpoint_forks += 1
+        seq.reused_tokens = n
+        st = self.stats
+        st.requests += 1
+        st.prompt_tokens += int(toks.size)
+        st.reused_tokens += n
+        st.evaluated_tokens += int(toks.size) - n
+        self.tier_info.evaluated_tokens += int(toks.size) - n
+        return seq, n, src
 
     def restore_into(self, seq, tokens, limit: int, make_room: Callable[[], bool] | None = None) -> int:
         """Restore the tiers' spans for ``tokens[len(seq):limit]`` onto ``seq`` (which holds a prefix
@@ -384,9 +388,8 @@ class PrefixCache:
         ctx = self.ctx
         with ctx.critical():
             branch = self.branch_point(tokens)
-            seq, n = self.fork_prefix(tokens)
             toks = ctx.model.check_tokens(tokens)
-            keep = self._source(toks)
+            seq, n, keep = self._fork_prefix(toks)
             try:
                 n += self.restore_into(seq, toks, toks.size - 1, make_room=lambda: self._evict(keep))
                 at = n
