@@ -208,6 +208,10 @@ def test_the_engine_serves_a_shared_system_prompt_from_its_checkpoint(lfm2):
                 assert reused == [0, SYSTEM, SYSTEM] and rec.checkpoints[0] == SYSTEM
             else:
                 assert reused == [0, 0, SYSTEM] and rec.checkpoints[0] == SYSTEM
+            kv = eng.kv.kv_stats()   # what /metrics reports of them
+            assert kv["checkpoints"] >= 1 and kv["checkpoint_bytes"] > 0 and kv["checkpoint_forks"] >= 1
+            tier = eng.kv.tier_stats()   # no host tier for a recurrent state: said so, not blamed on the library
+            assert not tier["enabled"] and "recurrent layers" in tier["off_reason"], tier
 
 
 # -- a sliding-window model: its checkpoints are idle sequences of exactly the branch's tokens -----------
@@ -263,6 +267,10 @@ def test_a_sliding_window_models_checkpoint_keeps_a_shared_system_prompt_forkabl
             else:        # the second evaluates everything, and keeps a checkpoint where it left the first
                 assert reused == [0, 0, SYSTEM]
             assert cache.stats.checkpoint_forks >= 1
+            kv = eng.kv.kv_stats()   # the checkpoints share their cells: no bytes of their own
+            assert kv["checkpoints"] >= 1 and kv["checkpoint_bytes"] == 0 and kv["checkpoint_forks"] >= 1
+            tier = eng.kv.tier_stats()
+            assert not tier["enabled"] and "sliding-window cache" in tier["off_reason"], tier
 
 
 def test_the_prefix_cache_keeps_a_window_checkpoint_where_a_prompt_branches(gemma3):

@@ -320,6 +320,9 @@ def test_serve_lfm2_chat_on_the_current_library(paths, current_lib):
                     msgs = msgs + [{"role": "assistant", "content": answer},
                                    {"role": "user", "content": "and the token"}]
             assert "Traceback" not in s.log()
+            met = s.idle_metrics()   # the checkpoints and the forks from them, in /metrics
+            assert met["pyllama_kv_prefix_checkpoints"] >= 1 and met["pyllama_kv_prefix_checkpoint_bytes"] > 0
+            assert met["pyllama_kv_prefix_checkpoint_forks_total"] >= 2
         # turn 2 forks the whole cached conversation (the prompt of turn 1 and its answer)
         assert cached[0] == 0 and cached[1] == sys_end and cached[3] == sys_end, (cached, sys_end)
         assert cached[2] > prompts[1], (cached, prompts)

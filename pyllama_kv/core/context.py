@@ -513,9 +513,12 @@ class Context(_kv.CResource):
         recurrent layers or a sliding-window cache (their states hold more than cells)."""
         self._need("state_io", what)
         if not self._plain_memory:
-            kind = "recurrent layers" if self.model.recurrent else "a sliding-window cache"
-            raise LibraryError(f"{what} needs a plain KV cache; this model's memory has {kind}, whose states "
-                               "the binding does not read (a recurrent state alone: Sequence.checkpoint())")
+            raise LibraryError(f"{what} needs a plain KV cache; this model's memory has {self._memory_kind}, whose "
+                               "states the binding does not read (a recurrent state alone: Sequence.checkpoint())")
+
+    @property
+    def _memory_kind(self) -> str:
+        return "recurrent layers" if self.model.recurrent else "a sliding-window cache"
 
     @property
     def _plain_memory(self) -> bool:
@@ -535,6 +538,22 @@ class Context(_kv.CResource):
         """Whether a span can be restored here (:attr:`can_save_state`, and the library has
         llama_state_seq_add_data: patch 0014, patches/current/0001); False once closed."""
         return self.can_save_state and self.caps.span_restore
+
+    @property
+    def no_restore_reason(self) -> str:
+        """Why :attr:`can_restore` is False, in words ("" when it is True): what the prefix cache's
+        tiers report as their ``off_reason``."""
+        if self.can_restore:
+            return ""
+        if self._native is None:
+            return "the context is closed"
+        if not self._plain_memory:
+            return (f"this model's memory has {self._memory_kind}, whose states the binding does not read: "
+                    "evicted prefixes are dropped, not paged out")
+        if not self.caps.state_io:
+            return f"the library lacks {_CAP_TEXT['state_io']}: evicted prefixes are dropped, not paged out"
+        return ("the library cannot restore a span (llama_state_seq_add_data, patch 0014 of the mission pin's "
+                "series): evicted prefixes are dropped, not paged out")
 
     @property
     def cache_on_device(self) -> bool:

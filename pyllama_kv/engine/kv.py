@@ -127,8 +127,9 @@ class KVCache(Protocol):
 
     def kv_stats(self) -> dict:
         """The cache's cells for metrics (``KVStats.as_dict()``, plus ``cached_cells``: held by idle
-        cached prefixes, and ``request_cells``: held by live sequences alone); {} when there are none
-        to report. Call between steps (Engine.between_steps), never beside a decode."""
+        cached prefixes, and ``request_cells``: held by live sequences alone; where the prefix cache
+        keeps checkpoints, PrefixCache.checkpoint_stats() too); {} when there are none to report.
+        Call between steps (Engine.between_steps), never beside a decode."""
 
 
 class PrefixPolicy(ABC):
@@ -305,6 +306,7 @@ class ContextKV(PrefixPolicy):
         by_cache = np.isin(seqs, cached).any(axis=1)
         kv["cached_cells"] = int(by_cache.sum())
         kv["request_cells"] = int(((seqs >= 0).any(axis=1) & ~by_cache).sum())
+        kv.update(self.cache.checkpoint_stats() or {})   # a model whose prefix cache keeps checkpoints
         return kv
 
     def tier_stats(self) -> dict:

@@ -89,8 +89,7 @@ class PrefixCache:
         if cache_ram == 0 and cache_dir is None:
             self.tier_info.off_reason = "cache_ram is 0 and there is no cache_dir"
         elif not can_restore(ctx):
-            self.tier_info.off_reason = ("the library cannot restore a span (llama_state_seq_add_data, patch 0014 "
-                                         "of the mission pin's series): evicted prefixes are dropped, not paged out")
+            self.tier_info.off_reason = getattr(ctx, "no_restore_reason", "") or "the context cannot restore a span"
         else:
             self.tiers = Tiers(ctx, cache_ram << 20, self.tier_info, cache_dir, cache_dir_mib << 20)
         #: a recurrent model's state where its prefixes branch (None: a model without recurrent layers,
@@ -128,6 +127,19 @@ class PrefixCache:
         tokens when it finds them first (Context.can_fork), while the window of a sequence's own last
         tokens stays. False for other models: any prefix of a cached sequence forks."""
         return self.checkpoints is not None or self._window_checkpoints is not None
+
+    def checkpoint_stats(self) -> dict | None:
+        """The checkpoints kept now and the forks made from them; None when this cache keeps none
+        (:attr:`keeps_checkpoints`). ``checkpoints``: how many; ``checkpoint_bytes``: the host memory of
+        a recurrent model's (0 for a sliding-window model's: their cells are shared with the longer
+        sequences); ``checkpoint_forks``: forks that went back to one (as ``stats``)."""
+        if self.checkpoints is not None:
+            n, nbytes = len(self.checkpoints), self.checkpoints.n_bytes
+        elif self._window_checkpoints is not None:
+            n, nbytes = sum(not s.closed for s in self._window_checkpoints.values()), 0
+        else:
+            return None
+        return {"checkpoints": n, "checkpoint_bytes": nbytes, "checkpoint_forks": self.stats.checkpoint_forks}
 
     @property
     def tier(self) -> SpanTrie | None:

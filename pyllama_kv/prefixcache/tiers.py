@@ -283,7 +283,8 @@ class SpanTrie:
 
 
 def can_restore(ctx) -> bool:
-    """Whether the context's library has llama_state_seq_add_data (patch 0014)."""
+    """Whether a span can be restored in the context: its library has llama_state_seq_add_data (patch
+    0014) and its model's memory is a plain KV cache (``ctx.no_restore_reason`` says why not)."""
     return bool(getattr(ctx, "can_restore", False))
 
 

@@ -106,6 +106,12 @@ def _kv_metrics(kv: dict):
                             "batches the patched library could not place")):
         if kv.get(key) is not None:   # patched build only
             yield _counter(name, doc, kv[key])
+    if kv.get("checkpoints") is not None:   # a hybrid or sliding-window model (PrefixCache.checkpoint_stats)
+        yield _gauge("prefix_checkpoints", "checkpoints the prefix cache keeps where prompts branch (a recurrent "
+                     "state, or an idle sequence of the branch's tokens under a sliding window)", kv["checkpoints"])
+        yield _gauge("prefix_checkpoint_bytes", "host memory of the recurrent states kept as checkpoints",
+                     kv["checkpoint_bytes"])
+        yield _counter("prefix_checkpoint_forks", "prompts forked from a checkpoint", kv["checkpoint_forks"])
 
 
 def _engine_metrics(st: dict):
