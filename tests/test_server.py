@@ -580,6 +580,9 @@ def test_api_key_must_fit_in_a_header():
 # vanilla vs patched under the same fragmenting load
 
 
+N_FRAGMENTING = 32   # requests of the fragmenting load, 24 at a time
+
+
 def _fragmenting_load(s: ServerProc) -> tuple[int, list]:
     """Many concurrent completions of varied prompt and answer lengths in a small cache: (ok, errors)."""
     c = s.client()
@@ -594,7 +597,7 @@ def _fragmenting_load(s: ServerProc) -> tuple[int, list]:
             return e
 
     with ThreadPoolExecutor(24) as pool:
-        out = list(pool.map(one, range(48)))
+        out = list(pool.map(one, range(N_FRAGMENTING)))
     errors = [o for o in out if isinstance(o, Exception)]
     return len(out) - len(errors), errors
 
@@ -615,7 +618,7 @@ def test_fragmenting_load_vanilla_vs_patched(real_model, lib):
             assert m["pyllama_kv_slot_failures_total"] > 0 and errors, m
             for e in errors:
                 assert e.status_code == 503 and e.code == "kv_cache_full" and "fragmented" in e.message, e
-            assert ok + len(errors) == 48
+            assert ok + len(errors) == N_FRAGMENTING
         assert s.stop() == 0
     finally:
         s.stop()

@@ -23,6 +23,7 @@ N_ANSWERS = 4
 ANSWER_TOKENS = 96
 TINY_PROMPT = b"The KV cache of the model"
 WORKLOAD_PARALLEL = 8    # requests served at once by the workload
+STEPS, QUICK_STEPS, TINY_QUICK_STEPS = 300, 100, 120   # the workload's decode steps (--steps overrides)
 
 
 def register(subparsers) -> None:
@@ -39,6 +40,8 @@ def register(subparsers) -> None:
                    help="use the built-in random-weight tiny model instead (offline; its text is not readable)")
     s.add_argument("--seed", type=int, default=0, help="workload and sampling seed (default %(default)s)")
     s.add_argument("--quick", action="store_true", help="a shorter workload")
+    s.add_argument("--steps", type=int, metavar="N",
+                   help=f"the workload's decode steps (default {STEPS}; --quick: {QUICK_STEPS})")
     options.add(s, "n_threads")
     s.add_argument("--json", action="store_true", help="print every result as one JSON object")
 
@@ -60,6 +63,10 @@ def _workload(model_path: str, steps: int, n_ctx: int, args) -> tuple[list[tuple
         if d.get("interrupted"):  # Ctrl-C: show what ran, and stop there
             return results, True
     return results, False
+
+
+def _steps(args, default: int, quick: int) -> int:
+    return args.steps if args.steps is not None else quick if args.quick else default
 
 
 def _rate(n: float, seconds: float, digits: int) -> float | None:
@@ -219,7 +226,7 @@ def run(args) -> int:
 
     set_phase("finding the model")
     model_path = str(resolve(args.model))
-    steps, n_ctx = (150, 1024) if args.quick else (300, 1024)   # about a minute in all on 2 cores
+    steps, n_ctx = _steps(args, STEPS, QUICK_STEPS), 1024   # about a minute in all on 2 cores
     if not args.json:
         print(f"pyllama-kv demo on {args.model}: a server-like workload ({WORKLOAD_PARALLEL} requests at once, {n_ctx} "
               f"KV cells, {steps} steps, seed {args.seed}) on the vanilla and the patched llama.cpp\n", flush=True)
@@ -260,7 +267,7 @@ def _tiny(args) -> int:
     if not mpath.is_file():
         log(f"making the built-in tiny model at {mpath} ...")
         make_tiny_model(mpath, n_layer=2, n_embd=64, seed=0)
-    steps, n_ctx = (120 if args.quick else 300), DEFAULT_N_CTX
+    steps, n_ctx = _steps(args, STEPS, TINY_QUICK_STEPS), DEFAULT_N_CTX
     if not args.json:
         print(f"pyllama-kv demo --tiny: a server-like workload ({WORKLOAD_PARALLEL} requests at once, "
               f"{n_ctx} KV cells, {steps} steps, seed {args.seed}) on the vanilla and the patched llama.cpp\n")
