@@ -51,9 +51,9 @@ def test_the_current_library_is_detected_with_its_capabilities(model, current):
     lib = model.native_library
     assert lib.api == "current"
     caps = lib.caps
-    assert not (caps.defrag or caps.stats or caps.cell_view or caps.span_range_read)
-    # states and spans through its series (patches/current/0001, 0002), checkpoints through its own API
-    assert caps.state_io and caps.span_restore and caps.recurrent_checkpoints
+    assert not (caps.defrag or caps.stats or caps.cell_view)
+    # states and spans through its series (patches/current/0001-0003), checkpoints through its own API
+    assert caps.state_io and caps.span_restore and caps.span_range_read and caps.recurrent_checkpoints
     assert caps.partial_remove_may_fail and caps.flash_attn_auto and caps.scattered_cells
     info = pk.library_info(current)
     assert info["api"] == "current" and info["caps"]["cell_view"] is False

@@ -204,12 +204,12 @@ def test_the_windowed_state_reads_give_the_same_bytes(tiny_model, patched_lib):
 
 
 def test_a_span_read_by_range_equals_the_span_cut_from_the_whole_state(model, ctx):
-    """Patch 0017 reads only the span's cells; the bytes equal those cut out of the whole sequence's
-    state, for cells in position order and for cells that interleave with another sequence's."""
+    """Patch 0017 (current/0003 on the current library) reads only the span's cells; the bytes equal
+    those cut out of the whole sequence's state, for cells in position order and for cells that
+    interleave with another sequence's."""
     import dataclasses
 
-    if not ctx.caps.span_range_read:
-        pytest.skip("the current library reads a sequence's whole state (patch 0017 is the mission pin's)")
+    assert ctx.caps.span_range_read
     a = ctx.new_sequence()
     a.extend(tokens(model, 20, seed=5))
     b = a.fork(12)

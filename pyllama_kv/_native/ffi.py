@@ -115,7 +115,7 @@ class Caps:
     stats: bool                    # llama_kv_self_stats' defrag/retry counters (patch 0004)
     cell_view: bool                # a per-cell view of the cache (llama_kv_cache_view: the mission pin)
     span_restore: bool             # a span restored onto a sequence keeping its prefix (patch 0014)
-    span_range_read: bool          # a position range of a sequence's state read alone (patch 0017)
+    span_range_read: bool          # a position range of a sequence's state read alone (patch 0017; current/0003)
     state_io: bool                 # sequence states in the byte format core/state.py validates
     kv_shift: bool                 # a K-shift is trusted where the context says it can (patch 0009; current)
     slot_retry: bool               # a batch finds cells whenever enough are free (defrag-and-retry, or
@@ -143,7 +143,8 @@ def _caps(api: str, has) -> Caps:
         return Caps(api="current", defrag=False, safe_defrag=False, stats=False, cell_view=False,
                     # states need pending K-shifts applied before they are read (patches/current/0002)
                     span_restore=has("llama_state_seq_add_data") and has("llama_memory_update"),
-                    span_range_read=False, state_io=has("llama_memory_update"),
+                    span_range_read=has("llama_state_seq_get_data_range") and has("llama_memory_update"),
+                    state_io=has("llama_memory_update"),
                     kv_shift=True, slot_retry=True,
                     scattered_cells=True, recurrent_checkpoints=True,
                     partial_remove_may_fail=True, flash_attn_auto=True, architectures=archs.CURRENT)

@@ -434,20 +434,25 @@ class NativeContext:
         got, data = self.state_seq_get(seq_id, n, copy)
         return data if got == n else None
 
-    def state_seq_range_size(self, seq_id: int, p0: int, p1: int) -> int | None:
-        """llama_state_seq_get_size_range (patch 0017): the size of the state of positions [p0, p1) of
-        seq_id; None when the library lacks it."""
+    def _range_raw(self, seq_id: int, p0: int, p1: int) -> memoryview | None:
+        """llama_state_seq_get_size_range and _get_data_range (patch 0017; current/0003) into a new
+        numpy buffer: a read-only view of it, in this API's format; None when llama.cpp could not size
+        it or wrote another size."""
         try:
-            fn = self.L.llama_state_seq_get_size_range
-        except AttributeError:
+            n = int(self.L.llama_state_seq_get_size_range(self.ptr, seq_id, p0, p1))
+        except AttributeError:   # a library without the patch
             return None
-        return int(fn(self.ptr, seq_id, p0, p1))
+        if n == 0:
+            return None
+        got, data = _written(self.ffi, n,
+                             lambda buf: self.L.llama_state_seq_get_data_range(self.ptr, buf, n, seq_id, p0, p1))
+        return data if got == n else None
 
-    def state_seq_range_get(self, seq_id: int, p0: int, p1: int, size: int) -> tuple[int, memoryview]:
-        """llama_state_seq_get_data_range (patch 0017) into a new numpy buffer of size bytes: (bytes
-        written, a read-only view of it)."""
-        return _written(self.ffi, size,
-                        lambda buf: self.L.llama_state_seq_get_data_range(self.ptr, buf, size, seq_id, p0, p1))
+    def state_seq_range_read(self, seq_id: int, p0: int, p1: int) -> memoryview | None:
+        """The state of the cells of seq_id with positions in [p0, p1) alone, in the mission format
+        (core/state.py's docstring), as a read-only view of the buffer C wrote; None when llama.cpp
+        could not write it (a library without the range read: ``caps.span_range_read``)."""
+        return self._range_raw(seq_id, p0, p1)
 
     def state_seq_set(self, data: bytes, seq_id: int) -> int:
         """llama_state_seq_set_data: the bytes read (0 on failure)."""
@@ -659,8 +664,16 @@ class CurrentContext(NativeContext):
             return None
         return self._write_state(fn, data, seq_id)
 
-    def state_seq_range_size(self, seq_id: int, p0: int, p1: int) -> int | None:
-        return None
+    def state_seq_range_read(self, seq_id: int, p0: int, p1: int) -> memoryview | None:
+        """The range read (patches/current/0003) translated to the mission format (see
+        :meth:`state_seq_read`); None when llama.cpp could not write it or it is not a plain KV
+        cache's one-sequence state."""
+        raw = self._range_raw(seq_id, p0, p1)
+        out = None if raw is None else _current_to_mission(np.frombuffer(raw, dtype=np.uint8), seq_id)
+        if out is None:
+            return None
+        out.flags.writeable = False
+        return out.data
 
 
 class NativeSampler:

@@ -51,15 +51,12 @@ def make_span(data: bytes | memoryview, tokens: list[int], start: int, end: int,
 
 def read_span(native: NativeContext, sid: int, tokens: list[int], start: int, end: int, n_ctx: int,
               model) -> Span:
-    """The span of positions [start, end) of sequence ``sid`` read by range (patch 0017): llama.cpp
-    writes just those cells, into the buffer the span keeps when they are in position order (the
-    usual case), else gathered once into position order. LlamaError when it cannot be read."""
-    n = native.state_seq_range_size(sid, start, end)
-    if not n:
-        raise LlamaError(f"llama.cpp could not size positions [{start}, {end}) of sequence {sid}")
-    got, data = native.state_seq_range_get(sid, start, end, n)
-    if got != n:
-        raise LlamaError(f"llama.cpp wrote {got} bytes of positions [{start}, {end}) of sequence {sid}, expected {n}")
+    """The span of positions [start, end) of sequence ``sid`` read by range (patch 0017; current/0003):
+    llama.cpp writes just those cells, into the buffer the span keeps when they are in position order
+    (the usual case), else gathered once into position order. LlamaError when it cannot be read."""
+    data = native.state_seq_range_read(sid, start, end)
+    if data is None:
+        raise LlamaError(f"llama.cpp could not write positions [{start}, {end}) of sequence {sid}")
     p, order = _state.position_order(data, end - start, sid, n_ctx, first=start)
     if not np.array_equal(order, np.arange(order.size)):
         data = _state.select(data, p, order)
