@@ -219,13 +219,13 @@ def test_what_a_current_build_records():
 def test_current_build_exports_the_new_memory_api(current_lib):
     """The current library is the new C API (checked by its symbols: loading it needs the binding's
     declarations of that API): llama_memory_*, no llama_kv_self_* and none of the mission patches'
-    functions but the ones its own series adds (patches/current/0001, 0002)."""
+    functions but the ones its own series adds (patches/current/0001-0003)."""
     syms = _exports(current_lib)
     for fn in ("llama_get_memory", "llama_memory_seq_rm", "llama_memory_seq_cp", "llama_decode",
                "llama_state_seq_get_size_ext", "llama_max_parallel_sequences",
-               "llama_state_seq_add_data", "llama_memory_update"):
+               "llama_state_seq_add_data", "llama_memory_update", "llama_state_seq_get_data_range"):
         assert fn in syms, fn
-    for fn in ("llama_kv_self_stats", "llama_state_seq_get_data_range", "llama_kv_self_seq_rm"):
+    for fn in ("llama_kv_self_stats", "llama_kv_self_seq_rm", "llama_kv_self_defrag"):
         assert fn not in syms, fn
 
 

@@ -231,3 +231,31 @@ def test_a_span_read_by_range_equals_the_span_cut_from_the_whole_state(model, ct
     b.truncate(13)
     b.restore(span)
     assert b.export_state().data == before
+
+
+def test_a_range_whose_cells_are_out_of_position_order_is_put_in_order(model, ctx):
+    """A sequence's later positions in lower cells (a batch placed in cells freed before it): the range
+    read gives its cells in cache order, and the span holds them in position order, byte-equal to the
+    span cut out of the whole state."""
+    import dataclasses
+
+    from pyllama_kv.core import state as _state
+
+    spacer = ctx.new_sequence()
+    spacer.extend(tokens(model, 24, seed=7))
+    a = ctx.new_sequence()
+    a.extend(tokens(model, 40, seed=8))
+    spacer.close()                      # the lowest cells are free again
+    a.extend(tokens(model, 8, seed=9))  # so positions 40..47 go below 0..39
+    raw = ctx._native.state_seq_range_read(a.id, 30, 48)
+    assert raw is not None
+    _, order = _state.position_order(raw, 18, a.id, ctx.n_ctx, first=30)
+    assert not np.array_equal(order, np.arange(order.size)), "the cells came in position order: nothing tested"
+    by_range = a.snapshot(30)
+    whole = dataclasses.replace(ctx.caps, span_range_read=False)
+    ranged_caps, ctx.caps = ctx.caps, whole
+    try:
+        cut = a.snapshot(30)
+    finally:
+        ctx.caps = ranged_caps
+    assert bytes(by_range.data) == bytes(cut.data) and by_range.tokens == cut.tokens

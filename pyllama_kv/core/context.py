@@ -123,8 +123,10 @@ _NO_TOKENS: tuple = ()
 
 # what each capability a method may need is, for the LibraryError of a library without it
 _CAP_TEXT = {
-    "state_io": "sequence states in the byte format pyllama_kv validates (llama_state_seq_* of the mission pin)",
-    "span_restore": "llama_state_seq_add_data (restoring a span onto a sequence that keeps its prefix: patch 0014)",
+    "state_io": "sequence states in the byte format pyllama_kv validates (llama_state_seq_* of the mission pin; "
+                "of the current one with patches/current/0002)",
+    "span_restore": "llama_state_seq_add_data (restoring a span onto a sequence that keeps its prefix: patch 0014; "
+                    "patches/current/0001 on the current pin)",
     "cell_view": "a per-cell view of the KV cache in cache order (llama_kv_cache_view)",
     "recurrent_checkpoints": "a sequence's recurrent state read and written alone (llama_state_seq_*_ext with "
                              "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the current pin)",
@@ -552,8 +554,7 @@ class Context(_kv.CResource):
                     "evicted prefixes are dropped, not paged out")
         if not self.caps.state_io:
             return f"the library lacks {_CAP_TEXT['state_io']}: evicted prefixes are dropped, not paged out"
-        return ("the library cannot restore a span (llama_state_seq_add_data, patch 0014 of the mission pin's "
-                "series): evicted prefixes are dropped, not paged out")
+        return f"the library lacks {_CAP_TEXT['span_restore']}: evicted prefixes are dropped, not paged out"
 
     @property
     def cache_on_device(self) -> bool:

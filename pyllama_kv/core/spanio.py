@@ -52,8 +52,9 @@ def make_span(data: bytes | memoryview, tokens: list[int], start: int, end: int,
 def read_span(native: NativeContext, sid: int, tokens: list[int], start: int, end: int, n_ctx: int,
               model) -> Span:
     """The span of positions [start, end) of sequence ``sid`` read by range (patch 0017; current/0003):
-    llama.cpp writes just those cells, into the buffer the span keeps when they are in position order
-    (the usual case), else gathered once into position order. LlamaError when it cannot be read."""
+    llama.cpp writes just those cells; the span keeps that buffer (on the current pin, its translation to
+    the mission format) when they are in position order (the usual case), else they are gathered once
+    into position order. LlamaError when it cannot be read."""
     data = native.state_seq_range_read(sid, start, end)
     if data is None:
         raise LlamaError(f"llama.cpp could not write positions [{start}, {end}) of sequence {sid}")

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     s.add_argument("--seed", type=int, default=0, help="workload and sampling seed (default %(default)s)")
     s.add_argument("--quick", action="store_true", help="a shorter workload")
     s.add_argument("--steps", type=int, metavar="N",
-                   help=f"the workload's decode steps (default {STEPS}; --quick: {QUICK_STEPS})")
+                   help=f"the workload's decode steps (default {STEPS}; --quick: {QUICK_STEPS}, "
+                        f"{TINY_QUICK_STEPS} with --tiny)")
     options.add(s, "n_threads")
     s.add_argument("--json", action="store_true", help="print every result as one JSON object")
 
