@@ -622,3 +622,39 @@ def test_fragmenting_load_vanilla_vs_patched(real_model, lib):
         assert s.stop() == 0
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# --template: a chat template for a model without one (or instead of its own)
+
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_template_file_serves_chats_for_a_model_without_one(tiny_model, tmp_path):
+    """The tiny model has no chat template: chats get a 400 saying so; with --template FILE the server
+    renders every chat (and /apply-template) with it: the prompt is that rendering's tokens. A template
+    that fails or is refused stops the start with one line naming the file."""
+    import pyllama_kv as pk
+
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cache"}]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 4, "temperature": 0}
+    with ServerProc(tiny_model, "--ctx", "256", "--parallel", "1", key=None) as s:
+        r = httpx.post(s.url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"], r.text
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    with ServerProc(tiny_model, "--ctx", "256", "--parallel", "1", "--template", str(tmp_path / "t.jinja"),
+                    key=None) as s:
+        text = httpx.post(s.root + "/apply-template", json={"messages": msgs}, timeout=60).json()["prompt"]
+        assert text == "<system>be brief\n<user>the cache\n<assistant>"
+        r = httpx.post(s.url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        with pk.Model(tiny_model) as m:
+            assert r.json()["usage"]["prompt_tokens"] == len(m.tokenize(text, special=True))
+        assert "Traceback" not in s.log()
+    for bad, why in (("{{ raise_exception('no') }}", "no"), ("{{ cycler.__init__.__globals__ }}", "refused")):
+        (tmp_path / "bad.jinja").write_text(bad)
+        r = subprocess.run([str(ENTRY_POINT), "serve", str(tiny_model), "--port", "0", "--template",
+                            str(tmp_path / "bad.jinja")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and "bad.jinja" in lines[0] and why in lines[0], r.stderr

@@ -52,7 +52,7 @@ from starlette.routing import Route
 from .._worker import Cancelled
 from ..chat import toolcall
 from ..chat.conversation import Transcripts
-from ..chat.templates import chat_template
+from ..chat.templates import Rendered, apply_chat_template, chat_template
 from ..core.embedding import embed_inputs, rerank_tokens
 from ..core.span import shared_prefix
 from ..engine.request import GRAMMAR_ERROR
@@ -91,10 +91,14 @@ class Server:
     """The app over ``engine`` (not started yet; the app's lifespan starts and closes it).
 
     ``model_names``: the names a request's ``model`` may give (the first is the id /v1/models lists).
+    ``template``: a chat template's source to render every chat with instead of the model's (``serve
+    --template FILE``, called ``template_name`` in errors); None: the model's own.
     """
 
-    def __init__(self, model, engine, config: ServerConfig, model_names: list[str], library: str | None = None):
+    def __init__(self, model, engine, config: ServerConfig, model_names: list[str], library: str | None = None,
+                 template: str | None = None, template_name: str | None = None):
         self.model = model
+        self.template, self.template_name = template, template_name
         self.engine = engine
         self.config = config
         self.model_id = model_names[0]
@@ -314,7 +318,7 @@ class Server:
         the generation prompt, as a chat completion would see it."""
         msgs = protocol.parse_apply_template(await self._body(request))
         try:
-            text = await run_in_threadpool(self.model.apply_chat_template, msgs)
+            text = await run_in_threadpool(self._render, msgs)
         except InvalidInputError as e:
             raise protocol.bad("messages", str(e)) from None
         return JSONResponse({"prompt": str(text)})
@@ -580,9 +584,9 @@ class Server:
         param = req.param("messages" if req.kind == "chat" else "prompt")
         try:
             if req.kind == "chat":
-                req.tool_format = toolcall.detect_format(chat_template(m))
+                req.tool_format = toolcall.detect_format(self.template or chat_template(m))
                 msgs, tools = toolcall.prepare(req.tool_format, req.tools, req.prompt)
-                req.rendered = m.apply_chat_template(msgs, tools=tools)
+                req.rendered = self._render(msgs, tools=tools)
                 req.prompt_ids = self.transcripts.tokenize(req.rendered)
                 req.boundaries = self._system_end(msgs, tools, req.prompt_ids)
                 return req.prompt_ids
@@ -591,6 +595,11 @@ class Server:
             return m.check_tokens(req.prompt).tolist()
         except InvalidInputError as e:
             raise protocol.bad(param, str(e)) from None
+
+    def _render(self, msgs: list, add_generation_prompt: bool = True, tools: list | None = None) -> Rendered:
+        """``msgs`` rendered with the server's chat template (``template``, else the model's)."""
+        return apply_chat_template(self.model, msgs, add_generation_prompt, source=self.template,
+                                   name=self.template_name, tools=tools)
 
     def _system_end(self, msgs: list, tools: list | None, prompt_ids: list[int]) -> list[int] | None:
         """Where the leading system messages end in ``prompt_ids``, for a model with recurrent layers or a
@@ -608,8 +617,7 @@ class Server:
             return None
 
         def rendered(extra: list) -> list[int]:
-            return self.transcripts.tokenize(m.apply_chat_template(msgs[:k] + extra, add_generation_prompt=False,
-                                                                   tools=tools))
+            return self.transcripts.tokenize(self._render(msgs[:k] + extra, add_generation_prompt=False, tools=tools))
         try:
             b = shared_prefix(rendered([]), prompt_ids)
             if b < CHECKPOINT_MIN_TOKENS:

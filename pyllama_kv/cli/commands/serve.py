@@ -14,9 +14,11 @@ from ..common import (
     MODEL_HELP,
     CLIError,
     add_lib_flag,
+    chat_template,
     context_size,
     open_model,
     positive,
+    read_template,
     resolve_model,
     set_phase,
     setup_logging,
@@ -60,6 +62,9 @@ def register(subparsers) -> None:
                     "in a bounded queue (HTTP 429 when it is full). Listens on 127.0.0.1 unless --host says "
                     "otherwise. Stops on SIGINT/SIGTERM: running requests get --shutdown-grace seconds.")
     s.add_argument("model", help=MODEL_HELP)
+    s.add_argument("--template", metavar="FILE",
+                   help="a jinja2 chat template to render every chat with instead of the model's (in the same "
+                        "sandbox); needed for chats when the model has none; checked at start")
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "cache_ram", "cache_dir", "cache_dir_mib",
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
@@ -91,6 +96,7 @@ def run(args) -> int:
     if args.api_key is None and os.environ.get(API_KEY_ENV):
         args.api_key = os.environ[API_KEY_ENV]
     scfg = options.from_args(ServerConfig, args)
+    source = read_template(args.template)
     try:   # the server needs the [server] extra
         from ...server import app as server_app
     except ImportError as exc:
@@ -100,6 +106,9 @@ def run(args) -> int:
     path = Path(resolve_model(args.model))
     model = open_model(str(path), args.lib, args.rpc, args.validate, args.n_gpu_layers)
     try:
+        template_name = None
+        if source is not None:   # a broken or refused template stops the start, with one line saying why
+            template_name = chat_template(model, source, args.template).name
         n_ctx = context_size(model, args.n_ctx)
         ecfg = options.from_args(EngineConfig, args, n_ctx=n_ctx)
         if ecfg.pooling == "rank":   # a clear refusal now, not a 400 on every /v1/rerank
@@ -116,7 +125,8 @@ def run(args) -> int:
         engine = Engine(model, ecfg)
         try:
             server = server_app.Server(model, engine, scfg, _model_names(args.model, path),
-                                       library=model.library.get("variant"))
+                                       library=model.library.get("variant"), template=source,
+                                       template_name=template_name)
             try:
                 sock = server_app.bind(scfg.host, scfg.port)
             except OSError as exc:
