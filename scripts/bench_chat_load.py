@@ -102,18 +102,22 @@ def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
               "-np", str(args.clients), "-t", str(args.threads), "-tb", str(args.threads),
               "-b", "512", "-ub", "512", "-ngl", "0", "--metrics", "--no-webui"]
     fa = None if args.defaults else args.flash_attn
+    # --template: one chat template for every server (a model without one: llama-server would fall back
+    # to ChatML on its own, ours refuses chats)
+    tpl = ["--chat-template-file", args.template] if args.template else []
     if name == "pin":   # -fa is a switch at the pin
-        return [str(llama_server_path()), *common, "-cb", *(["-fa"] if fa == "on" else [])]
+        return [str(llama_server_path()), *common, "-cb", *(["-fa"] if fa == "on" else []), *tpl]
     if name == "current":
         exe = find_peer_server()
         assert exe is not None
-        return [str(exe), *common, "-kvu", "--cache-ram", str(args.cache_ram), *(["-fa", fa] if fa else [])]
+        return [str(exe), *common, "-kvu", "--cache-ram", str(args.cache_ram), *(["-fa", fa] if fa else []), *tpl]
     # ours-no-tier turns the tier off
     ram = 0 if name == "ours-no-tier" else args.cache_ram
     return [*pyllama_kv_cmd(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--ctx", str(args.ctx), "--parallel", str(args.clients), "--threads", str(args.threads),
             "--batch", "512", "--lib", "current" if name == "ours-current" else "patched",
-            "--cache-ram", str(ram), "--prefix-cache", str(args.prefix_cache), *(["--flash-attn", fa] if fa else [])]
+            "--cache-ram", str(ram), "--prefix-cache", str(args.prefix_cache), *(["--flash-attn", fa] if fa else []),
+            *(["--template", args.template] if args.template else [])]
 
 
 FA_LOG = re.compile(r"(flash.?attn|flash attention)\b.*?\b(enabled|disabled|on|off|auto)\b", re.IGNORECASE)
@@ -285,6 +289,8 @@ def main(argv=None) -> int:
                     help="no flash-attention flag for any server: each at its own default (cells, slots, "
                          "threads, batch and --cache-ram stay the same for all: they define the load)")
     ap.add_argument("--only", default=",".join(SERVERS), help=f"servers, of {','.join(SERVERS)} (default all)")
+    ap.add_argument("--template", metavar="FILE", help="a jinja2 chat template every server renders the chats with "
+                    "(for a model without one; default: each model's own)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the servers this many times, the order reversed every other round (A B, B A, ...: "

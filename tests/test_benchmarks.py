@@ -240,8 +240,9 @@ def test_bench_chat_load_commands(monkeypatch):
     monkeypatch.setattr(bench, "find_peer_server", lambda: Path("/peer/llama-server"))
     monkeypatch.setattr(bench, "llama_server_path", lambda: Path("/pin/llama-server"))
     ap = bench.argparse.Namespace(ctx=512, clients=4, threads=2, cache_ram=1024, flash_attn="on", defaults=False,
-                                  prefix_cache=4)
+                                  prefix_cache=4, template=None)
     cmds = {n: bench.server_cmd(n, Path("m.gguf"), 1, ap) for n in bench.SERVERS}
+    assert not any("--template" in c or "--chat-template-file" in c for c in cmds.values())
     oc = cmds["ours-current"]
     assert oc[oc.index("--lib") + 1] == "current" and oc[oc.index("--cache-ram") + 1] == "1024"
     assert cmds["ours-no-tier"][cmds["ours-no-tier"].index("--cache-ram") + 1] == "0"
@@ -255,6 +256,11 @@ def test_bench_chat_load_commands(monkeypatch):
         cmd = bench.server_cmd(n, Path("m.gguf"), 1, ap)
         assert "-fa" not in cmd and "--flash-attn" not in cmd, cmd
         assert [a for a in cmds[n] if a not in ("-fa", "--flash-attn", "on")] == cmd
+    ap.template = "t.jinja"   # one template for every server
+    for n in bench.SERVERS:
+        cmd = bench.server_cmd(n, Path("m.gguf"), 1, ap)
+        flag = "--template" if n.startswith("ours") else "--chat-template-file"
+        assert cmd[cmd.index(flag) + 1] == "t.jinja", cmd
 
 
 def test_bench_chat_load_gives_no_ratio_for_a_run_with_errors():

@@ -303,3 +303,56 @@ def test_the_prefix_cache_keeps_a_window_checkpoint_where_a_prompt_branches(gemm
         assert c.can_fork(longest, 60)
         cache.clear()
         assert not cache.cached
+
+
+# -- the host tier of such models: whole states of evicted sequences --------------------------------
+
+@pytest.mark.parametrize("arch", ["lfm2", "gemma3"])
+def test_an_evicted_conversation_comes_back_from_its_whole_state(arch, lfm2, gemma3):
+    """One idle sequence at most (prefix_cache=1): a second conversation evicts the first, whose whole
+    state (recurrent state or window included) goes to host memory; the first's next turn gets all of
+    it back from there, written, not evaluated, and its answer is the greedy continuation of a fresh
+    evaluation. Without cache_ram the next turn evaluates everything again."""
+    model = lfm2 if arch == "lfm2" else gemma3
+    first, other = toks(60, 40), toks(60, 41)
+    for ram in (16, 0):
+        cfg = EngineConfig(n_ctx=512, parallel=1, prefix_cache=1, cache_ram=ram, **F32)
+        with Engine(model, cfg) as eng:
+            h = eng.submit(first, GREEDY, max_tokens=6)
+            eng.run_until_idle()
+            held = first + list(h.result()[0].tokens)[:-1]   # what the cache keeps (the last token is not decoded)
+            _conversation(eng, model, other, None)          # evicts the first conversation
+            tier = eng.kv.tier_stats()
+            second = held + toks(10, 42)
+            reused = _conversation(eng, model, second, None)
+            if ram:
+                assert tier["enabled"] and tier["page_outs"] >= 1 and tier["host_bytes"] > 0, tier
+                assert reused == len(held) and eng.kv.tier_stats()["restored_tokens"] == len(held)
+            else:
+                assert not tier["enabled"] and reused == 0
+
+
+def test_a_whole_state_goes_only_into_its_own_context_and_onto_its_prefix(lfm2):
+    """sequence_load_whole refuses a state of another context and a sequence it does not extend, and
+    changes nothing then; a state that does not fit leaves the sequence as it was."""
+    with lfm2.context(n_ctx=256, n_seq_max=4, **F32) as c, lfm2.context(n_ctx=256, n_seq_max=4, **F32) as d:
+        a = c.new_sequence()
+        a.extend(toks(40, 50))
+        state = c.whole_state(a)
+        b = c.new_sequence()
+        b.extend(toks(5, 51))   # not a prefix of the state's tokens
+        with pytest.raises(pk.InvalidInputError):
+            c.sequence_load_whole(b, state)
+        assert len(b) == 5
+        with pytest.raises(pk.InvalidInputError):
+            d.sequence_load_whole(d.new_sequence(), state)
+        e = c.new_sequence()
+        filler = c.new_sequence()
+        filler.extend(toks(200, 52))   # 11 cells free: the state's 40 do not fit
+        with pytest.raises(pk.KVCacheFullError):
+            c.sequence_load_whole(e, state)
+        assert len(e) == 0 and len(b) == 5 and c.kv_stats().used_cells == 245
+        filler.close()
+        c.sequence_load_whole(e, state)
+        assert list(e.tokens) == list(a.tokens)
+        assert close(e.extend([7]), fresh(lfm2, list(a.tokens) + [7]))

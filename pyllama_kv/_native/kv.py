@@ -454,6 +454,23 @@ class NativeContext:
         could not write it (a library without the range read: ``caps.span_range_read``)."""
         return self._range_raw(seq_id, p0, p1)
 
+    def state_seq_whole_read(self, seq_id: int) -> bytes | None:
+        """llama_state_seq_get_data of seq_id as the library writes it (any memory: its recurrent state
+        and sliding-window cache included), not translated or parsed: for
+        :meth:`state_seq_whole_write` in this process only. None when it could not be written whole."""
+        n = int(self.L.llama_state_seq_get_size(self.ptr, seq_id))
+        if n == 0:
+            return None
+        got, data = NativeContext.state_seq_get(self, seq_id, n)
+        return bytes(data) if got == n else None
+
+    def state_seq_whole_write(self, data: bytes, seq_id: int, n_tokens: int) -> int:
+        """llama_state_seq_set_data of what :meth:`state_seq_whole_read` gave (its ``n_tokens``
+        positions) into seq_id, whose cells it replaces: the bytes read (0 on failure: llama.cpp then
+        leaves seq_id empty)."""
+        return int(self.L.llama_state_seq_set_data(self.ptr, self.ffi.from_buffer("uint8_t[]", data), len(data),
+                                                   seq_id))
+
     def state_seq_set(self, data: bytes, seq_id: int) -> int:
         """llama_state_seq_set_data: the bytes read (0 on failure)."""
         return int(self.L.llama_state_seq_set_data(self.ptr, self.ffi.from_buffer("uint8_t[]", data), len(data),
@@ -648,6 +665,13 @@ class CurrentContext(NativeContext):
         pos = np.frombuffer(data, dtype=np.int32, count=2 * c, offset=4)[0::2]
         self.cells.add(np.full(c, seq_id, dtype=np.int32), pos)
         return len(data)
+
+    def state_seq_whole_write(self, data: bytes, seq_id: int, n_tokens: int) -> int:
+        self.cells.rm(seq_id, -1, -1)   # replaced; the shadow learns positions 0..n_tokens-1 once placed
+        got = super().state_seq_whole_write(data, seq_id, n_tokens)
+        if got == len(data):
+            self.cells.add(np.full(n_tokens, seq_id, dtype=np.int32), np.arange(n_tokens, dtype=np.int32))
+        return got
 
     def state_seq_set(self, data: bytes, seq_id: int) -> int:
         """llama_state_seq_set_data of the mission-format ``data`` (see :meth:`_write_state`): the

@@ -244,6 +244,7 @@ class Context(_kv.CResource):
         self.n_seq_max: int = n_seq_max
         self._spare_id: int = n_seq_max
         self._layout: _state.Layout | None = None   # the layout of its states (_layout_of), read once
+        self._whole_owner = object()   # marks the WholeStates this context made (whole_state)
         self.flash_attn = flash_attn
         self.type_k, self.type_v = type_k, type_v
         # llama.cpp's word, unless a K-shift of this model would continue wrongly (Model.k_shift_exact)
@@ -839,6 +840,46 @@ class Context(_kv.CResource):
             self._c_update()
             data = _state.empty_state(self._layout_of()) if not e.tokens else self._read_seq_state(e.id)
             return _state.export_state(data, list(e.tokens), e.id, self.n_ctx, self.model)
+
+    def whole_state(self, seq) -> _state.WholeState:
+        """The whole state of ``seq`` as the library writes it, any memory (a recurrent model's state and
+        a sliding-window cache included), for :meth:`sequence_load_whole` in this context. LlamaError
+        when llama.cpp cannot write it."""
+        with self.critical():
+            e = self._entry(seq)
+            self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
+            assert self._native is not None
+            data = self._native.state_seq_whole_read(e.id) if e.tokens else None
+            if data is None:
+                raise LlamaError(f"llama.cpp could not write the state of sequence {e.id}")
+            return _state.WholeState(tuple(e.tokens), data, self._whole_owner)
+
+    def sequence_load_whole(self, seq, state: _state.WholeState) -> None:
+        """Make ``seq``, which holds a proper prefix of ``state``'s tokens, hold all of them from
+        ``state`` (made by :meth:`whole_state` of this context): its cells are written, not computed.
+        All or nothing: the state goes into the spare sequence first, and only then takes the place
+        of ``seq``'s cells. InvalidInputError for a state of another context or that ``seq`` does not
+        start; KVCacheFullError when its cells do not fit."""
+        with self.critical():
+            e = self._entry(seq)
+            if not isinstance(state, _state.WholeState) or state.owner is not self._whole_owner:
+                raise InvalidInputError("sequence_load_whole takes a WholeState that this context's whole_state made")
+            n = len(e.tokens)
+            if len(state.tokens) <= n or tuple(e.tokens) != state.tokens[:n]:
+                raise InvalidInputError(f"the state's {len(state.tokens)} tokens do not extend the {n} of sequence "
+                                        f"{e.id}")
+            assert self._native is not None
+            self._c_update()   # free cells may still carry the pending delta of a removed cell
+            tmp = self._spare_id
+            got = self._native.state_seq_whole_write(state.data, tmp, len(state.tokens))
+            if got != len(state.data):
+                self._seq_remove(tmp, -1, -1)
+                raise KVCacheFullError(f"llama.cpp could not place the {len(state.tokens)} cells of the state")
+            self._seq_remove(e.id, -1, -1)   # whole sequences: any memory takes these
+            self._seq_copy(tmp, e.id, -1, -1)
+            self._seq_remove(tmp, -1, -1)
+            e.tokens = list(state.tokens)
+            e.logits = None   # computed at the next decode
 
     def sequence_snapshot(self, seq, start: int, end: int | None) -> _Span:
         """Sequence.snapshot: a compact copy of the cells of ``seq`` over positions [start, end)."""

@@ -69,6 +69,22 @@ class SequenceState:
     digest: str = ""
 
 
+@dataclass(frozen=True, eq=False)
+class WholeState:
+    """A sequence's whole state as the library wrote it (with a recurrent model's state and a
+    sliding-window cache's cells, which :class:`SequenceState` cannot hold), for the prefix cache of this
+    process: never parsed, so :meth:`Context.sequence_load_whole
+    <pyllama_kv.core.context.Context.sequence_load_whole>` takes only one that its own context made."""
+
+    tokens: tuple
+    data: bytes = field(repr=False)
+    owner: object = field(repr=False, default=None)
+
+    @property
+    def n_bytes(self) -> int:
+        return len(self.data)
+
+
 # -- the format ---------------------------------------------------------------------------------
 
 

@@ -218,15 +218,21 @@ class ContextKV(PrefixPolicy):
         return min(self.parallel - self._live, self.ctx.free_sequence_ids)
 
     def _resident_match(self, tokens) -> int:
-        return self.cache.longest(tokens)
+        held = self.cache.longest(tokens)
+        states = self.cache.states
+        if states is not None and states.matched(tokens, held) > held:
+            return 0   # a kept whole state goes into new cells: none of them shared
+        return held
 
     def _evict_idle(self, keep_for) -> bool:
         return self.cache.evict(keep_for=keep_for)
 
     def match(self, tokens) -> int:
         held = self.cache.longest(tokens)
-        tiers = self.cache.tiers
-        return tiers.matched(tokens, held) if tiers is not None else held
+        tiers, states = self.cache.tiers, self.cache.states
+        if tiers is not None:
+            return tiers.matched(tokens, held)
+        return states.matched(tokens, held) if states is not None else held
 
     def start(self, tokens):
         seq, n = self.cache.fork_prefix(tokens)

@@ -17,6 +17,7 @@ from ..limits import CHECKPOINT_MIN_TOKENS
 from .checkpoints import Checkpoints
 from .eviction import IdlePrefixes
 from .tiers import SpanTrie, Tiers, TierStats, can_restore, context_layout, shared_prefix
+from .wholestates import WholeStates
 
 __all__ = ["PrefixCache", "PrefixCacheStats", "TierStats", "shared_prefix"]
 
@@ -86,8 +87,13 @@ class PrefixCache:
         self.last_reused_tokens = 0
         self.tier_info = TierStats()   # live: the engine's stats hold this object
         self.tiers: Tiers | None = None
+        #: a model whose memory holds more than cells (recurrent layers, a sliding window): whole states
+        #: of evicted sequences in host memory instead of spans (None: spans, or paging off)
+        self.states: WholeStates | None = None
         if cache_ram == 0 and cache_dir is None:
             self.tier_info.off_reason = "cache_ram is 0 and there is no cache_dir"
+        elif cache_ram > 0 and (ctx.model.recurrent or ctx.model.n_swa > 0):
+            self.states = WholeStates(ctx, cache_ram << 20, self.tier_info)
         elif not can_restore(ctx):
             self.tier_info.off_reason = getattr(ctx, "no_restore_reason", "") or "the context cannot restore a span"
         else:
@@ -200,6 +206,8 @@ class PrefixCache:
     def _page_out(self, seq) -> None:
         if self.tiers is not None:
             self.tiers.page_out(seq)
+        elif self.states is not None:
+            self.states.page_out(seq)
 
     def _evict(self, keep=None) -> bool:
         """Evict one idle cached sequence by the one rule (:meth:`IdlePrefixes.evict
@@ -357,11 +365,15 @@ class PrefixCache:
         of ``tokens``, e.g. from :meth:`fork_prefix`), host memory first, then disk; returns the
         tokens restored (0 when the tiers are off). Stops early, with ``seq`` valid, when the
         context has no room (``make_room()``, if given, is asked to free some first)."""
-        if self.tiers is None:
+        if self.tiers is None and self.states is None:
             return 0
         with self.ctx.critical():
             self.ctx.check_sequence(seq)
-            got = self.tiers.restore_into(seq, tokens, limit, make_room)
+            if self.tiers is not None:
+                got = self.tiers.restore_into(seq, tokens, limit, make_room)
+            else:
+                assert self.states is not None
+                got = self.states.restore_into(seq, tokens, limit, make_room)
             if got:
                 seq.reused_tokens = len(seq)
                 self.stats.restored_tokens += got
@@ -447,3 +459,5 @@ class PrefixCache:
                 self._window_checkpoints.clear()
             if self.tiers is not None:
                 self.tiers.clear()
+            if self.states is not None:
+                self.states.clear()
