@@ -384,6 +384,7 @@ def test_the_servers_system_prompt_boundary_under_a_template_that_folds_it_into_
     alone render as BOS: the server's boundary for the engine's checkpoint (Server._system_end) is
     then where the first user message's content starts, the point where two conversations under the
     same system prompt part; ChatML's (lfm2 here) stays the end of the system message."""
+    import functools
     from types import SimpleNamespace
 
     from pyllama_kv.chat.conversation import Transcripts
@@ -396,7 +397,8 @@ def test_the_servers_system_prompt_boundary_under_a_template_that_folds_it_into_
     for p in (path, make_tiny_model(tmp_path / "lfm2.gguf", seed=3, **ARCHS["lfm2"])):
         with pk.Model(p, lib=current_lib) as m:
             assert m.branch_checkpoints
-            srv = SimpleNamespace(model=m, transcripts=Transcripts(m))
+            srv = SimpleNamespace(model=m, transcripts=Transcripts(m), template=None, template_name=None)
+            srv._render = functools.partial(Server._render, srv)
             a, b = ([system, {"role": "user", "content": c}] for c in ("Hello there", "Bonjour"))
             ta, tb = (srv.transcripts.tokenize(m.apply_chat_template(x)) for x in (a, b))
             end = Server._system_end(srv, a, None, ta)
