@@ -355,6 +355,7 @@ def test_a_whole_state_goes_only_into_its_own_context_and_onto_its_prefix(lfm2):
         with pytest.raises(pk.KVCacheFullError):
             c.sequence_load_whole(e, state)
         assert len(e) == 0 and len(b) == 5 and c.kv_stats().used_cells == 245
+        assert c._native.seq_pos_min(c._spare_id) == c._native.seq_pos_min(e.id) == -1   # llama.cpp's own word
         filler.close()
         c.sequence_load_whole(e, state)
         assert list(e.tokens) == list(a.tokens)

@@ -847,7 +847,10 @@ class Context(_kv.CResource):
         when llama.cpp cannot write it."""
         with self.critical():
             e = self._entry(seq)
-            self._c_update()   # a state copies K as stored: a K-shift still pending would be lost
+            # a state copies K as stored: a K-shift still pending would be lost, so the library must be
+            # able to apply it now (caps.state_io: the current pin's patches/current/0002)
+            self._need("state_io", "reading a sequence's whole state")
+            self._c_update()
             assert self._native is not None
             data = self._native.state_seq_whole_read(e.id) if e.tokens else None
             if data is None:
@@ -875,9 +878,18 @@ class Context(_kv.CResource):
             if got != len(state.data):
                 self._seq_remove(tmp, -1, -1)
                 raise KVCacheFullError(f"llama.cpp could not place the {len(state.tokens)} cells of the state")
-            self._seq_remove(e.id, -1, -1)   # whole sequences: any memory takes these
-            self._seq_copy(tmp, e.id, -1, -1)
-            self._seq_remove(tmp, -1, -1)
+            emptied = False
+            try:   # whole sequences: any memory takes these
+                self._seq_remove(e.id, -1, -1)
+                emptied = True
+                self._seq_copy(tmp, e.id, -1, -1)
+                self._seq_remove(tmp, -1, -1)
+            except BaseException:   # not expected: the spare is left empty, and seq says what it holds
+                self._native.seq_rm(tmp, -1, -1)
+                if emptied:
+                    self._native.seq_rm(e.id, -1, -1)
+                    e.tokens, e.logits = [], None
+                raise
             e.tokens = list(state.tokens)
             e.logits = None   # computed at the next decode
 

@@ -92,7 +92,7 @@ class PrefixCache:
         self.states: WholeStates | None = None
         if cache_ram == 0 and cache_dir is None:
             self.tier_info.off_reason = "cache_ram is 0 and there is no cache_dir"
-        elif cache_ram > 0 and (ctx.model.recurrent or ctx.model.n_swa > 0):
+        elif cache_ram > 0 and (ctx.model.recurrent or ctx.model.n_swa > 0) and ctx.caps.state_io:
             self.states = WholeStates(ctx, cache_ram << 20, self.tier_info)
         elif not can_restore(ctx):
             self.tier_info.off_reason = getattr(ctx, "no_restore_reason", "") or "the context cannot restore a span"

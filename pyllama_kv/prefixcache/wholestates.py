@@ -66,9 +66,10 @@ class WholeStates:
         if n < CHECKPOINT_MIN_TOKENS:
             return
         toks = tuple(seq.tokens)
-        for s in self._lru.values():
+        for key, s in self._lru.items():
             if len(s.tokens) >= n and s.tokens[:n] == toks:
-                return   # nothing new: a kept state holds these tokens and more
+                self._lru.move_to_end(key)   # nothing new: a kept state holds these tokens and more
+                return
         t0 = time.perf_counter()
         try:
             state = self.ctx.whole_state(seq)
