@@ -82,6 +82,17 @@ def _model_names(spec: str, path: Path) -> list[str]:
     return list(dict.fromkeys([model_id, spec, path.name, path.stem]))
 
 
+def _check_reranker(model) -> None:
+    """CLIError unless ``model`` can rank (``--pooling rank``)."""
+    from ...core.embedding import check_reranker
+    from ...errors import InvalidInputError
+
+    try:
+        check_reranker(model)
+    except InvalidInputError as exc:
+        raise CLIError(f"--pooling rank: {exc}") from None
+
+
 def run(args) -> int:
     from ...config import EngineConfig
     from ...server import ServerConfig
@@ -112,13 +123,7 @@ def run(args) -> int:
         n_ctx = context_size(model, args.n_ctx)
         ecfg = options.from_args(EngineConfig, args, n_ctx=n_ctx)
         if ecfg.pooling == "rank":   # a clear refusal now, not a 400 on every /v1/rerank
-            from ...core.embedding import check_reranker
-            from ...errors import InvalidInputError
-
-            try:
-                check_reranker(model)
-            except InvalidInputError as exc:
-                raise CLIError(f"--pooling rank: {exc}") from None
+            _check_reranker(model)
         set_phase("creating the context")
         from ...engine import Engine
 
