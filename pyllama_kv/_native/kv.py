@@ -458,11 +458,9 @@ class NativeContext:
         """llama_state_seq_get_data of seq_id as the library writes it (any memory: its recurrent state
         and sliding-window cache included), not translated or parsed: for
         :meth:`state_seq_whole_write` in this process only. None when it could not be written whole."""
-        n = int(self.L.llama_state_seq_get_size(self.ptr, seq_id))
-        if n == 0:
-            return None
-        got, data = NativeContext.state_seq_get(self, seq_id, n)
-        return bytes(data) if got == n else None
+        data = NativeContext.state_seq_read(self, seq_id)   # the raw read (a subclass translates its own)
+        assert data is None or isinstance(data, bytes)
+        return data
 
     def state_seq_whole_write(self, data: bytes, seq_id: int, n_tokens: int) -> int:
         """llama_state_seq_set_data of what :meth:`state_seq_whole_read` gave (its ``n_tokens``
