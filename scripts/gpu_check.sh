@@ -13,9 +13,11 @@
 # Usage: scripts/gpu_check.sh [--src DIR] [--build DIR] [--backend cuda|cpu] [--cuda-arch N]
 #                             [--wheels DIR] [--deadline SECONDS] [--tests "FILE ..."] [--workers N]
 #                             [--results DIR] [--no-tests] [--no-bench] [--bench "NAME ..."] [--bench-first] [--quick]
+#                             [--server-loads "8 32"]
 #   --bench        the benchmarks to run, in this order, of: server spans binding defrag (default all);
 #                  "tests" in the list runs the tests at that point
 #   --bench-first  the benchmarks before the tests (when the device time is short)
+#   --server-loads the server loads to run, by clients: 8 (16 requests), 32 (64 requests); default both
 #   --backend cpu  the same run on a CPU build (a dry run of this script on a machine without a GPU)
 #   --quick        small benchmark sizes (a dry run)
 #   --fetch-wheels DIR  download, for the GPU machine's Python (3.12, manylinux x86-64), the wheels of
@@ -41,6 +43,7 @@ RUN_TESTS=1
 RUN_BENCH=1
 BENCHES="server spans binding defrag"
 BENCH_FIRST=0
+SERVER_LOADS="8 32"
 RESULTS=$ROOT/gpu-out
 TESTS="tests/test_oracle.py tests/test_defrag_paths.py tests/test_spans.py tests/test_state.py
 tests/test_tier_exactness.py tests/test_prefix_tier.py tests/test_engine.py tests/test_kv_policy.py
@@ -62,6 +65,7 @@ while [ $# -gt 0 ]; do
         --no-bench) RUN_BENCH=0; shift ;;
         --bench) BENCHES=${2:?}; shift 2 ;;
         --bench-first) BENCH_FIRST=1; shift ;;
+        --server-loads) SERVER_LOADS=${2:?}; shift 2 ;;
         --quick) QUICK=1; shift ;;
         --results) RESULTS=${2:?}; shift 2 ;;
         --fetch-wheels)
@@ -206,8 +210,9 @@ run_bench() {
             server)
                 k=0
                 for load in "${B4[*]}" "${B5[*]}"; do
-                    [ -n "$load" ] || continue
                     k=$((k + 1))
+                    [ -n "$load" ] || continue
+                    case " $SERVER_LOADS " in *" $([ $k = 1 ] && echo 8 || echo 32) "*) ;; *) continue ;; esac
                     log "bench: server vs llama-server, shared prompts ($load)"
                     # shellcheck disable=SC2086
                     timeout -k 5 "$(left 90)" $PY scripts/bench_server.py --model "$TM" --only patched,llama-server \
