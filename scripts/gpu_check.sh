@@ -25,6 +25,8 @@
 #   --pack DIR     write a copy of vendor/llama.cpp trimmed to what the build reads (about 16 MiB
 #                  instead of 87: no models, docs, tests, Python converters or unused backends)
 #                  into DIR and exit; `--src DIR` builds from it on the GPU machine
+# BUILD_TARGETS (environment) the targets to build (default "llama llama-batched-bench llama-server";
+# "llama" alone for the tests, a shorter build).
 # Exit status: 0 the tests passed (or were not asked for), 1 a test failed, 3 the build failed,
 # 4 no model runs on the device from Python (diag.txt and backtrace.txt say why).
 set -uo pipefail
@@ -126,7 +128,7 @@ SHAPE=(--shape llama3-8b)
 FLAGS=$($PY -c "from pyllama_kv.harness.build import cmake_flags; print(' '.join(cmake_flags('$BACKEND', tools=True, cuda_arch='$ARCH')))")
 log "configure: $FLAGS"
 ( cmake -S "$SRC" -B "$BUILD" -G Ninja $FLAGS && \
-  timeout -k 5 "$(left 300)" cmake --build "$BUILD" -j "$(nproc)" --target llama llama-batched-bench llama-server ) \
+  timeout -k 5 "$(left 300)" cmake --build "$BUILD" -j "$(nproc)" --target ${BUILD_TARGETS:-llama llama-batched-bench llama-server} ) \
   > "$OUT/build.log" 2>&1 || { log "build failed:"; tail -30 "$OUT/build.log"; exit 3; }
 LIB=$BUILD/bin/libllama.so
 # the vocabularies tests/test_gguf_validation.py reads, where a packed tree carries them

@@ -52,6 +52,8 @@ if DEVICE_RUN:
 #: beside a held 30-token sequence, or alone) differed by up to 7.7e-3 on an H200 (issue 35, test_disk_tier),
 #: although NVIDIA_TF32_OVERRIDE=0: the tolerance of an F32 oracle on a cache in device memory
 DEVICE_F32_ATOL = 2e-2
+#: the same for an F16 cache: 1.3e-2 measured on an H200 (the oracle's 2l-f16; 3.7e-3 on the CPU)
+DEVICE_F16_ATOL = 3e-2
 
 
 @pytest.fixture

@@ -88,6 +88,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pyllama_kv as pk
+from conftest import DEVICE_F16_ATOL, DEVICE_F32_ATOL, cache_on_device
 from pyllama_kv.tools.gguf import make_tiny_model
 
 EXAMPLES = int(os.environ.get("PYLLAMA_KV_ORACLE_EXAMPLES", "50"))
@@ -157,7 +158,7 @@ class KVMachine(RuleBasedStateMachine):
         self.ctx = m.context(n_seq_max=8, n_batch=32, n_ubatch=16, n_threads=1, **kw)
         self.ref = m.context(n_seq_max=1 + len(PROBES), n_batch=64, n_ubatch=64, n_threads=1, **kw)
         self.ref_seq = self.ref.new_sequence()
-        self.atol = TOLERANCE[self.name]
+        self.atol = tolerance(self.name, cache_on_device(m))
         self.live: list[pk.Sequence] = []
         self.cells: dict = {}       # the model: sequence -> cell ids, position i holding cells[s][i]
         self.next_cell = 0
@@ -550,6 +551,19 @@ TOLERANCE = {"2l-f32": 1.5e-5, "2l-f32-graphdefrag": 1.5e-5, "2l-f32-fa-graphdef
              "1l-f32-shift": 9.3e-6, "1l-f16-fa-shift": 2.1e-2}
 TOLERANCE.update({"2l-f32@current": 1.5e-5, "2l-f32-fa@current": 3.3e-2, "2l-f16@current": 1.1e-2,
                   "1l-f32-shift@current": 1.2e-5, "1l-f16-fa-shift@current": 2.8e-2})
+
+
+def tolerance(name: str, on_device: bool) -> float:
+    """TOLERANCE[name]; for a cache in device memory at least the GPU's (conftest): an H200 gave 5.2e-3
+    on 2l-f32-graphdefrag and 1.3e-2 on 2l-f16 in correct runs (NVIDIA_TF32_OVERRIDE=0), where the CPU
+    stays below 5e-6 and 3.7e-3. So on a GPU the oracle sees a wrong state of short sequences and gross
+    errors, not every single wrong cell of a long one (as little as 2e-4, above): the CPU run is the
+    exact one."""
+    if not on_device:
+        return TOLERANCE[name]
+    return max(TOLERANCE[name], DEVICE_F16_ATOL if "f16" in name else DEVICE_F32_ATOL)
+
+
 # LLAMA_KV_DEFRAG_GRAPH per configuration (read by llama.cpp at every defrag): the defrag path
 DEFRAG_GRAPH = {"graphdefrag": "1", "movesdefrag": "moves"}
 
@@ -584,6 +598,7 @@ def test_oracle_exercised_fragmentation_retries_and_defrags():
     if not RUN_STATS:
         pytest.skip("the oracle machines did not run (deselected)")
     print(json.dumps(RUN_STATS, indent=1, sort_keys=True))
+    on_device = any(cache_on_device(m) for m in _models.values())
     for name, v in RUN_STATS.items():
         if _lib_of(name) == "patched":   # the current pin has no slot retry or defrag: it needs none
             assert v["slot_retries"] > 0 and v["defrags"] >= v["slot_retries"] and v["moves"] > 0, (name, v)
@@ -592,11 +607,8 @@ def test_oracle_exercised_fragmentation_retries_and_defrags():
         # (8 random runs per configuration): fallbacks 0 to 18% of the checks of a run, 5% at most on
         # average; skips 0. The default run has none of either.
         assert v["fallback"] <= 0.2 * v["checked"] and v["skipped"] <= 0.01 * v["checked"], (name, v)
-        assert v["max_len"] <= MAX_LEN and v["max_err"] <= TOLERANCE[name], (name, v)
+        assert v["max_len"] <= MAX_LEN and v["max_err"] <= tolerance(name, on_device), (name, v)
     # every defrag path ran: graphs only where forced, memcpy elsewhere (a cache on a GPU: graphs always)
-    from conftest import cache_on_device
-
-    on_device = any(cache_on_device(m) for m in _models.values())
     mission = [c[0] for c in CONFIGS if _lib_of(c[0]) == "patched"]
     graph_cfgs = [k for k in mission if on_device or any(key in k for key in DEFRAG_GRAPH)]
     assert all(RUN_STATS.get(k, {"graphs": 1})["graphs"] > 0 for k in graph_cfgs), RUN_STATS

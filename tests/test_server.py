@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ENTRY_POINT, ROOT
+from conftest import ENTRY_POINT, ROOT, run_cli
 
 KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
@@ -654,7 +654,6 @@ def test_a_template_file_serves_chats_for_a_model_without_one(tiny_model, tmp_pa
         assert "Traceback" not in s.log()
     for bad, why in (("{{ raise_exception('no') }}", "no"), ("{{ cycler.__init__.__globals__ }}", "refused")):
         (tmp_path / "bad.jinja").write_text(bad)
-        r = subprocess.run([str(ENTRY_POINT), "serve", str(tiny_model), "--port", "0", "--template",
-                            str(tmp_path / "bad.jinja")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        r = run_cli(["serve", str(tiny_model), "--port", "0", "--template", str(tmp_path / "bad.jinja")], timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1 and "bad.jinja" in lines[0] and why in lines[0], r.stderr
