@@ -124,37 +124,6 @@ def test_n_greedy_forks_equal_single_runs(model):
         assert eng.stats.evaluated_tokens == 12, "the prompt is evaluated once for the 4 continuations"
 
 
-def test_greedy_rows_drawn_at_once_across_threads_equal_single_runs(model, monkeypatch):
-    # the step draws its greedy rows together; forced across threads here (the tiny vocabulary is far
-    # below the size where the engine splits them), every request still answers as it does alone
-    from pyllama_kv.sampling import greedy
-
-    monkeypatch.setattr(greedy, "PARALLEL_MIN_FLOATS", 0)
-    monkeypatch.setattr(greedy, "_threads", lambda: 3)
-    prompts = [toks(6 + i, 10 + i) for i in range(5)]
-    want = [greedy_run(model, p, 12) for p in prompts]
-    drawn = []
-    monkeypatch.setattr(greedy, "_scan", lambda rows, scan=greedy._scan: drawn.append(len(rows)) or scan(rows))
-    cfg = EngineConfig(n_ctx=1024, parallel=5, prefix_cache=0, **F32)
-    with Engine(model, cfg) as eng:
-        hs = [eng.submit(p, GREEDY, max_tokens=12) for p in prompts]
-        eng.run_until_idle()
-        assert [h.result()[0].tokens for h in hs] == want
-    assert drawn and max(drawn) < 5, "the rows of a 5-sequence step were not split"
-
-
-def test_argmaxes_equals_argmax_per_row_ties_to_the_lowest_id():
-    from pyllama_kv.sampling.greedy import PARALLEL_MIN_FLOATS, argmax, argmaxes
-
-    rng = np.random.default_rng(3)
-    rows = [r for r in rng.standard_normal((37, PARALLEL_MIN_FLOATS // 16), dtype=np.float32)]
-    rows[5][[100, 7000]] = 99.0   # a tie: the lower id wins, as np.argmax's
-    got = argmaxes(rows)
-    assert got == [argmax(r) for r in rows] == [int(np.argmax(r)) for r in rows]
-    assert got[5] == 100
-    assert argmaxes([]) == [] and argmaxes(rows[:1]) == [argmax(rows[0])]
-
-
 def test_stop_string_across_tokens_in_the_engine(model):
     prompt = toks(10, 3)
     cfg = EngineConfig(n_ctx=512, parallel=2, prefix_cache=0, **F32)

@@ -64,7 +64,6 @@ from ..config import EngineConfig, SamplingParams
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefixcache.cache import shared_prefix
 from ..prefixcache.tiers import TierStats
-from ..sampling.greedy import argmax, argmaxes
 from .admission import Limits, admit, drop_range
 from .detok import TextStream
 from .embeddings import EmbeddingQueue
@@ -117,7 +116,7 @@ class _Continuation:
 
     __slots__ = ("req", "index", "seq", "pending", "tokens", "generated", "stream", "sampler", "close_sampler",
                  "logits", "reserve", "forked", "admit_order", "last_token", "boundaries", "constraint",
-                 "checkpoints", "drawn")
+                 "checkpoints")
 
     def __init__(self, req: Request, index: int, tokens: list[int], sampler, reserve: int, admit_order: int,
                  boundaries: list[int] | None = None):
@@ -140,7 +139,6 @@ class _Continuation:
         # positions where the KV layer keeps a checkpoint of the state while the prompt goes in
         # (a recurrent model: KVCache.checkpoints_at); a prompt chunk ends at each
         self.checkpoints: list[int] = []
-        self.drawn: int | None = None   # the greedy token of ``logits``, when the step drew its rows at once
 
     @property
     def prefilling(self) -> bool:
@@ -340,7 +338,6 @@ class Engine:
     def _step(self, batch: dict, owners: dict) -> int:
         out = self._decode(batch, owners)
         n = 0
-        ready = []
         for seq, logits in out.items():
             cont = owners[seq]
             took = len(batch[seq])
@@ -354,13 +351,6 @@ class Engine:
             if cont.pending:
                 continue   # a prompt chunk: more to come
             cont.logits = logits
-            ready.append(cont)
-        # the greedy rows of the step, drawn at once (across threads when they are many)
-        greedy = [c for c in ready if c.sampler is argmax and c.constraint is None]
-        if len(greedy) > 1:
-            for c, tok in zip(greedy, argmaxes([c.logits for c in greedy])):
-                c.drawn = tok
-        for cont in ready:
             self._after_decode(cont)
         return n
 
@@ -702,8 +692,7 @@ class Engine:
         logits = self._masked(cont, raw)
         if logits is None:
             return   # (the grammar allowed no token: finished)
-        tok = cont.sampler(logits) if cont.drawn is None else cont.drawn
-        cont.drawn = None
+        tok = cont.sampler(logits)
         if req.handle.ttft is None:
             req.handle.ttft = time.perf_counter() - req.handle.submitted_at
         if not req.params.ignore_eos and self._is_eog(tok):
@@ -849,12 +838,11 @@ class Engine:
             self._finish(cont, "error", error=msg, keep=False)
 
     def _default_sampler(self, req: Request, index: int):
-        """(logits -> token, closer) for one continuation: greedy is :func:`argmax` (a step draws all its
-        greedy rows at once), anything else llama.cpp's sampler chain, seeded with the request's seed +
-        the continuation's index."""
+        """(logits -> token, closer) for one continuation: greedy is an argmax in numpy, anything
+        else llama.cpp's sampler chain, seeded with the request's seed + the continuation's index."""
         p = req.params
         if p.greedy and not p.penalized:
-            return argmax, None
+            return (lambda logits: int(np.argmax(logits))), None
         from ..sampling.sampler import Sampler
 
         seed = (p.seed + index if p.seed is not None else next(self._seed)) & 0xFFFFFFFF
