@@ -434,10 +434,11 @@ class NativeContext:
         got, data = self.state_seq_get(seq_id, n, copy)
         return data if got == n else None
 
-    def _range_raw(self, seq_id: int, p0: int, p1: int) -> memoryview | None:
-        """llama_state_seq_get_size_range and _get_data_range (patch 0017; current/0003) into a new
-        numpy buffer: a read-only view of it, in this API's format; None when llama.cpp could not size
-        it or wrote another size."""
+    def state_seq_range_read(self, seq_id: int, p0: int, p1: int) -> memoryview | None:
+        """The state of the cells of seq_id with positions in [p0, p1) alone, in the mission format
+        (core/state.py's docstring), as a read-only view of the buffer C wrote
+        (llama_state_seq_get_size_range and _get_data_range: patch 0017); None when llama.cpp could not
+        write it (a library without the range read: ``caps.span_range_read``)."""
         try:
             n = int(self.L.llama_state_seq_get_size_range(self.ptr, seq_id, p0, p1))
         except AttributeError:   # a library without the patch
@@ -447,12 +448,6 @@ class NativeContext:
         got, data = _written(self.ffi, n,
                              lambda buf: self.L.llama_state_seq_get_data_range(self.ptr, buf, n, seq_id, p0, p1))
         return data if got == n else None
-
-    def state_seq_range_read(self, seq_id: int, p0: int, p1: int) -> memoryview | None:
-        """The state of the cells of seq_id with positions in [p0, p1) alone, in the mission format
-        (core/state.py's docstring), as a read-only view of the buffer C wrote; None when llama.cpp
-        could not write it (a library without the range read: ``caps.span_range_read``)."""
-        return self._range_raw(seq_id, p0, p1)
 
     def state_seq_whole_read(self, seq_id: int) -> bytes | None:
         """llama_state_seq_get_data of seq_id as the library writes it (any memory: its recurrent state
@@ -690,7 +685,7 @@ class CurrentContext(NativeContext):
         """The range read (patches/current/0003) translated to the mission format (see
         :meth:`state_seq_read`); None when llama.cpp could not write it or it is not a plain KV
         cache's one-sequence state."""
-        raw = self._range_raw(seq_id, p0, p1)
+        raw = super().state_seq_range_read(seq_id, p0, p1)   # in this API's format (current/0003)
         out = None if raw is None else _current_to_mission(np.frombuffer(raw, dtype=np.uint8), seq_id)
         if out is None:
             return None

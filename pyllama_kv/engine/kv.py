@@ -229,10 +229,8 @@ class ContextKV(PrefixPolicy):
 
     def match(self, tokens) -> int:
         held = self.cache.longest(tokens)
-        tiers, states = self.cache.tiers, self.cache.states
-        if tiers is not None:
-            return tiers.matched(tokens, held)
-        return states.matched(tokens, held) if states is not None else held
+        paging = self.cache.paging
+        return paging.matched(tokens, held) if paging is not None else held
 
     def start(self, tokens):
         seq, n = self.cache.fork_prefix(tokens)

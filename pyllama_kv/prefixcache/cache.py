@@ -203,11 +203,16 @@ class PrefixCache:
         st.resident_tokens = self.idle.n_tokens
         st.resident_bytes = st.resident_tokens * self._cell_bytes
 
+    @property
+    def paging(self) -> Tiers | WholeStates | None:
+        """Where evicted prefixes go: ``tiers`` (spans) or ``states`` (whole states; at most one of the
+        two is set); None: they are dropped."""
+        return self.tiers if self.tiers is not None else self.states
+
     def _page_out(self, seq) -> None:
-        if self.tiers is not None:
-            self.tiers.page_out(seq)
-        elif self.states is not None:
-            self.states.page_out(seq)
+        paging = self.paging
+        if paging is not None:
+            paging.page_out(seq)
 
     def _evict(self, keep=None) -> bool:
         """Evict one idle cached sequence by the one rule (:meth:`IdlePrefixes.evict
@@ -365,15 +370,12 @@ class PrefixCache:
         of ``tokens``, e.g. from :meth:`fork_prefix`), host memory first, then disk; returns the
         tokens restored (0 when the tiers are off). Stops early, with ``seq`` valid, when the
         context has no room (``make_room()``, if given, is asked to free some first)."""
-        if self.tiers is None and self.states is None:
+        paging = self.paging
+        if paging is None:
             return 0
         with self.ctx.critical():
             self.ctx.check_sequence(seq)
-            if self.tiers is not None:
-                got = self.tiers.restore_into(seq, tokens, limit, make_room)
-            else:
-                assert self.states is not None
-                got = self.states.restore_into(seq, tokens, limit, make_room)
+            got = paging.restore_into(seq, tokens, limit, make_room)
             if got:
                 seq.reused_tokens = len(seq)
                 self.stats.restored_tokens += got
@@ -457,7 +459,6 @@ class PrefixCache:
                 self.checkpoints.clear()
             if self._window_checkpoints is not None:
                 self._window_checkpoints.clear()
-            if self.tiers is not None:
-                self.tiers.clear()
-            if self.states is not None:
-                self.states.clear()
+            paging = self.paging
+            if paging is not None:
+                paging.clear()
