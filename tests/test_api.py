@@ -719,27 +719,21 @@ def test_every_seed_is_reproducible_including_llama_cpps_random_marker(ctx):
         assert draws(seed) == draws(seed), seed
 
 
-def test_module_paths_of_before_the_folders_still_work_with_a_warning():
-    """Issue 31 moved the flat modules into folders: each old path a user may import is the new
-    module itself (one object: monkeypatching either patches both), after a DeprecationWarning."""
+def test_the_package_root_holds_the_shared_modules_and_no_old_paths():
+    """The flat modules of before the folders (issue 31) are gone (issue 46: no release carried them):
+    an old path is a ModuleNotFoundError, and the root holds only the modules every layer shares."""
     import importlib
-    import sys
-    import warnings
 
-    moved = {"context": "core.context", "model": "core.model", "sequence": "core.sequence", "span": "core.span",
-             "state": "core.state", "prefix": "prefixcache.cache", "tier": "prefixcache.tiers",
-             "spanfile": "prefixcache.spanfile", "penalties": "sampling.penalties", "constrain": "sampling.grammar",
-             "conversation": "chat.conversation", "toolcall": "chat.toolcall", "gguf": "modelfile.gguf",
-             "vetting": "modelfile.vetting", "catalogue": "modelfile.catalogue",
-             "tools.gguf_check": "modelfile.validate"}
-    for old, new in moved.items():
-        sys.modules.pop(f"pyllama_kv.{old}", None)
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            mod = importlib.import_module(f"pyllama_kv.{old}")
-        assert mod is importlib.import_module(f"pyllama_kv.{new}"), old
-        assert any(issubclass(x.category, DeprecationWarning) and new in str(x.message) for x in w), old
-    # the two names that became packages keep their functions, without a warning
+    from conftest import ROOT
+
+    for old in ("context", "model", "sequence", "span", "state", "prefix", "tier", "spanfile", "penalties",
+                "constrain", "conversation", "toolcall", "gguf", "vetting", "catalogue", "tools.gguf_check",
+                "engine.tier", "_moved"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"pyllama_kv.{old}")
+    root = sorted(p.stem for p in (ROOT / "pyllama_kv").glob("*.py"))
+    assert root == ["__init__", "_paths", "_worker", "config", "errors", "limits"], root
+    # the two names that became packages keep their functions
     from pyllama_kv.chat import apply_chat_template, chat_template  # noqa: F401
     from pyllama_kv.sampling import Sampler
     assert Sampler is pk.Sampler

@@ -348,7 +348,7 @@ def test_kv_oracle_per_architecture(oracle_model, monkeypatch):
 SWAP = r"""
 import os, sys
 import pyllama_kv as pk
-from pyllama_kv.tools import gguf_check
+from pyllama_kv.modelfile import validate as gguf_check
 path, bad = sys.argv[1], sys.argv[2]
 check = gguf_check.validated_header   # what Model's static checks call
 

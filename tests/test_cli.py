@@ -94,7 +94,7 @@ def stall(where):
     time.sleep(120)
 
 if hook.startswith("stall-load"):  # the model's C load is done, Model() has not returned: still loading
-    import pyllama_kv.model as _m
+    import pyllama_kv.core.model as _m
     _init = _m.Model.__init__
     _n = [0]
     def __init__(self, *a, **k):
@@ -104,7 +104,7 @@ if hook.startswith("stall-load"):  # the model's C load is done, Model() has not
             stall("Model()")
     _m.Model.__init__ = __init__
 elif hook == "stall-prompt":  # the first decode is the prompt's
-    import pyllama_kv.context as _c
+    import pyllama_kv.core.context as _c
     _decode = _c.Context.decode
     def decode(self, *a, **k):
         stall("decode")

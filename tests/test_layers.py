@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import ROOT
 
 PKG = ROOT / "pyllama_kv"
-SHARED = {"errors", "config", "limits", "_paths", "_worker", "_moved", "__init__"}
+SHARED = {"errors", "config", "limits", "_paths", "_worker", "__init__"}
 #: folder -> the folders it may import (besides itself and the shared modules)
 MAY = {
     "_native": set(),

@@ -3,7 +3,6 @@ issue 31): the trie finds what the linear scan it replaced found, the rule evict
 it evicted, and the API's PrefixCache and the engine's KV layer evict through the same object."""
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -221,14 +220,3 @@ def test_the_engine_and_the_api_evict_through_the_same_rule(model, monkeypatch):
         for i in range(4):
             pc.acquire(toks(100, seed=10 + i)).close()
         assert calls and all(c is pc.idle for c in calls) and pc.stats.evictions > 0
-
-
-def test_paging_prefix_cache_is_the_prefix_cache_with_a_warning():
-    import pyllama_kv.engine.tier as tier
-
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        cls = tier.PagingPrefixCache
-    assert cls is PrefixCache
-    assert any(issubclass(x.category, DeprecationWarning) and "prefixcache.cache" in str(x.message) for x in w)
-    assert "PagingPrefixCache" not in vars(engine_kv)

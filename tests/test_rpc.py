@@ -265,7 +265,7 @@ def test_a_silent_endpoint_is_a_load_error_in_bounded_time(tiny_model):
         lst.listen(4)   # the kernel completes connections; nothing ever reads them
         ep = f"127.0.0.1:{lst.getsockname()[1]}"
         code = textwrap.dedent(f"""
-            import pyllama_kv as pk, pyllama_kv.model as M
+            import pyllama_kv as pk, pyllama_kv.core.model as M
             M.RPC_TIMEOUT = 1.0
             try:
                 pk.Model({str(tiny_model)!r}, rpc=[{ep!r}])
@@ -299,7 +299,7 @@ def test_a_library_without_rpc_says_so(tiny_model, vanilla_lib):
 KILL_MID_RUN = """
 import subprocess, sys, time
 import pyllama_kv as pk
-import pyllama_kv.model as M
+import pyllama_kv.core.model as M
 
 binary, model = sys.argv[1], sys.argv[2]
 port = int(sys.argv[3])

@@ -16,9 +16,9 @@ import json
 import random
 
 import pytest
+from test_architectures import gemma_model  # noqa: F401 - the fixture
 
 from conftest import run_py
-from test_architectures import gemma_model  # noqa: F401 - the fixture
 
 #: pieces the texts are made of: control-token spellings of both vocabularies, parts of them, and text
 PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>",

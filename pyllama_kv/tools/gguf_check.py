@@ -1,4 +1,0 @@
-"""Moved to :mod:`pyllama_kv.modelfile.validate` (issue 31): this path works until the next release."""
-from .._moved import alias
-
-alias(__name__, "pyllama_kv.modelfile.validate")
