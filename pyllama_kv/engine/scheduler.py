@@ -53,9 +53,9 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
@@ -63,12 +63,11 @@ import numpy as np
 from ..config import EngineConfig, SamplingParams
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefixcache.cache import shared_prefix
-from ..prefixcache.tiers import TierStats
 from .admission import Limits, admit, drop_range
-from .detok import TextStream
+from .continuation import Continuation as _Continuation, EngineStats, token_logprobs
 from .embeddings import EmbeddingQueue
 from .kv import KVCache, context_kv
-from .request import FINISH_REASONS, GRAMMAR_ERROR, Event, Request, RequestHandle
+from .request import GRAMMAR_ERROR, Event, Request, RequestHandle
 
 if TYPE_CHECKING:
     from ..core.context import Context
@@ -78,71 +77,6 @@ T = TypeVar("T")
 _LOOKAHEAD = 16        # waiting requests considered for admission per step
 _MAX_OVERTAKES = 8     # times the head of the queue may be overtaken before everything waits for it
 _MIN_SHARED = 16       # prompt tokens shared with a prompt being evaluated that are worth waiting for
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    decode_calls: int = 0
-    step_seconds: float = 0.0     # wall time of the steps that decoded something (all of step())
-    decode_seconds: float = 0.0   # of which in the KV layer's decode (llama_decode and its logits)
-    prompt_tokens: int = 0        # prompt tokens of admitted requests (their length, as Usage.prompt_tokens)
-    evaluated_tokens: int = 0     # prompt tokens decoded (including resumed continuations)
-    reused_tokens: int = 0        # prompt tokens served from cached cells
-    generated_tokens: int = 0
-    submitted: int = 0
-    admitted: int = 0
-    finished: dict = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
-    preempted: int = 0
-    slot_failures: int = 0        # batches refused although the free cells sufficed (vanilla)
-    context_shifts: int = 0       # full sequences shifted instead of finished
-    shifts_reevaluated: int = 0   # of which by re-evaluating the kept tail (no K-shift possible)
-    dropped_tokens: int = 0       # tokens dropped by context shifts
-    reevaluated_tokens: int = 0   # tokens decoded again after a shift (re-evaluation path)
-    truncated_prompts: int = 0    # prompts cut to fit the context
-    truncated_tokens: int = 0     # prompt tokens dropped by truncation
-    rejected: int = 0             # submits refused with QueueFullError
-    queue_peak: int = 0
-    # the KV layer's host tier of paged-out prefixes (live TierStats; None for a KV without one)
-    prefix_tier: TierStats | None = None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-class _Continuation:
-    """One continuation: its sequence, the tokens still to decode, its sampler and text stream. (Not
-    a "slot": that word is llama.cpp's, for where a batch's cells go, as in slot failures.)"""
-
-    __slots__ = ("req", "index", "seq", "pending", "tokens", "generated", "stream", "sampler", "close_sampler",
-                 "logits", "reserve", "forked", "admit_order", "last_token", "boundaries", "constraint",
-                 "checkpoints")
-
-    def __init__(self, req: Request, index: int, tokens: list[int], sampler, reserve: int, admit_order: int,
-                 boundaries: list[int] | None = None):
-        self.req = req
-        self.index = index
-        self.seq: Hashable | None = None
-        self.tokens = tokens            # everything this continuation holds or will hold
-        self.pending: list[int] = []    # the tail of ``tokens`` not decoded yet
-        self.generated = 0
-        self.stream = TextStream(req.stop)
-        self.sampler, self.close_sampler = sampler
-        self.logits: np.ndarray | None = None
-        self.reserve = reserve
-        self.forked = index > 0 or req.n == 1
-        self.admit_order = admit_order
-        self.last_token: int | None = None
-        self.boundaries = list(req.boundaries if boundaries is None else boundaries)   # turn starts in tokens
-        # its own grammar matcher (forks too): what this continuation's tokens have matched so far
-        self.constraint = req.grammar.constraint() if req.grammar is not None else None
-        # positions where the KV layer keeps a checkpoint of the state while the prompt goes in
-        # (a recurrent model: KVCache.checkpoints_at); a prompt chunk ends at each
-        self.checkpoints: list[int] = []
-
-    @property
-    def prefilling(self) -> bool:
-        return len(self.pending) > 1 or (len(self.pending) == 1 and self.last_token is None)
 
 
 class Engine:
@@ -855,23 +789,3 @@ class Engine:
             return pen.sample_logits, pen.close
         smp = Sampler(ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seed)
         return smp.sample_logits, smp.close
-
-
-# -- log-probabilities ---------------------------------------------------------------------------------
-
-
-def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple:
-    """(token, its log-probability, the ``top`` most likely (token, log-probability)) under the raw
-    distribution of ``logits``: a log-softmax before temperature, truncation and any grammar (what
-    OpenAI reports)."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = float(np.max(x))
-    lse = m + float(np.log(np.sum(np.exp(x - m))))
-    alts: tuple = ()
-    if top > 0:
-        k = min(top, x.size)
-        idx = np.argpartition(x, x.size - k)[x.size - k:]
-        idx = idx[np.argsort(-x[idx], kind="stable")]
-        alts = tuple((int(i), float(x[i] - lse)) for i in idx)
-    return (int(token), float(x[token] - lse), alts)
-

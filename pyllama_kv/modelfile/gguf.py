@@ -129,143 +129,165 @@ def read_gguf_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHead
         mm.close()
 
 
-# long: one reader that follows the file field by field in gguf_init_from_file's order (header, metadata,
-# tensor table, data offsets), each value checked where it is read; its helpers share the read offset,
-# and the string-array loop is inlined for speed (Qwen's 151k-token vocabulary and its merges)
-def _parse(path: Path, mm, size: int) -> GGUFHeader:
-    unpack_from = struct.unpack_from
-    off = 4
+class _Reader:
+    """The read offset into a mapped GGUF file and its checked reads: every value is read where
+    gguf_init_from_file reads it, and a read past the end is a GGUFFileError naming what was read."""
 
-    def trunc(what: str, at: int, need: int) -> GGUFFileError:
-        return GGUFFileError(f"{path}: truncated or corrupt GGUF: {what} at byte {at} needs {need} bytes, "
-                             f"the file has {max(0, size - at)} left")
+    def __init__(self, path: Path, mm, size: int):
+        self.path, self.mm, self.size = path, mm, size
+        self.off = 4   # past the magic
 
-    def read(fmt: str, n: int, what: str):
-        nonlocal off
-        if off + n > size:
-            raise trunc(what, off, n)
-        v = unpack_from(fmt, mm, off)[0]
-        off += n
+    def trunc(self, what: str, at: int, need: int) -> GGUFFileError:
+        return GGUFFileError(f"{self.path}: truncated or corrupt GGUF: {what} at byte {at} needs {need} bytes, "
+                             f"the file has {max(0, self.size - at)} left")
+
+    def bad(self, msg: str) -> GGUFFileError:
+        return GGUFFileError(f"{self.path}: {msg}")
+
+    def read(self, fmt: str, n: int, what: str):
+        if self.off + n > self.size:
+            raise self.trunc(what, self.off, n)
+        v = struct.unpack_from(fmt, self.mm, self.off)[0]
+        self.off += n
         return v
 
-    def read_str(what: str) -> bytes:
-        nonlocal off
-        n = read("<Q", 8, what)
-        if n > size - off:
-            raise trunc(what, off, n)
-        s = mm[off:off + n]
-        off += n
+    def read_str(self, what: str) -> bytes:
+        n = self.read("<Q", 8, what)
+        if n > self.size - self.off:
+            raise self.trunc(what, self.off, n)
+        s = self.mm[self.off:self.off + n]
+        self.off += n
         return s
 
-    def bad(msg: str) -> GGUFFileError:
-        return GGUFFileError(f"{path}: {msg}")
+    def strings(self, key: str, n: int) -> list[bytes]:
+        """An array of ``n`` strings (the loop inlined: Qwen's 151k-token vocabulary and its merges)."""
+        mm, size, off = self.mm, self.size, self.off
+        if n * 8 > size - off:
+            raise self.trunc(f"the {n} strings of {key}", off, n * 8)
+        unpack_from = struct.unpack_from
+        items: list[bytes] = []
+        append = items.append
+        for j in range(n):
+            if off + 8 > size:
+                raise self.trunc(f"{key}[{j}]", off, 8)
+            ln = unpack_from("<Q", mm, off)[0]
+            off += 8
+            end = off + ln
+            if end > size:
+                raise self.trunc(f"{key}[{j}]", off, ln)
+            append(mm[off:end])
+            off = end
+        self.off = off
+        return items
 
-    version = read("<I", 4, "the version")
-    if version not in (2, 3):
-        raise bad(f"GGUF version {version} is not supported (llama.cpp reads versions 2 and 3)")
-    n_tensors = read("<q", 8, "the tensor count")
-    n_kv = read("<q", 8, "the metadata count")
-    if n_tensors < 0 or n_kv < 0:
-        raise bad(f"truncated or corrupt GGUF: {n_tensors} tensors and {n_kv} metadata entries")
-
-    kv: dict[str, KV] = {}
-    for i in range(n_kv):
-        kb = read_str(f"the key of metadata entry {i}")
-        if not kb:
-            raise bad(f"metadata entry {i} has an empty key (llama.cpp aborts on it)")
-        key = kb.decode("utf-8", "surrogateescape")
-        if key in kv:
-            raise bad(f"duplicate metadata key {key!r}")
-        t = read("<i", 4, f"the type of {key}")
+    def value(self, key: str) -> KV:
+        """The typed value of metadata entry ``key`` (its type next in the file)."""
+        t = self.read("<i", 4, f"the type of {key}")
         if t == ARRAY:
-            et = read("<i", 4, f"the element type of {key}")
-            n = read("<Q", 8, f"the length of {key}")
+            et = self.read("<i", 4, f"the element type of {key}")
+            n = self.read("<Q", 8, f"the length of {key}")
             if et == STRING:
-                if n * 8 > size - off:
-                    raise trunc(f"the {n} strings of {key}", off, n * 8)
-                items: list[bytes] = []
-                append = items.append
-                for j in range(n):
-                    if off + 8 > size:
-                        raise trunc(f"{key}[{j}]", off, 8)
-                    ln = unpack_from("<Q", mm, off)[0]
-                    off += 8
-                    end = off + ln
-                    if end > size:
-                        raise trunc(f"{key}[{j}]", off, ln)
-                    append(mm[off:end])
-                    off = end
-                kv[key] = KV(key, ARRAY, STRING, items)
-            elif et in _SCALAR:
+                return KV(key, ARRAY, STRING, self.strings(key, n))
+            if et in _SCALAR:
                 nb = n * _SCALAR[et][1]
-                if nb > size - off:
-                    raise trunc(f"the {n} values of {key}", off, nb)
-                arr = np.frombuffer(mm, dtype=_NUMPY[et], count=n, offset=off).copy()
-                off += nb
-                kv[key] = KV(key, ARRAY, et, arr)
-            else:
-                raise bad(f"{key} is an array of invalid GGUF type {et} (llama.cpp refuses nested arrays)")
-        elif t == STRING:
-            kv[key] = KV(key, STRING, None, read_str(key).decode("utf-8", "surrogateescape"))
-        elif t in _SCALAR:
+                if nb > self.size - self.off:
+                    raise self.trunc(f"the {n} values of {key}", self.off, nb)
+                arr = np.frombuffer(self.mm, dtype=_NUMPY[et], count=n, offset=self.off).copy()
+                self.off += nb
+                return KV(key, ARRAY, et, arr)
+            raise self.bad(f"{key} is an array of invalid GGUF type {et} (llama.cpp refuses nested arrays)")
+        if t == STRING:
+            return KV(key, STRING, None, self.read_str(key).decode("utf-8", "surrogateescape"))
+        if t in _SCALAR:
             fmt, n = _SCALAR[t]
-            v = read(fmt, n, key)
-            kv[key] = KV(key, t, None, v != 0 if t == BOOL else v)
-        else:
-            raise bad(f"{key} has invalid GGUF type {t}")
+            v = self.read(fmt, n, key)
+            return KV(key, t, None, v != 0 if t == BOOL else v)
+        raise self.bad(f"{key} has invalid GGUF type {t}")
 
-    alignment = GGUF_DEFAULT_ALIGNMENT
-    a = kv.get("general.alignment")
-    if a is not None:
+    def metadata(self, n_kv: int) -> dict[str, KV]:
+        kv: dict[str, KV] = {}
+        for i in range(n_kv):
+            kb = self.read_str(f"the key of metadata entry {i}")
+            if not kb:
+                raise self.bad(f"metadata entry {i} has an empty key (llama.cpp aborts on it)")
+            key = kb.decode("utf-8", "surrogateescape")
+            if key in kv:
+                raise self.bad(f"duplicate metadata key {key!r}")
+            kv[key] = self.value(key)
+        return kv
+
+    def alignment(self, kv: dict[str, KV]) -> int:
+        a = kv.get("general.alignment")
+        if a is None:
+            return GGUF_DEFAULT_ALIGNMENT
         if a.type != UINT32:
-            raise bad(f"general.alignment is {a.describe()}: expected a UINT32 (llama.cpp aborts on it)")
+            raise self.bad(f"general.alignment is {a.describe()}: expected a UINT32 (llama.cpp aborts on it)")
         if a.value == 0 or a.value & (a.value - 1):
-            raise bad(f"general.alignment = {a.value}: expected a power of 2")
-        alignment = a.value
+            raise self.bad(f"general.alignment = {a.value}: expected a power of 2")
+        return a.value
 
-    tensors: list[TensorInfo] = []
-    names: set = set()
-    for i in range(n_tensors):
-        nb = read_str(f"the name of tensor {i}")
+    def tensor(self, i: int, names: set) -> TensorInfo:
+        """Entry ``i`` of the tensor table (``names``: the names read so far, no duplicate allowed)."""
+        nb = self.read_str(f"the name of tensor {i}")
         name = nb.decode("utf-8", "surrogateescape")
         if len(nb) >= GGML_MAX_NAME or b"\0" in nb:
-            raise bad(f"tensor name {name!r} is invalid: names are 1 to {GGML_MAX_NAME - 1} bytes, no NUL")
+            raise self.bad(f"tensor name {name!r} is invalid: names are 1 to {GGML_MAX_NAME - 1} bytes, no NUL")
         if name in names:
-            raise bad(f"duplicate tensor name {name!r}")
+            raise self.bad(f"duplicate tensor name {name!r}")
         names.add(name)
-        n_dims = read("<I", 4, f"the dimension count of tensor {name}")
+        n_dims = self.read("<I", 4, f"the dimension count of tensor {name}")
         if n_dims > GGML_MAX_DIMS:
-            raise bad(f"tensor {name} has {n_dims} dimensions: at most {GGML_MAX_DIMS}")
+            raise self.bad(f"tensor {name} has {n_dims} dimensions: at most {GGML_MAX_DIMS}")
         ne = [1, 1, 1, 1]
         for j in range(n_dims):
-            ne[j] = read("<q", 8, f"dimension {j} of tensor {name}")
+            ne[j] = self.read("<q", 8, f"dimension {j} of tensor {name}")
             if ne[j] < 1:
-                raise bad(f"tensor {name} has shape {ne[:n_dims]}: dimension {j} is {ne[j]}, expected >= 1"
-                          + (" (llama.cpp divides by it)" if ne[j] == 0 else ""))
+                raise self.bad(f"tensor {name} has shape {ne[:n_dims]}: dimension {j} is {ne[j]}, expected >= 1"
+                               + (" (llama.cpp divides by it)" if ne[j] == 0 else ""))
         # gguf_init_from_file's overflow test
         if (INT64_MAX // ne[1] <= ne[0] or INT64_MAX // ne[2] <= ne[0] * ne[1]
                 or INT64_MAX // ne[3] <= ne[0] * ne[1] * ne[2]):
-            raise bad(f"tensor {name} has shape {ne[:n_dims]}: 2^63 elements or more")
-        t = read("<i", 4, f"the type of tensor {name}")
+            raise self.bad(f"tensor {name} has shape {ne[:n_dims]}: 2^63 elements or more")
+        t = self.read("<i", 4, f"the type of tensor {name}")
         if t not in GGML_TYPES:
-            raise bad(f"tensor {name} has invalid ggml type {t}")
+            raise self.bad(f"tensor {name} has invalid ggml type {t}")
         _tn, blck, tsize = GGML_TYPES[t]
         if ne[0] % blck:
-            raise bad(f"tensor {name} of type {_tn} has rows of {ne[0]} elements, not a multiple of its "
-                      f"block size {blck}")
-        offset = read("<Q", 8, f"the data offset of tensor {name}")
+            raise self.bad(f"tensor {name} of type {_tn} has rows of {ne[0]} elements, not a multiple of its "
+                           f"block size {blck}")
+        offset = self.read("<Q", 8, f"the data offset of tensor {name}")
         nbytes = ne[0] // blck * tsize * ne[1] * ne[2] * ne[3]
-        tensors.append(TensorInfo(name, n_dims, tuple(ne), t, offset, nbytes))
+        return TensorInfo(name, n_dims, tuple(ne), t, offset, nbytes)
 
-    data_offset = _pad(off, alignment)
-    expected = 0
-    for ti in tensors:
-        if ti.offset != expected:
-            raise bad(f"tensor {ti.name} has data offset {ti.offset}, expected {expected} (tensor data must "
-                      f"follow the table in order, each padded to {alignment} bytes)")
-        expected += _pad(ti.nbytes, alignment)
-        end = data_offset + ti.offset + ti.nbytes
-        if end > size:
-            raise bad(f"truncated or corrupt GGUF: the data of tensor {ti.name} ends at byte {end}, "
-                      f"past the end of the file ({size} bytes)")
+    def check_data(self, tensors: list[TensorInfo], data_offset: int, alignment: int) -> None:
+        """Each tensor's data follows the table in order, padded, and inside the file."""
+        expected = 0
+        for ti in tensors:
+            if ti.offset != expected:
+                raise self.bad(f"tensor {ti.name} has data offset {ti.offset}, expected {expected} (tensor data must "
+                               f"follow the table in order, each padded to {alignment} bytes)")
+            expected += _pad(ti.nbytes, alignment)
+            end = data_offset + ti.offset + ti.nbytes
+            if end > self.size:
+                raise self.bad(f"truncated or corrupt GGUF: the data of tensor {ti.name} ends at byte {end}, "
+                               f"past the end of the file ({self.size} bytes)")
+
+
+def _parse(path: Path, mm, size: int) -> GGUFHeader:
+    """The file field by field in gguf_init_from_file's order: header, metadata, tensor table, data
+    offsets, each value checked where it is read (:class:`_Reader`)."""
+    r = _Reader(path, mm, size)
+    version = r.read("<I", 4, "the version")
+    if version not in (2, 3):
+        raise r.bad(f"GGUF version {version} is not supported (llama.cpp reads versions 2 and 3)")
+    n_tensors = r.read("<q", 8, "the tensor count")
+    n_kv = r.read("<q", 8, "the metadata count")
+    if n_tensors < 0 or n_kv < 0:
+        raise r.bad(f"truncated or corrupt GGUF: {n_tensors} tensors and {n_kv} metadata entries")
+    kv = r.metadata(n_kv)
+    alignment = r.alignment(kv)
+    names: set = set()
+    tensors = [r.tensor(i, names) for i in range(n_tensors)]
+    data_offset = _pad(r.off, alignment)
+    r.check_data(tensors, data_offset, alignment)
     return GGUFHeader(path, version, kv, tensors, alignment, data_offset, size)
