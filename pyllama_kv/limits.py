@@ -101,12 +101,29 @@ def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:
     return (f"the prompt has {n_prompt} tokens; the context holds {n_ctx} (and at least one more is needed "
             "to generate)")
 
+# -- what one HTTP request may carry (pyllama_kv.server: counted before any per-item work) ------------------
+
+#: messages of one chat request: a chat completion's ``messages`` (and /apply-template's), a Responses
+#: request's ``input`` items (with the conversation its ``previous_response_id`` continues), a Messages
+#: request's ``messages`` (and /v1/messages/count_tokens'). Each is rendered by the chat template (in its
+#: sandbox, under its step and time limits), so a request past the bound is refused with a 400 naming the
+#: field before any of its items is looked at, whatever the body's size: OpenAI documents no bound, and
+#: this one is far above a conversation that fits a context (every message takes a few tokens at least)
+MAX_MESSAGES = 4096
+#: content parts (text parts, Anthropic's content blocks) and tool calls of one message: joined into one
+#: string, or rendered one by one (calls), so bounded like messages
+MAX_MESSAGE_PARTS = 4096
+
 # -- the server's stored responses (POST /v1/responses with store: true) ---------------------------------
 
-#: responses kept for ``previous_response_id`` (least recently used first out) and the JSON bytes they
-#: may hold together (their conversations and answers); a response over the bytes is not kept
+#: responses kept for ``previous_response_id`` (least recently used first out) and the memory they may
+#: hold together (their conversations and answers): each is kept as compact JSON (bytes) and counted by
+#: the memory those bytes take, with RESPONSES_ENTRY_BYTES for its id and place in the table, so the
+#: store holds at most RESPONSES_STORED_BYTES whatever the shapes in it (nested empty lists, many tiny
+#: keys, long strings: measured in tests/test_hostile_requests.py); a response over the bound is not kept
 RESPONSES_STORED = 1024
 RESPONSES_STORED_BYTES = 64 << 20
+RESPONSES_ENTRY_BYTES = 512
 
 # -- checkpoints where prompts branch (pyllama_kv.prefixcache.checkpoints, PrefixCache.keeps_checkpoints) --
 
@@ -118,3 +135,14 @@ CHECKPOINT_MIN_TOKENS = 16
 #: the host memory the prefix cache's checkpoints of recurrent state may take together (least recently
 #: used first out): a 1B hybrid's state is a few hundred KiB, a 30B gated-delta-net's tens of MiB
 CHECKPOINT_BYTES = 256 << 20
+
+# -- model stores read in place (pyllama_kv.modelfile.local, .names, .hub: issue 45) -------------------
+
+#: bytes of a small file of a model store that is read whole: an Ollama manifest (about 1 KiB for a
+#: model of a few layers), LM Studio's settings.json and home pointer, a Hugging Face cache ref (a
+#: 40-byte commit). A larger one is refused from its size (os.stat), never read: a 1 GB manifest took
+#: 8 s and 2.1 GB of memory to be refused by the JSON parser
+STORE_FILE_MAX_BYTES = 256 * 1024
+#: levels of nesting of such a JSON file (an Ollama manifest has 3: the manifest, its layers, a layer),
+#: checked before it is parsed: CPython's parser recurses, and ~1,000 levels are a RecursionError
+STORE_JSON_MAX_DEPTH = 32

@@ -211,7 +211,7 @@ def test_what_a_current_build_records():
     assert (w["pin"], w["variant"], w["revision"]) == ("current", "current", "0c1e57098")
     assert w["pin_source"] == "llama-cpp-python==0.3.36 sdist"
     assert w["patches"] == [{"name": p.name, "sha256": p.sha256} for p in P.series(_paths.patches_dir(pin="current"))]
-    assert w["tools"] == ["llama-batched-bench", "llama-server", "ggml-rpc-server"]
+    assert w["tools"] == ["llama-batched-bench", "llama-server", "llama-gguf-split", "ggml-rpc-server"]
     m = B._wanted("patched", "cpu", MISSION_FLAGS, False, None)
     assert (m["pin"], m["revision"][:7], m["tools"]) == ("mission", "8733e0c", [])
 

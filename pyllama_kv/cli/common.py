@@ -54,14 +54,6 @@ def positive(name: str, v: int | None, minimum: int = 1) -> None:
         raise UsageError(f"{name} must be at least {minimum}, got {v}")
 
 
-def resolve_model(spec: str):
-    """A MODEL argument as a path: a file, or a name (catalogue, Hugging Face, ollama:, lmstudio:)
-    fetched or found (:mod:`pyllama_kv.modelfile.names`)."""
-    from ..modelfile.names import resolve
-
-    return resolve(spec)
-
-
 #: the help of every MODEL argument
 MODEL_HELP = ("a GGUF file, or a name: OWNER/REPO[:QUANT] or OWNER/REPO/FILE.gguf on Hugging Face, ollama:NAME, "
               "lmstudio:PATH (`pyllama-kv models --local`), or a catalogue name (`pyllama-kv models`)")

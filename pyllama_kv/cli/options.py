@@ -44,9 +44,12 @@ class Flag:
     type: Callable[[str], Any] | None = int
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
+    action: str | None = None   # "store_true": a switch (default False; no type, no value)
 
     @property
     def default(self) -> Any:
+        if self.action == "store_true":
+            return False
         return None if self.cls is None else field_default(self.cls, self.field)
 
     @property
@@ -132,6 +135,11 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     Flag(None, "rpc", ("--rpc",), "offload every layer to the rpc-server processes at these endpoints (ggml's RPC "
          "backend, a library built with `pyllama-kv build --rpc`); never expose rpc-server to an untrusted "
          "network", _rpc_endpoints, metavar="HOST:PORT[,HOST:PORT...]"),
+    # the MODEL name: a Hugging Face file the hub cannot vouch for (hub.TRUST_FLAG, hub.verify)
+    Flag(None, "trust_unverified", ("--trust-unverified",), "load a Hugging Face model file that no hash of the "
+         "hub vouches for (offline: a cached snapshot link that points outside the cache, or a blob named by no "
+         "hash), which is refused without this flag; it is still validated before llama.cpp reads it", None,
+         action="store_true"),
 )}
 
 
@@ -154,6 +162,8 @@ def add(parser: argparse.ArgumentParser, *names: str, defaults: dict[str, Any] |
         text = helps.get(name) or (_HELP_FUNCS[name]() if name in _HELP_FUNCS else f.help)
         text = text.format(default=default)
         kw: dict[str, Any] = {"dest": f.field, "default": default, "help": text}
+        if f.action is not None:
+            kw["action"] = f.action
         if f.type is not None:
             kw["type"] = f.type
         if f.metavar:
@@ -161,6 +171,14 @@ def add(parser: argparse.ArgumentParser, *names: str, defaults: dict[str, Any] |
         if f.choices:
             kw["choices"] = f.choices
         parser.add_argument(*f.flags, **kw)
+
+
+def model_path(model: str, trust_unverified: bool = False) -> str:
+    """A MODEL argument as the GGUF file a command opens (pyllama_kv.modelfile.names.resolve: a name
+    fetched or found, a regular file checked), with --trust-unverified's value."""
+    from ..modelfile.names import resolve
+
+    return str(resolve(model, trust_unverified=trust_unverified))
 
 
 def values(cls: type, args: argparse.Namespace) -> dict[str, Any]:

@@ -53,7 +53,7 @@ VARIANT_PIN = {"patched": "mission", "vanilla": "mission", "current": "current"}
 BACKENDS = ("cpu", "cuda", "metal")
 # llama.cpp's own programs that `build --tools` adds, for the benchmarks: llama-batched-bench
 # (scripts/bench_binding.py) and llama-server (scripts/bench_server.py; plain HTTP, no curl, no SSL)
-TOOLS = ("llama-batched-bench", "llama-server")
+TOOLS = ("llama-batched-bench", "llama-server", "llama-gguf-split")
 # ggml's RPC server (tools/rpc at the pin), built with the RPC backend (--rpc); the current pin names
 # its target ggml-rpc-server
 RPC_SERVER = "rpc-server"

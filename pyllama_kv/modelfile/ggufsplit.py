@@ -5,10 +5,13 @@ A model too big for one file on the Hugging Face hub comes in parts: the first h
 some tensors, the others only tensors, each with ``split.no``, ``split.count`` and
 ``split.tensors.count``. The static validation and the vetting of :mod:`.validate` and :mod:`.vetting`
 read one file through one open descriptor, so a split model is merged once, byte for byte what
-``llama-gguf-split --merge`` writes (the first part's metadata without the ``split.*`` keys, every
-tensor in order, the data realigned), into a temporary file beside the target, renamed into place
-when complete. The parts are read with the one GGUF reader (:mod:`.gguf`), and are checked to be
-the parts of one model (their number, order and tensor count) first.
+``llama-gguf-split --merge`` writes (the first part's metadata, its ``split.count`` set to 0 and moved
+last as ``gguf_set_val_u16`` moves it, so that the file is never taken for a part again; every tensor
+in order, the data realigned), into a temporary file beside the target, renamed into place when
+complete. The parts are read with the one GGUF reader (:mod:`.gguf`), and are checked to be the parts
+of one model (their number, order and tensor count) first. :func:`split` writes parts as
+``llama-gguf-split --split`` does (its ``split.*`` keys in its order), the tensors in ``n`` even runs.
+``tests/test_model_sources.py`` checks both against the pinned ``llama-gguf-split`` when it is built.
 """
 from __future__ import annotations
 
@@ -146,9 +149,10 @@ def read_parts(parts: list[Path]) -> list[GGUFHeader]:
 
 
 def merge(parts: list[Path], target: Path) -> Path:
-    """Merge the parts of a split model (in order) into the one GGUF file ``target``, atomically."""
+    """Merge the parts of a split model (in order) into the one GGUF file ``target``, atomically: what
+    ``llama-gguf-split --merge`` writes (``split.count`` 0, last)."""
     headers = read_parts(parts)
-    kvs = [kv for k, kv in headers[0].kv.items() if not k.startswith("split.")]
+    kvs = [kv for k, kv in headers[0].kv.items() if k != "split.count"] + [KV("split.count", UINT16, None, 0)]
     tensors = [(t, p, h.data_offset + t.offset) for p, h in zip(parts, headers) for t in h.tensors]
     free = shutil.disk_usage(target.parent).free
     need = sum(p.stat().st_size for p in parts)
@@ -167,8 +171,8 @@ def split(path: Path, n: int, out_dir: Path, prefix: str | None = None) -> list[
     runs = [list(r) for r in np.array_split(np.arange(len(h.tensors)), n)]
     out = []
     for i, run in enumerate(runs):
-        meta = [KV("split.no", UINT16, None, i), KV("split.count", UINT16, None, n),
-                KV("split.tensors.count", INT32, None, len(h.tensors))]
+        meta = [KV("split.no", UINT16, None, i), KV("split.tensors.count", INT32, None, len(h.tensors)),
+                KV("split.count", UINT16, None, n)]   # (gguf-split's order: it sets split.count last)
         kvs = (list(h.kv.values()) + meta) if i == 0 else meta
         tensors = [(h.tensors[j], path, h.data_offset + h.tensors[j].offset) for j in run]
         out.append(write_gguf(out_dir / part_name(prefix, i + 1, n), kvs, tensors, h.alignment, h.version))

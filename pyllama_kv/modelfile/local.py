@@ -20,18 +20,29 @@ removed):
 
 A manifest that points outside its store, a digest that is not a sha256, a blob that is not GGUF or
 not the bytes its digest names: one :class:`LocalModelError` each.
+
+Every read of a store is bounded, whatever is there (issue 45): a path is opened only when it is a
+regular file (:func:`regular_file`: ``os.stat``, links followed, so a loop of links is an error and
+not a hang; a FIFO, a device, a socket or a directory is never opened, and the open itself is
+``O_NONBLOCK``, :func:`open_regular`); a small file read whole (a manifest, ``settings.json``, a ref)
+has at most :data:`~pyllama_kv.limits.STORE_FILE_MAX_BYTES` bytes, a larger one refused from its size
+unread, and its JSON at most :data:`~pyllama_kv.limits.STORE_JSON_MAX_DEPTH` levels, counted before it
+is parsed (:func:`load_json`). A broken manifest is one listed entry with its one-line error, never a
+broken listing.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import stat
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .._native import archs
 from ..errors import GGUFFileError, ModelLoadError
+from ..limits import STORE_FILE_MAX_BYTES, STORE_JSON_MAX_DEPTH
 from .filehash import file_sha256
 from .gguf import read_gguf_header
 from .ggufsplit import part_name, split_name
@@ -47,6 +58,125 @@ MAX_DEPTH = 6   # how deep a store is walked
 
 class LocalModelError(ModelLoadError):
     """A model of a local store cannot be found or used (one line, naming the store's file)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# bounded reads: a regular file, of a bounded size, of a bounded JSON depth
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+#: the characters that can change a JSON text's nesting: a backslash pair (an escape, taken whole),
+#: a quote, a bracket
+_JSON_TOKENS = re.compile(r'\\.|["\[\]{}]', re.DOTALL)
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words ("a FIFO", ...), for one that is not a regular file."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def regular_file(path: str | os.PathLike, error: type[ModelLoadError] = ModelLoadError,
+                 what: str | None = None) -> os.stat_result:
+    """``os.stat(path)`` (links followed) when ``path`` is a regular file; else ``error`` (one line
+    naming ``what``, default the path): a missing file, a loop of links, a directory, a FIFO (whose
+    open would block), a device or a socket, none of which is ever opened."""
+    label = what or str(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{label}: no such file") from None
+    except (OSError, ValueError) as exc:   # ELOOP: a loop of links; ValueError: a NUL byte
+        raise error(f"{label}: cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{label} is {file_kind(st.st_mode)}, not a file")
+    return st
+
+
+def open_regular(path: str | os.PathLike, error: type[ModelLoadError] = ModelLoadError,
+                 what: str | None = None) -> int:
+    """``path`` opened for reading (a descriptor the caller closes) when it is a regular file: checked
+    by :func:`regular_file` first, opened ``O_NONBLOCK`` (a FIFO swapped in meanwhile cannot block the
+    open) and checked again on the open file."""
+    regular_file(path, error, what)
+    label = what or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise error(f"{label}: cannot be read: {exc.strerror or exc}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise error(f"{label} is {file_kind(mode)}, not a file")
+    return fd
+
+
+def read_small(path: str | os.PathLike, what: str | None = None, cap: int = STORE_FILE_MAX_BYTES) -> bytes:
+    """The bytes of the small store file ``path`` (a manifest, a settings file, a ref): a regular file
+    (:func:`open_regular`) of at most ``cap`` bytes; a larger one is refused from its size, unread.
+    LocalModelError (one line) otherwise."""
+    label = what or str(path)
+    fd = open_regular(path, LocalModelError, label)
+    try:
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise LocalModelError(f"{label}: {size} bytes, more than the {cap} a store's file may have (not read)")
+        chunks, got = [], 0
+        while got <= cap:
+            chunk = os.read(fd, cap + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as exc:
+        raise LocalModelError(f"{label}: cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if got > cap:   # it grew after the stat
+        raise LocalModelError(f"{label}: more than the {cap} bytes a store's file may have (not read)")
+    return b"".join(chunks)
+
+
+def json_depth(text: str) -> int:
+    """How deep arrays and objects nest in the JSON ``text`` (brackets inside strings left out),
+    counted without parsing it: one pass over its quotes, brackets and escapes."""
+    depth = deepest = 0
+    in_string = False
+    for tok in _JSON_TOKENS.findall(text):
+        if tok == '"':
+            in_string = not in_string
+        elif in_string or tok[0] == "\\":
+            continue
+        elif tok in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def load_json(path: str | os.PathLike, what: str | None = None) -> object:
+    """The JSON of the small store file ``path`` (:func:`read_small`), its nesting checked (at most
+    :data:`~pyllama_kv.limits.STORE_JSON_MAX_DEPTH` levels) before it is parsed. LocalModelError (one
+    line) for a file that cannot be read or is not such JSON."""
+    label = what or str(path)
+    data = read_small(path, label)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LocalModelError(f"{label}: not JSON (not UTF-8 at byte {exc.start})") from None
+    depth = json_depth(text)
+    if depth > STORE_JSON_MAX_DEPTH:
+        raise LocalModelError(f"{label}: JSON nested {depth} levels deep, more than {STORE_JSON_MAX_DEPTH} "
+                              "(not parsed)")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise LocalModelError(f"{label}: not JSON ({_one_line(exc)})") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
 
 
 def _env_path(name: str) -> Path | None:
@@ -78,16 +208,18 @@ def lmstudio_dirs() -> list[Path]:
     """LM Studio's models folders: its home's (``~/.lmstudio-home-pointer`` or ``~/.lmstudio``;
     ``settings.json``'s ``downloadsFolder`` when set, else ``models/``), then the older one."""
     home = Path.home() / ".lmstudio"
-    try:
-        pointed = (Path.home() / ".lmstudio-home-pointer").read_text().strip()
-        home = Path(pointed) if pointed else home
-    except OSError:
+    try:   # (bounded reads: a FIFO or a huge file there is passed over, as a missing one)
+        pointed = read_small(Path.home() / ".lmstudio-home-pointer").decode("utf-8", "replace").strip()
+        home = Path(pointed) if pointed and "\0" not in pointed else home
+    except LocalModelError:
         pass
     models = home / "models"
     try:
-        folder = json.loads((home / "settings.json").read_text()).get("downloadsFolder")
-        models = Path(os.path.expanduser(folder)) if isinstance(folder, str) and folder else models
-    except (OSError, ValueError, AttributeError):
+        settings = load_json(home / "settings.json")
+        folder = settings.get("downloadsFolder") if isinstance(settings, dict) else None
+        models = Path(os.path.expanduser(folder)) if isinstance(folder, str) and folder and "\0" not in folder \
+            else models
+    except LocalModelError:
         pass
     return [models, Path.home() / ".cache" / "lm-studio" / "models"]
 
@@ -178,8 +310,9 @@ def _hf_refs(repo_dir: Path) -> dict[str, str]:
     refs = repo_dir / "refs"
     for ref in sorted(refs.rglob("*"), key=lambda p: p.name != "main") if refs.is_dir() else []:
         try:
-            out.setdefault(ref.read_text().strip(), ref.relative_to(refs).as_posix())
-        except OSError:
+            if ref.is_file():
+                out.setdefault(read_small(ref).decode("ascii", "replace").strip(), ref.relative_to(refs).as_posix())
+        except LocalModelError:
             continue
     return out
 
@@ -210,36 +343,52 @@ def _ollama_name(rel: tuple[str, ...]) -> str:
     return f"{host}/{ns}/{model}:{tag}"
 
 
-def ollama_blob(root: Path, manifest: Path) -> Path:
-    """The GGUF blob a manifest names, checked: inside ``root/blobs``, a sha256 digest, GGUF."""
+def _model_layer_digest(manifest: Path) -> str:
+    """The sha256 (hex) of the model layer of the Ollama manifest ``manifest``, read bounded
+    (:func:`load_json`)."""
+    data = load_json(manifest, f"{manifest} (an Ollama manifest)")
     try:
-        data = json.loads(manifest.read_text())
-        layers = [la for la in data["layers"] if la.get("mediaType") == OLLAMA_MODEL_MEDIA]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise LocalModelError(f"{manifest}: not an Ollama manifest ({exc})") from None
+        layers = [la for la in data["layers"] if la.get("mediaType") == OLLAMA_MODEL_MEDIA]  # type: ignore[index]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise LocalModelError(f"{manifest}: not an Ollama manifest ({_one_line(exc)})") from None
     if len(layers) != 1:
         raise LocalModelError(f"{manifest}: {len(layers)} layers of type {OLLAMA_MODEL_MEDIA}, expected 1")
     m = _DIGEST.fullmatch(str(layers[0].get("digest")))
     if not m:
-        raise LocalModelError(f"{manifest}: the model layer's digest {layers[0].get('digest')!r} is not a sha256")
-    blobs = (root / "blobs").resolve()
-    blob = root / "blobs" / f"sha256-{m[1]}"
-    if not blob.exists() and (root / "blobs" / f"sha256:{m[1]}").exists():
-        blob = root / "blobs" / f"sha256:{m[1]}"   # older Ollama's blob names
-    if blobs not in blob.resolve().parents:
-        raise LocalModelError(f"{manifest}: its model layer points outside the store ({blob.resolve()})")
-    if not blob.is_file():
+        raise LocalModelError(f"{manifest}: the model layer's digest {str(layers[0].get('digest'))[:80]!r} "
+                              "is not a sha256")
+    return m[1]
+
+
+def ollama_blob(root: Path, manifest: Path) -> Path:
+    """The GGUF blob a manifest names, checked: inside ``root/blobs``, a sha256 digest, a regular file
+    (a link that loops or a FIFO is an error, never a hang), GGUF."""
+    digest = _model_layer_digest(manifest)
+    blobs = Path(os.path.realpath(root / "blobs"))
+    blob = root / "blobs" / f"sha256-{digest}"
+    if not os.path.lexists(blob) and os.path.lexists(root / "blobs" / f"sha256:{digest}"):
+        blob = root / "blobs" / f"sha256:{digest}"   # older Ollama's blob names
+    real = Path(os.path.realpath(blob))   # (a loop of links is not followed for ever: stat says so below)
+    if blobs not in real.parents:
+        raise LocalModelError(f"{manifest}: its model layer points outside the store ({real})")
+    if not os.path.lexists(blob):
         raise LocalModelError(f"{manifest}: its model blob {blob} is missing")
-    with open(blob, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise LocalModelError(f"{blob} (the model of {manifest}) is not a GGUF file")
+    fd = open_regular(blob, LocalModelError, f"{manifest}: its model blob {blob}")
+    try:
+        magic = os.pread(fd, 4, 0)
+    except OSError as exc:
+        raise LocalModelError(f"{blob} (the model of {manifest}) cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if magic != b"GGUF":
+        raise LocalModelError(f"{blob} (the model of {manifest}) is not a GGUF file")
     return blob
 
 
 def _ollama_manifests(root: Path):
     top = root / "manifests"
     for p in sorted(top.glob("*/*/*/*")):
-        if p.is_file():
+        if not p.is_dir():   # (a FIFO or a loop of links too: listed with its error)
             yield p, p.relative_to(top).parts
 
 
@@ -248,12 +397,13 @@ def scan_ollama() -> list[LocalModel]:
     for root in ollama_dirs():
         for manifest, rel in _ollama_manifests(root):
             name = f"ollama:{_ollama_name(rel)}"
-            try:
+            try:   # a broken manifest is this entry's one-line error, never the listing's
                 blob = ollama_blob(root, manifest)
-            except LocalModelError as exc:
-                out.append(LocalModel(name, "ollama", str(manifest), 0, error=str(exc)))
+                size = os.stat(blob).st_size
+            except (LocalModelError, OSError) as exc:
+                out.append(LocalModel(name, "ollama", str(manifest), 0, error=" ".join(str(exc).split())))
                 continue
-            out.append(LocalModel(name, "ollama", str(blob), blob.stat().st_size))
+            out.append(LocalModel(name, "ollama", str(blob), size))
     return out
 
 
@@ -271,7 +421,7 @@ def resolve_ollama(name: str) -> Path:
     roots = ollama_dirs()
     for root in roots:
         manifest = root / "manifests" / Path(*rel)
-        if manifest.is_file():
+        if os.path.lexists(manifest) and not manifest.is_dir():
             blob = ollama_blob(root, manifest)
             digest = blob.name[len("sha256-"):]
             if file_sha256(blob) != digest:

@@ -4,12 +4,19 @@ In order: an existing file (the parts of a split model, ``NAME-00001-of-0000N.gg
 into one file: :func:`.ggufsplit.merged`); a catalogue name (:mod:`.catalogue`); ``ollama:NAME`` and
 ``lmstudio:PATH`` (:mod:`.local`: read in place); a Hugging Face name (:mod:`.hub`: ``hf:`` and the
 rules of :func:`.hub.parse`); anything else is a path, as given (loading says "no such file").
+
+A path that exists must be a regular file (``os.stat``, links followed): a loop of links, a directory,
+a FIFO (whose open would block for ever), a device or a socket is one ModelLoadError here, before any
+command or ``pk.Model`` opens it.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
+from ..errors import ModelLoadError
 from . import catalogue, hub, local
 from .download import Log, stderr_log
 from .ggufsplit import merged, part_name, split_name
@@ -26,15 +33,33 @@ def _split_parts(p: Path) -> list[Path] | None:
     return parts if all(q.is_file() for q in parts) else None
 
 
-def resolve(spec: str | os.PathLike, log: Log = stderr_log) -> Path:
-    """``spec`` (a MODEL argument) as the path of one GGUF file (see the module docstring). Raises a
-    ModelLoadError subclass (one line) for a name that cannot be found, fetched or verified."""
+def _existing(p: Path) -> os.stat_result | None:
+    """``os.stat(p)``, or None when nothing is there (then ``p`` may be a name). ModelLoadError for a
+    path that is there but cannot be followed or read (a loop of links, a permission)."""
+    try:
+        return os.stat(p)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise ModelLoadError(f"{p}: cannot be read: {exc.strerror or exc}") from None
+    except ValueError:
+        raise ModelLoadError("the model path contains a NUL byte") from None
+
+
+def resolve(spec: str | os.PathLike, log: Log = stderr_log, *, trust_unverified: bool = False) -> Path:
+    """``spec`` (a MODEL argument) as the path of one GGUF file, a regular file when it exists (see
+    the module docstring). Raises a ModelLoadError subclass (one line) for a name that cannot be
+    found, fetched or verified. ``trust_unverified``: a Hugging Face file the hub cannot vouch for
+    is loaded (:func:`.hub.verify`), not refused."""
     p = Path(spec)
-    if p.is_file():
+    st = _existing(p)
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelLoadError(f"{p} is {local.file_kind(st.st_mode)}, not a GGUF file")
         parts = _split_parts(p)
         return merged(parts, log) if parts else p
     s = os.fspath(spec)
-    if not isinstance(s, str) or p.exists():
+    if not isinstance(s, str):
         return p
     if s in catalogue.entries():
         return catalogue.resolve(s, log=log)
@@ -45,7 +70,7 @@ def resolve(spec: str | os.PathLike, log: Log = stderr_log) -> Path:
     name = hub.parse(s[len("hf:"):], explicit=True) if s.startswith("hf:") else hub.parse(s)
     if name is not None:
         try:
-            return hub.fetch(name, log)
+            return hub.fetch(name, log, trust_unverified=trust_unverified)
         except hub.HubError as exc:   # it may have been meant as a path
             raise hub.HubError(str(exc) if s.startswith("hf:") else f"{s}: no such file; as a Hugging Face name: "
                                f"{exc}") from None

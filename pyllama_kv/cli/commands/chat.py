@@ -70,7 +70,8 @@ def register(subparsers) -> None:
     options.add(s, "n_ctx", "temperature", "top_k", "top_p", "min_p", "seed", defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells: the whole conversation must fit " + options.CTX_DEFAULT_HELP})
     add_lib_flag(s)
-    options.add(s, "n_threads", "n_gpu_layers", "rpc", "validate", "cache_ram", "cache_dir", "cache_dir_mib")
+    options.add(s, "n_threads", "n_gpu_layers", "rpc", "validate", "cache_ram", "cache_dir", "cache_dir_mib",
+                "trust_unverified")
     options.add(s, "context_shift", "n_keep", defaults={"n_keep": None},
                 helps={"n_keep": "tokens at the start that truncation and context shifts never drop "
                                  "(default: the system prompt's)"})
@@ -248,7 +249,8 @@ def run(args) -> int:
     params = options.sampling(args, seed=random.randrange(2**31))
     source = read_template(args.template)
     set_phase("loading the model")
-    model = open_model(args.model, args.lib, args.rpc, args.validate, args.n_gpu_layers)
+    model = open_model(options.model_path(args.model, args.trust_unverified), args.lib, args.rpc, args.validate,
+                       args.n_gpu_layers)
     try:
         n_ctx = context_size(model, args.n_ctx)
         template = chat_template(model, source, args.template)

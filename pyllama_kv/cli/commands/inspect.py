@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import options
-from ..common import MODEL_HELP, CLIError, UsageError, add_deprecated_flag, positive, resolve_model
+from ..common import MODEL_HELP, CLIError, UsageError, add_deprecated_flag, positive
 from ..render import human_bytes, print_json
 
 
@@ -19,6 +19,7 @@ def register(subparsers) -> None:
     s.add_argument("--parallel", type=int, default=1,
                    help="sequences sharing the cache, as serve's --parallel (default 1)")
     add_deprecated_flag(s, "--seqs", "--parallel", "parallel", type=int)
+    options.add(s, "trust_unverified")
     s.add_argument("--json", action="store_true", help="print as JSON")
 
 
@@ -33,7 +34,7 @@ def run(args) -> int:
             kv_type_size(name)
         except InvalidInputError as exc:
             raise UsageError(f"{flag}: {exc}") from None
-    args.model = str(resolve_model(args.model))  # a catalogue name: its cached GGUF, pulled on first use
+    args.model = options.model_path(args.model, args.trust_unverified)  # a name: its GGUF, fetched or found
     if Path(args.model).is_dir():
         raise CLIError(f"{args.model} is a directory, not a GGUF file")
     info = inspect_gguf(args.model, n_ctx=args.n_ctx, parallel=args.parallel, type_k=args.type_k, type_v=args.type_v)

@@ -2,6 +2,7 @@
 model into the Hugging Face cache (verified, cached)."""
 from __future__ import annotations
 
+from .. import options
 from ..common import MODEL_HELP
 from ..render import human_bytes, print_json
 
@@ -18,6 +19,7 @@ def register(subparsers) -> None:
                                                   "checked against the hub's sha256; ollama: and lmstudio: names "
                                                   "are found in place.")
     s.add_argument("name", help=MODEL_HELP)
+    options.add(s, "trust_unverified")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -27,7 +29,7 @@ def run(args) -> int:
     if args.name not in catalogue.entries():
         from ...modelfile.names import resolve
 
-        path = resolve(args.name)
+        path = resolve(args.name, trust_unverified=args.trust_unverified)
         if args.json:
             print_json({"name": args.name, "path": str(path), "size": path.stat().st_size})
         else:

@@ -57,7 +57,7 @@ def register(subparsers) -> None:
                 helps={"n_ctx": "KV cache cells " + options.CTX_DEFAULT_HELP})
     add_lib_flag(s)
     options.add(s, "n_threads", "type_k", "type_v", "flash_attn", "n_gpu_layers", "rpc", "validate", "context_shift",
-                "n_keep")
+                "n_keep", "trust_unverified")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid against this JSON schema")
@@ -91,6 +91,7 @@ class RunSpec:
     context_shift: bool = True     # --context-shift: go on past the end of the context
     n_keep: int | None = None      # --keep: tokens a context shift keeps (None: EngineConfig's)
     grammar: object = None         # --json-schema / --grammar: a pyllama_kv.sampling.grammar.Grammar
+    trust_unverified: bool = False  # --trust-unverified: a hub file no hash vouches for is loaded
 
 
 def read_prompt(prompt: str | None, file: str | None) -> bytes:
@@ -148,7 +149,7 @@ def run(args) -> int:
                             chat=args.chat, system=args.system, template=template, template_file=args.template,
                             rpc=args.rpc, n_gpu_layers=args.n_gpu_layers, validate=args.validate,
                             context_shift=args.context_shift,
-                            n_keep=args.n_keep, grammar=grammar))
+                            n_keep=args.n_keep, grammar=grammar, trust_unverified=args.trust_unverified))
 
 
 def engine_config(spec: RunSpec, n_ctx: int):
@@ -170,7 +171,8 @@ def generate(spec: RunSpec) -> int:
     if spec.parallel > MAX_SEQUENCES:
         raise UsageError(f"--parallel must be at most {MAX_SEQUENCES}, got {spec.parallel}")
     set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
-    model = open_model(spec.model, spec.lib, spec.rpc, spec.validate, spec.n_gpu_layers)
+    model = open_model(options.model_path(spec.model, spec.trust_unverified), spec.lib, spec.rpc, spec.validate,
+                       spec.n_gpu_layers)
     try:
         n_ctx = context_size(model, spec.n_ctx)
         set_phase("tokenizing the prompt")

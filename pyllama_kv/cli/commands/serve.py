@@ -19,7 +19,6 @@ from ..common import (
     open_model,
     positive,
     read_template,
-    resolve_model,
     set_phase,
     setup_logging,
 )
@@ -68,7 +67,7 @@ def register(subparsers) -> None:
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "cache_ram", "cache_dir", "cache_dir_mib",
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
-                "n_gpu_layers", "rpc", "validate", "pooling",
+                "n_gpu_layers", "rpc", "validate", "pooling", "trust_unverified",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
                        "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
@@ -114,7 +113,7 @@ def run(args) -> int:
         raise CLIError(f"serve needs the server extra ({exc.name} is missing): pip install 'pyllama-kv[server]'") \
             from None
     set_phase("loading the model")
-    path = Path(resolve_model(args.model))
+    path = Path(options.model_path(args.model, args.trust_unverified))
     model = open_model(str(path), args.lib, args.rpc, args.validate, args.n_gpu_layers)
     try:
         template_name = None

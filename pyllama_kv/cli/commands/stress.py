@@ -50,7 +50,7 @@ def register(subparsers) -> None:
     s.add_argument("--map", metavar="FILE.png", help="draw the cache occupancy over time into this image (needs "
                                                      "matplotlib; .png is added to a name without a suffix; "
                                                      "checked before the workload runs)")
-    options.add(s, "n_threads", "rpc", "validate")
+    options.add(s, "n_threads", "rpc", "validate", "trust_unverified")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -110,8 +110,8 @@ def run(args) -> int:
     map_path = check_map_path(args.map) if args.map is not None else None  # before the workload, not after
     cfg = replace(cfg, record_map=map_path is not None)
     label = lib_label(args.lib)   # None: $PYLLAMA_KV_LIB, else patched, as pk.Model picks it
-    d, occ = run_workload(args.model, args.lib, cfg, label, progress=not args.json, rpc=args.rpc,
-                           validate=args.validate)
+    d, occ = run_workload(options.model_path(args.model, args.trust_unverified), args.lib, cfg, label,
+                          progress=not args.json, rpc=args.rpc, validate=args.validate)
     rc = EXIT_INTERRUPTED if d.get("interrupted") else 0
     if not args.json:  # the results first: a failure to draw the map must not lose them
         print(stress_table([(label, d)]), flush=True)
