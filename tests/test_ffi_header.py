@@ -209,3 +209,16 @@ def test_the_architecture_lists_are_the_vendored_trees(api):
     table = table[:table.index("};")]
     names = set(re.findall(r'\{\s*LLM_ARCH_\w+\s*,\s*"([^"]+)"\s*\}', table)) - {"(unknown)"}
     assert archs.BY_API[api][0] == names
+
+
+@pytest.mark.parametrize("api", ["mission", "current"])
+def test_the_pre_tokenizer_lists_are_the_vendored_trees(api):
+    """_native/archs.py holds the BPE pre-tokenizers each pin's llama-vocab.cpp knows (a model with
+    another one does not load there; the library is chosen by them too): regenerate when a pin moves."""
+    import re
+
+    from pyllama_kv._native import archs
+
+    src = (_paths.vendor_dir(pin=api) / "src/llama-vocab.cpp").read_text()
+    assert "unknown pre-tokenizer type" in src
+    assert archs.PRE_BY_API[api] == set(re.findall(r'tokenizer_pre\s*==\s*"([^"]+)"', src))

@@ -34,6 +34,28 @@ mistral3 eagle3 dflash mistral4 paddleocr mimo2 step35 spark2_5 llama-embed main
 kimi-k3 glm5-next talkie mellum nanbeige qwen3tts pockettts
 """.split())
 
+#: the pre-tokenizers (``tokenizer.ggml.pre`` of a BPE vocabulary, ``tokenizer.ggml.model`` "gpt2") each
+#: generation's ``src/llama-vocab.cpp`` knows: llama.cpp refuses to load a BPE model with another one
+PRE_MISSION = frozenset("""
+bailingmoe bloom chameleon chatglm-bpe codeshell command-r dbrx deepseek-coder deepseek-llm
+deepseek-r1-qwen deepseek-v3 default exaone falcon falcon3 gigachat glm4 gpt-2 gpt-4o gpt3-finnish
+jais jina-de jina-es jina-v1-en jina-v2-code jina-v2-de jina-v2-es llama-bpe llama-v3 llama3 llama4
+megrez minerva-7b mpt olmo phi-2 pixtral poro-chat qwen2 refact roberta-bpe smaug-bpe smollm
+stablelm2 starcoder superbpe tekken trillion viking
+""".split())
+
+PRE_CURRENT = frozenset("""
+a.x-4.0 afmoe bailingmoe bailingmoe2 bloom chameleon chatglm-bpe codeshell cohere2moe command-r dbrx
+deepseek-coder deepseek-llm deepseek-r1-qwen deepseek-v3 default exaone exaone-moe exaone4 f2llmv2
+falcon falcon-h1 falcon3 gemma4 gigachat glm4 glm5 gpt-2 gpt-4o gpt3-finnish granite-docling
+granite-embed-multi-311m granite-embed-multi-97m grok-2 hunyuan hunyuan-dense hy_v4 jais jais-2
+jina-de jina-es jina-v1-en jina-v2-code jina-v2-de jina-v2-es jina-v5-nano joyai-llm kanana2 kimi-k2
+kormo laguna lfm2 llada-moe llama-bpe llama-v3 llama3 llama4 megrez mellum mellum2 midm-2.0
+minerva-7b minicpm5 minimax-m2 modern-bert mpt olmo phi-2 pixtral poro-chat qwen2 qwen35 refact
+roberta-bpe sarvam-moe seed-coder smaug-bpe smollm solar-open spark2_5 stablelm2 starcoder superbpe
+talkie tekken tiny_aya trillion ufakzeka viking whitespace youtu
+""".split())
+
 #: architectures with layers that apply no RoPE, which llama.cpp's K-shift rotates all the same (both
 #: pins: the current one skips only the layers ``{arch}.attention.rope_pattern`` marks, which these
 #: never read; smollm3 leaves RoPE out of every 4th layer, llama4 and afmoe of every
@@ -42,3 +64,16 @@ NOPE_LAYERS = frozenset(("smollm3", "llama4", "afmoe"))
 
 #: api generation -> (its architectures, the ``lib`` that loads it)
 BY_API: dict[str, tuple[frozenset, str]] = {"mission": (MISSION, "patched"), "current": (CURRENT, "current")}
+#: api generation -> its pre-tokenizers
+PRE_BY_API: dict[str, frozenset] = {"mission": PRE_MISSION, "current": PRE_CURRENT}
+
+
+def implements(api: str, arch: str | None, pre: str | None = None) -> bool:
+    """Whether llama.cpp of generation ``api`` loads a model of architecture ``arch`` whose BPE
+    vocabulary has pre-tokenizer ``pre`` (None: no BPE pre-tokenizer to check)."""
+    return arch in BY_API[api][0] and (pre is None or pre in PRE_BY_API[api])
+
+
+def loads_with(arch: str | None, pre: str | None = None) -> list[str]:
+    """The ``lib`` values whose llama.cpp loads such a model, the default library's first."""
+    return [lib for api, (_names, lib) in BY_API.items() if implements(api, arch, pre)]

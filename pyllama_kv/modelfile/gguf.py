@@ -103,6 +103,18 @@ class GGUFHeader(NamedTuple):
     data_offset: int
     file_size: int
 
+    def string(self, key: str) -> str | None:
+        """The string value of ``key`` (None: absent or not a string)."""
+        kv = self.kv.get(key)
+        return kv.value if kv is not None and kv.type == STRING else None
+
+    def loader_needs(self) -> tuple[str | None, str | None]:
+        """(architecture, pre-tokenizer) that the loading llama.cpp must know: the pre-tokenizer of a
+        BPE vocabulary only (None for another vocabulary, or an empty one, which llama.cpp takes as its
+        default); what :func:`pyllama_kv._native.archs.loads_with` takes."""
+        pre = self.string("tokenizer.ggml.pre") if self.string("tokenizer.ggml.model") == "gpt2" else None
+        return self.string("general.architecture"), pre or None
+
 
 def _pad(x: int, n: int) -> int:
     return (x + n - 1) // n * n

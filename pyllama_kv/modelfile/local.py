@@ -224,11 +224,6 @@ def lmstudio_dirs() -> list[Path]:
     return [models, Path.home() / ".cache" / "lm-studio" / "models"]
 
 
-def loads_with(arch: str | None) -> list[str]:
-    """The libraries (``lib`` values) whose llama.cpp implements ``arch`` (:data:`archs.BY_API`)."""
-    return [lib for names, lib in archs.BY_API.values() if arch in names]
-
-
 @dataclass
 class LocalModel:
     """One model found on disk: ``name`` is what a MODEL argument takes."""
@@ -245,12 +240,12 @@ class LocalModel:
     def describe(self) -> None:
         """Fill in architecture, loads_with and error from the file's header."""
         try:
-            kv = read_gguf_header(self.path).kv.get("general.architecture")
+            arch, pre = read_gguf_header(self.path).loader_needs()
         except (GGUFFileError, OSError) as exc:
             self.error = str(exc)
             return
-        self.architecture = str(kv.value) if kv is not None else None
-        self.loads_with = loads_with(self.architecture)
+        self.architecture = arch
+        self.loads_with = archs.loads_with(arch, pre)
 
     def as_dict(self) -> dict:
         return asdict(self)
