@@ -257,3 +257,30 @@ def f32_copy(model: Path) -> Path:
 def real_f32_model(real_model) -> Path:
     """An F32 copy of the real model (~515 MiB): see :func:`f32_copy`."""
     return f32_copy(real_model)
+
+
+#: `serve` flags for an exactness server: an F32 cache and the plain attention path (as F32 above)
+F32_SERVE = ("--type-k", "f32", "--type-v", "f32", "--flash-attn", "off")
+
+
+def greedy_chat(model, messages: list[dict], max_tokens: int, n_ctx: int = 1024) -> tuple[list[int], list[int]]:
+    """The prompt tokens of ``messages`` rendered with ``model``'s chat template (control tokens from
+    the template only), and the greedy answer a fresh evaluation gives (an F32 cache, one sequence):
+    at most ``max_tokens`` tokens, up to the first end-of-generation token (left out). With F32
+    weights, what a server's greedy answer to the same conversation must be."""
+    import numpy as np
+
+    from pyllama_kv.chat.templates import tokenize_rendered
+
+    prompt = tokenize_rendered(model, model.apply_chat_template(messages))
+    out: list[int] = []
+    with model.context(n_ctx=n_ctx, n_seq_max=1, **F32) as c:
+        s = c.new_sequence()
+        logits = s.extend(prompt)
+        for _ in range(max_tokens):
+            t = int(np.argmax(logits))
+            if model.is_eog(t):
+                break
+            out.append(t)
+            logits = s.extend([t])
+    return prompt, out

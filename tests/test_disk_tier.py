@@ -237,9 +237,10 @@ def test_the_cache_dir_flags_map_onto_the_engine_config(tmp_path):
 
 def test_the_engine_pages_out_to_disk_and_a_new_engine_restores_from_it(model, tmp_path):
     """EngineConfig.cache_dir reaches the engine's KV layer: a conversation evicted with no host
-    memory goes to disk, and a later engine (as after a restart) restores it from there instead of
-    evaluating it, answering exactly as the first did (F32)."""
+    memory goes to disk, and both this engine and a later one (as after a restart) restore it from
+    there instead of evaluating it, answering as a fresh evaluation of the same tokens does (F32)."""
     from pyllama_kv.engine import GREEDY, Engine
+    from test_engine import greedy_run
 
     def ask(eng, prompt):
         h = eng.submit(prompt, GREEDY, max_tokens=8)
@@ -250,17 +251,20 @@ def test_the_engine_pages_out_to_disk_and_a_new_engine_restores_from_it(model, t
     first = toks(120, seed=1)
     with Engine(model, cfg) as eng:
         answer, _ = ask(eng, first)
+        assert answer == greedy_run(model, first, 8, n_ctx=512)
         for i in range(4):   # more than the cache holds: the first conversation is paged out to disk
             ask(eng, toks(150, seed=10 + i))
         assert eng.kv.tier_stats()["disk_writes"] >= 1 and files(tmp_path)
         second = first + answer + toks(10, seed=2)
-        want, evaluated = ask(eng, second)
+        want = greedy_run(model, second, 8, n_ctx=512)   # the fresh evaluation
+        got, evaluated = ask(eng, second)
         assert evaluated <= 12 and eng.kv.tier_stats()["disk_hits"] >= 1
+        assert got == want, "restored from disk in the engine that wrote the files"
     with Engine(model, cfg) as eng:
         got, evaluated = ask(eng, second)
         st = eng.kv.tier_stats()
         assert evaluated <= 12 and st["disk_hits"] >= 1 and st["disk_restored_tokens"] >= 120
-        assert got == want
+        assert got == want, "restored from disk in a new engine"
 
 
 # -- any prefix of a stored span (issue 30, item 5) ------------------------------------------------
@@ -545,9 +549,10 @@ def _child(model_path, cache_dir, convs, tmp_path, kill_at=0, rounds=1, mib=1024
                             text=True, cwd=ROOT, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
 
 
-def _check_restores(model, cache_dir, convs) -> list[int]:
+def _check_restores(model, cache_dir, convs, why: str = "") -> list[int]:
     """A new PrefixCache on ``cache_dir`` asks for every conversation: each is a miss or an exact
-    restore (the fresh logits, F32), and no file under a span's name is refused. The restored counts."""
+    restore (the fresh logits, F32), and no file under a span's name is refused. The restored counts.
+    ``why`` goes into the failures' messages (what led here: a seed)."""
     got = []
     with new_ctx(model) as ctx:
         pc = pk.PrefixCache(ctx, max_sequences=1, cache_ram=0, cache_dir=cache_dir)
@@ -555,14 +560,17 @@ def _check_restores(model, cache_dir, convs) -> list[int]:
             prompt = conv + [7]
             s = pc.acquire(prompt, remember=False)
             if s.reused_tokens:
-                np.testing.assert_allclose(s.logits(), fresh_logits(model, prompt), atol=ATOL)
+                np.testing.assert_allclose(s.logits(), fresh_logits(model, prompt), atol=ATOL,
+                                           err_msg=f"{s.reused_tokens} tokens restored; {why}")
             got.append(s.reused_tokens)
             s.close()
-        assert pc.tier_info.disk_corrupt == 0, "a torn or foreign file under a span's name"
+        assert pc.tier_info.disk_corrupt == 0, f"a torn or foreign file under a span's name; {why}"
     return got
 
 
 SYSTEM_N = 100
+#: when the kill from outside comes (steps and a pause drawn from it); $PYLLAMA_KV_KILL_SEED overrides it
+KILL_SEED = 4545
 
 
 def _convs(n: int, seed: int, tail: int = 40) -> list[list[int]]:
@@ -573,20 +581,26 @@ def _convs(n: int, seed: int, tail: int = 40) -> list[list[int]]:
 @pytest.mark.parametrize("kill_at", [1, 4, "outside"])
 def test_a_process_killed_while_writing_leaves_only_misses_or_exact_restores(tiny_model, model, tmp_path, kill_at):
     """A process paging conversations out is SIGKILLed: half-way through writing its first or fourth
-    span file, or from outside at some moment of a loop that writes, reads and evaluates. A new cache
+    span file, or from outside at some moment of a loop that writes, reads and evaluates (when: a
+    seeded random, $PYLLAMA_KV_KILL_SEED or KILL_SEED, named in every failure's message). A new cache
     on the directory gets, for every conversation, a miss or an exact restore; no torn file."""
     import signal
     import time
 
     convs = _convs(6, seed=60)
     cache_dir = tmp_path / "cache"
+    why = f"killed at {kill_at}"
     if kill_at == "outside":
+        seed = int(os.environ.get("PYLLAMA_KV_KILL_SEED", KILL_SEED))
+        rng = np.random.default_rng(seed)
+        steps, pause = 3 + int(rng.integers(0, 12)), float(rng.random()) * 0.02   # 3..14 steps in, then 0..20 ms
+        why = f"killed from outside after {steps} steps and {pause * 1000:.1f} ms (PYLLAMA_KV_KILL_SEED={seed})"
         p = _child(tiny_model, cache_dir, convs, tmp_path, rounds=1000)
         try:
             assert p.stdout is not None
-            for _ in range(3 + int(np.random.default_rng().integers(0, 12))):   # 3..14 steps in, at random
-                assert p.stdout.readline().startswith("step"), p.stderr.read() if p.stderr else ""
-            time.sleep(float(np.random.default_rng().random()) * 0.02)
+            for _ in range(steps):
+                assert p.stdout.readline().startswith("step"), (why, p.stderr.read() if p.stderr else "")
+            time.sleep(pause)
             p.send_signal(signal.SIGKILL)
         finally:
             if p.poll() is None:
@@ -599,9 +613,9 @@ def test_a_process_killed_while_writing_leaves_only_misses_or_exact_restores(tin
         # it died half-way through a write: its temporary file is there, under no span's name
         assert [f for f in os.listdir(cache_dir) if ".tmp-" in f], os.listdir(cache_dir)
         assert len(files(cache_dir)) == kill_at - 1
-    got = _check_restores(model, cache_dir, convs)
+    got = _check_restores(model, cache_dir, convs, why)
     for conv, n in zip(convs, got):
-        assert n in (0, SYSTEM_N, len(conv)), got
+        assert n in (0, SYSTEM_N, len(conv)), (got, why)
     if kill_at == 4:   # three files were written whole: three conversations come back, the rest share the system prompt
         assert got == [len(c) for c in convs[:3]] + [SYSTEM_N] * 3
     if kill_at == 1:

@@ -5,6 +5,8 @@ and at the library level (bounds, the worker's time limit and cancellation)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import httpx
@@ -266,20 +268,59 @@ def test_bounds_refuse_before_llguidance():
     assert _grammar_check.token_references("lark", "start: <[12]> <[5-9,100]>") == [12, 5, 9, 100]
 
 
+def stalled_worker(pool, memory_limit: int):
+    """A worker of ``pool`` that never answers (stopped with SIGSTOP), put back as the pool's next idle
+    one: whatever a job costs, it runs past any time limit (no grammar has to be slower than a bound)."""
+    w = pool.acquire(memory_limit, 2)
+    os.kill(w.proc.pid, signal.SIGSTOP)
+    pool.release(w, reuse=True)
+    return w
+
+
+def bounded(fn, *args, **kw):
+    """``fn(*args, **kw)`` in a thread, bounded at 60 s: a call that would wait forever fails the test."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kw)
+        except BaseException as e:   # (re-raised below, in the test's thread)
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the call waited on a worker that will never answer"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def test_a_worker_past_its_time_limit_is_killed_and_a_cancelled_one_too():
-    slow = {"kind": "gbnf", "source": gbnf_chain(GRAMMAR_MAX_DEPTH - 20)}   # ~0.3 s of pure-Python conversion
+    """A worker that does not answer within the job's time limit is killed and the job refused; a job
+    whose client left (cancel set) is cancelled and its worker killed; a new worker then does the job.
+    The late workers are stopped ones (SIGSTOP), so that no grammar has to outlast a clock."""
+    slow = {"kind": "gbnf", "source": gbnf_chain(GRAMMAR_MAX_DEPTH - 20)}
     pool = _template_worker.GRAMMAR_POOL
     killed = pool.killed
-    got = _template_worker.grammar_job(slow, time_limit=0.05, memory_limit=2 << 30)
-    assert "takes more than" in got["error"]
-    assert pool.killed == killed + 1
-    cancel = threading.Event()
-    cancel.set()
-    with pytest.raises(_template_worker.Cancelled):
-        _template_worker.grammar_job(slow, time_limit=30, memory_limit=2 << 30, cancel=cancel)
-    assert pool.killed == killed + 2
-    got = _template_worker.grammar_job(slow, time_limit=60, memory_limit=2 << 30)   # a new worker does it
+    late = [stalled_worker(pool, 2 << 30)]
+    try:
+        got = bounded(_template_worker.grammar_job, slow, time_limit=0.05, memory_limit=2 << 30)
+        assert "takes more than 0.05 s" in got["error"]
+        assert pool.killed == killed + 1 and late[0].proc.poll() == -signal.SIGKILL
+        cancel = threading.Event()
+        cancel.set()
+        late.append(stalled_worker(pool, 2 << 30))
+        with pytest.raises(_template_worker.Cancelled):
+            bounded(_template_worker.grammar_job, slow, time_limit=30, memory_limit=2 << 30, cancel=cancel)
+        assert pool.killed == killed + 2 and late[1].proc.poll() == -signal.SIGKILL
+    finally:
+        for w in late:   # (a failed test leaves no stopped worker to the tests after it)
+            if w.proc.poll() is None:
+                w.proc.kill()
+    got = bounded(_template_worker.grammar_job, slow, time_limit=60, memory_limit=2 << 30)   # a new worker does it
     assert isinstance(got.get("text"), str), got
+    assert pool.killed == killed + 2
 
 
 def test_the_grammar_cache_keeps_verdicts_and_compiles_a_grammar_once(real_model, monkeypatch):

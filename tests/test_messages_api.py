@@ -3,7 +3,8 @@ anthropic client against `pyllama-kv serve` on the real SmolLM2: system prompts,
 stop_sequence, usage (input + cache reads = the prompt), the stream's events and the client's
 `messages.stream` helper, a tool_use / tool_result round trip (forced with tool_choice), count_tokens
 (equal to what a request is charged), `x-api-key` and Bearer auth, and errors in Anthropic's shape
-naming the field. Small models answer poorly: the protocol is tested, not the answers."""
+naming the field. Small models answer poorly: the protocol is tested, and on the model's F32 copy (an
+F32 cache) that a greedy answer is the greedy generation of the rendered conversation."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ import anthropic
 import httpx
 import pytest
 
+import pyllama_kv as pk
+from conftest import F32_SERVE, greedy_chat
 from test_server import KEY, MODEL, ServerProc, _wait_for
 
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
@@ -231,3 +234,40 @@ def test_the_readme_example_runs(server, tmp_path):
     r = run_py([str(script)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "end_turn" in r.stdout or "max_tokens" in r.stdout
+
+
+# -- answers against a fresh evaluation (a server on the F32 copy) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def f32_model(real_f32_model, pin_lib):
+    with pk.Model(real_f32_model, lib=pin_lib) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def exact(real_f32_model, pin_lib):
+    """`serve` on the real model's F32 copy with an F32 cache: a greedy answer is then the greedy
+    generation of a fresh evaluation, whatever the batch shapes."""
+    with ServerProc(real_f32_model, "--lib", pin_lib, "--ctx", "1024", "--parallel", "1", *F32_SERVE) as s:
+        yield s
+
+
+def test_a_greedy_answer_is_the_greedy_generation_of_the_rendered_conversation(exact, f32_model):
+    """temperature 0: the answer's text and its input tokens are those of a greedy generation of the
+    conversation as the chat template renders it (``system`` as a system message first, text blocks
+    as their text, an earlier answer as an assistant message), evaluated alone."""
+    client = anthropic.Anthropic(base_url=exact.root, api_key=KEY, max_retries=0, timeout=120.0)
+    prompt, want = greedy_chat(f32_model, [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "What is the capital of France?"}], 16)
+    m = client.messages.create(model=client.models.list().data[0].id, max_tokens=16, extra_body=GREEDY,
+                               system=[{"type": "text", "text": "Be brief."}], messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi!"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello! How can I help?"}]},
+        {"role": "user", "content": "What is the capital of France?"}])
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(prompt), (m.usage, len(prompt))
+    text = f32_model.detokenize(want)
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == text, (m.content, text)
+    assert m.stop_reason == ("max_tokens" if len(want) == 16 else "end_turn")

@@ -33,20 +33,49 @@ def test_eval_cost_says_nothing_from_batches_of_one_size():
     assert c.per_token() is None
 
 
+class CostClock:
+    """A clock for ``EvalCost.clock`` that advances by a known cost: a decode of n tokens takes
+    ``fixed + per_token * n`` seconds by it. The test says n before each decode (``next``); the
+    context reads the clock once before its decode (the time stays) and once after it (the time moves
+    on by the decode's cost)."""
+
+    def __init__(self, fixed: float, per_token: float):
+        self.fixed, self.per_token = fixed, per_token
+        self.now, self.reads, self.next = 1000.0, 0, None
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:   # the read after a decode
+            assert self.next is not None, "a decode the test did not announce"
+            self.now += self.fixed + self.per_token * self.next
+            self.next = None
+        return self.now
+
+
 def test_a_context_measures_its_decodes(tiny_model, patched_lib):
+    """The context times each decode with its EvalCost's clock and counts the batch's tokens (every
+    sequence's): with a clock that charges 2 ms a call and 50 us a token, the measured slope is 50 us
+    exactly, whatever the machine's load (the real clock's slope on a busy machine was noise)."""
     with pk.Model(tiny_model, lib=patched_lib) as m, m.context(n_ctx=2048, n_seq_max=2) as ctx:
         assert ctx.cache_on_device == DEVICE_RUN, "a CPU run's cache is in host memory, a GPU run's on the GPU"
         assert ctx.eval_cost.decodes == 0 and ctx.eval_cost.per_token() is None
+        clock = ctx.eval_cost.clock = CostClock(fixed=0.002, per_token=50e-6)
         seqs = [ctx.new_sequence() for _ in range(2)]
         n = 0
         for r in range(6):
             for size in (1, 16, 64):
+                clock.next = 2 * size   # both sequences' tokens, in one decode
                 ctx.decode({s: toks(size, seed=r * 10 + size + i) for i, s in enumerate(seqs)})
                 n += 1
+                assert clock.reads == 2 * n, "the decode read the clock once before and once after"
+                if n < MIN_DECODES:
+                    assert ctx.eval_cost.per_token() is None, "too few decodes for an estimate"
+        assert ctx.eval_cost.decodes == n >= MIN_DECODES
+        assert ctx.eval_cost.per_token() == pytest.approx(50e-6, rel=1e-6)
+        # a decode that fails is not counted (its time says nothing of an evaluation)
+        with pytest.raises(pk.LlamaError):
+            ctx.decode({seqs[0]: [m.n_vocab + 5]})
         assert ctx.eval_cost.decodes == n
-        if not ctx.cache_on_device:   # on the CPU a decode's time grows with its tokens, clearly
-            per_token = ctx.eval_cost.per_token()
-            assert per_token is not None and per_token > 0
 
 
 class FixedCost:

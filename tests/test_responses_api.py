@@ -2,19 +2,24 @@
 SmolLM2: text and message input, instructions, usage, the stream's events in the official order (and
 the client's `responses.stream` helper), json_schema `text.format`, a function-tool round trip
 (forced with tool_choice, answered with `function_call_output`, streamed too), `previous_response_id`
-served from the prefix cache (`cached_tokens`), the store (GET, DELETE, `store: false`), a client
-that leaves mid-stream, and the 400s that name the field. Small models answer poorly: the protocol is
-tested, not the answers."""
+served from the prefix cache (`cached_tokens`), the store (GET, DELETE, `store: false`, and what it
+dropped), a client that leaves mid-stream, and the 400s that name the field. Small models answer
+poorly: the protocol is tested, and on the model's F32 copy (an F32 cache) that a greedy answer is the
+greedy generation of the rendered conversation."""
 from __future__ import annotations
 
 import json
 import re
+import sys
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
+import pyllama_kv as pk
+import test_server
+from conftest import F32_SERVE, greedy_chat
 from test_server import MODEL, ServerProc, _wait_for
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
@@ -252,3 +257,86 @@ def test_the_readme_example_runs(server, tmp_path):
     r = run_py([str(script)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.split()[-1]) > 0   # cached_tokens
+
+
+# -- answers against a fresh evaluation, and the store's bound (a server on the F32 copy) ----------------
+
+#: the responses the exactness server stores (its ResponseStore's max_items, set by the wrapper below)
+STORED = 2
+
+#: `pyllama-kv serve` with a store of STORED responses (the bound is limits.RESPONSES_STORED, 1,024:
+#: too many to fill in a test); the rest is the console script's main
+SERVE_WITH_A_SMALL_STORE = f"""#!{sys.executable}
+import functools, sys
+from pyllama_kv.server import responses
+responses.ResponseStore = functools.partial(responses.ResponseStore, max_items={STORED})
+from pyllama_kv.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def f32_model(real_f32_model, pin_lib):
+    with pk.Model(real_f32_model, lib=pin_lib) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def exact(real_f32_model, pin_lib, tmp_path_factory):
+    """`serve` on the real model's F32 copy with an F32 cache (a greedy answer is then the greedy
+    generation of a fresh evaluation, whatever the batch shapes) and a store of STORED responses."""
+    script = tmp_path_factory.mktemp("serve") / "pyllama-kv"
+    script.write_text(SERVE_WITH_A_SMALL_STORE)
+    script.chmod(0o755)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(test_server, "ENTRY_POINT", script)
+        s = ServerProc(real_f32_model, "--lib", pin_lib, "--ctx", "1024", "--parallel", "1", *F32_SERVE)
+    with s:
+        yield s
+
+
+def test_a_greedy_answer_is_the_greedy_generation_of_the_rendered_conversation(exact, f32_model):
+    """temperature 0: the answer's text and token counts are those of a greedy generation of the
+    conversation as the chat template renders it (instructions as a system message before the input,
+    input_text parts as their text, an earlier answer as an assistant message), evaluated alone."""
+    prompt, want = greedy_chat(f32_model, [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "What is the capital of France?"}], 16)
+    r = exact.client().responses.create(model=real_name(exact), max_output_tokens=16, temperature=0,
+                                        instructions="Be brief.", input=[
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi!"}]},
+        {"role": "assistant",
+         "content": [{"type": "output_text", "text": "Hello! How can I help?", "annotations": []}]},
+        {"role": "user", "content": "What is the capital of France?"}])
+    assert r.usage.input_tokens == len(prompt), (r.usage, len(prompt))
+    assert r.output_text == f32_model.detokenize(want), (r.output_text, f32_model.detokenize(want))
+    assert r.status == ("incomplete" if len(want) == 16 else "completed")
+    assert r.usage.output_tokens in (len(want), len(want) + 1)   # (with the end-of-generation token or not)
+
+
+def test_previous_response_id_after_the_store_dropped_it(exact):
+    """The store keeps the STORED most recently used responses: a follow-up of one it dropped is the
+    documented 400 naming previous_response_id (code previous_response_not_found), GET says 404, and
+    the responses it kept still serve follow-ups."""
+    c, name = exact.client(), real_name(exact)
+    first, second = (c.responses.create(model=name, input=f"Say {w}.", max_output_tokens=2, temperature=0).id
+                     for w in ("one", "two"))
+    got = httpx.get(f"{exact.url}/responses/{first}", headers=exact.headers(), timeout=30)
+    assert got.status_code == 200   # a use: the first is the most recently used now
+    third = c.responses.create(model=name, input="Say three.", max_output_tokens=2, temperature=0).id
+    with pytest.raises(openai.BadRequestError) as e:   # the least recently used went for it
+        c.responses.create(model=name, input="More?", previous_response_id=second, max_output_tokens=2)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == "previous_response_id", err
+    assert err["code"] == "previous_response_not_found" and second in err["message"], err
+    assert httpx.get(f"{exact.url}/responses/{second}", headers=exact.headers(), timeout=30).status_code == 404
+    for kept in (first, third):
+        r = c.responses.create(model=name, input="More?", previous_response_id=kept, max_output_tokens=2,
+                               temperature=0, store=False)
+        assert r.previous_response_id == kept and r.output
+
+
+def real_name(server) -> str:
+    """The id the server lists for its model (a file's stem)."""
+    return server.client().models.list().data[0].id

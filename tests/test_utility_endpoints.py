@@ -44,12 +44,35 @@ def test_tokenize_and_detokenize_round_trip_as_the_library_does(server, model):
     assert r.status_code == 200 and r.json()["content"] == model.detokenize(toks, special=True) == text
 
 
-def test_apply_template_is_what_a_chat_completion_sees(server, model):
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+#: what SmolLM2-Instruct's template (the catalogue's pinned file) renders for these conversations, with
+#: the generation prompt: ChatML, and its own system prompt when the conversation has none
+RENDERED = [
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+     "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! <b>"},
+      {"role": "user", "content": "Caf\u00e9?"}],
+     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello! <b><|im_end|>\n"
+     "<|im_start|>user\nCaf\u00e9?<|im_end|>\n<|im_start|>assistant\n"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(RENDERED)))
+def test_apply_template_renders_the_models_template(server, real_model, i):
+    """/apply-template's prompt against expectations of its own: the literal rendering of the pinned
+    model's template, and that template's text (the GGUF's tokenizer.chat_template) rendered by jinja2
+    directly, as transformers renders chat templates (not through the server's sandbox and workers)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pyllama_kv.modelfile.gguf import read_gguf_header
+
+    msgs, want = RENDERED[i]
     r = post(server, "/apply-template", {"messages": msgs})
     assert r.status_code == 200, r.text
-    assert r.json()["prompt"] == str(model.apply_chat_template(msgs))
-    assert r.json()["prompt"].rstrip().endswith("assistant")
+    assert r.json()["prompt"] == want
+    source = read_gguf_header(real_model).kv["tokenizer.chat_template"].value
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    assert env.from_string(source).render(messages=msgs, add_generation_prompt=True) == want
 
 
 @pytest.mark.parametrize("path,body,field", [

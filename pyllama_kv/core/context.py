@@ -77,7 +77,6 @@ All C calls go through ``self._native`` (:class:`pyllama_kv._native.kv.NativeCon
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Callable
 
@@ -490,9 +489,10 @@ class Context(ContextStates):
         with self.critical():
             self.check_open()
             plan, entries = self._plan(batch)
-            t0 = time.perf_counter()
+            clock = self.eval_cost.clock
+            t0 = clock()
             results = self._raw_decode(plan, copy)
-            self.eval_cost.observe(sum(len(p[1]) for p in plan), time.perf_counter() - t0)
+            self.eval_cost.observe(sum(len(p[1]) for p in plan), clock() - t0)
             out: dict[_Sequence, np.ndarray] = {}
             for e, (_sid, new, _), logits in zip(entries, plan, results):
                 assert logits is not None   # every entry ends in the batch: it has an output

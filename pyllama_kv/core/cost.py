@@ -9,8 +9,15 @@ per token when it rides along in a later batch. The prefix cache's tiers weigh a
 
 No estimate (None) until enough decodes of different sizes were seen: a generation-only load (every
 batch the same size) says nothing about the per-token cost.
+
+The decodes are timed with :attr:`EvalCost.clock` (``time.perf_counter`` unless one is given): the
+context reads it before and after each decode, so a test gives it a clock that advances by a known
+cost per token and checks the arithmetic and the wiring without the machine's timing.
 """
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 #: a decode's weight halves after this many newer decodes
 HALF_LIFE = 64
@@ -22,11 +29,13 @@ MIN_SPREAD = 0.25
 
 class EvalCost:
     """A least-squares line ``seconds = a + b * tokens`` through recent decodes, exponentially
-    weighted. The context that owns it alone calls :meth:`observe` (after each successful decode)."""
+    weighted. The context that owns it alone calls :meth:`observe` (after each successful decode, timed
+    with :attr:`clock`: seconds as a float, read once before the decode and once after it)."""
 
-    __slots__ = ("_keep", "_w", "_x", "_y", "_xx", "_xy", "decodes")
+    __slots__ = ("_keep", "_w", "_x", "_y", "_xx", "_xy", "decodes", "clock")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self._keep = 0.5 ** (1.0 / HALF_LIFE)
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.decodes = 0
