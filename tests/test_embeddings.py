@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
+from conftest import DEVICE_RUN
 from pyllama_kv._native.ffi import ffi
 from pyllama_kv.harness import build as _build
 from pyllama_kv.limits import POOLING_TYPES
@@ -131,8 +132,9 @@ class LlamaServer:
     def __init__(self, model: Path, *args: str, timeout: float = 60.0):
         binary = _llama_server_bin()
         if binary is None:
-            pytest.skip("llama-server is not built (`pyllama-kv build --tools`): the llama-server reference "
-                        "is skipped (the C-call reference still runs)")
+            if DEVICE_RUN:
+                pytest.skip("device run: no llama-server built there")
+            pytest.fail("llama-server is not built: `make setup` builds it (pyllama-kv build --tools)")
         self.url = f"http://127.0.0.1:{_free_port()}"
         port = self.url.rsplit(":", 1)[1]
         self.proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", port, "-t", "1",

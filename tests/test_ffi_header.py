@@ -123,7 +123,8 @@ def test_declarations_match_the_vendored_header(tmp_path):
 def _current_tree():
     vdir = _paths.vendor_dir(pin="current")
     if not (vdir / "include" / "llama.h").is_file():
-        pytest.skip(f"the current pin's tree is not at {vdir} (pyllama-kv vendor --pin current)")
+        pytest.fail(f"the current pin's tree is not at {vdir}: `make setup` puts it there "
+                    "(pyllama-kv vendor --pin current)")
     return vdir
 
 

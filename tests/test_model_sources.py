@@ -17,18 +17,16 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import huggingface_hub  # a dependency of the package (pyproject.toml): never skipped
+import huggingface_hub.constants as hf_constants
 import numpy as np
 import pytest
 
+import pyllama_kv as pk
 from conftest import DEVICE_RUN, run_cli
 from pyllama_kv.modelfile import ggufsplit, hub, local
 from pyllama_kv.modelfile.gguf import read_gguf_header
 from pyllama_kv.tools.gguf import make_tiny_model
-
-huggingface_hub = pytest.importorskip("huggingface_hub")
-import huggingface_hub.constants as hf_constants  # noqa: E402
-
-import pyllama_kv as pk  # noqa: E402
 
 COMMIT = "a" * 40
 TOKEN = "hf_fake_token"

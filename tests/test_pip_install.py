@@ -209,7 +209,7 @@ def test_the_sdists_wheel_installs_into_a_fresh_venv_runs_outside_the_checkout_a
     assert "(package, patched, cpu)" in ver
     cache = Path(env["PYLLAMA_KV_CACHE"])
     if not (cache / "downloads" / _vendor.Pin.load().filename).exists():
-        pytest.skip("the pinned archive is not in the download cache: `pyllama-kv vendor` would need the network")
+        pytest.fail("the pinned archive is not in the download cache: `make setup` puts it there (pyllama-kv vendor)")
     # the vanilla library for comparisons: vendored and built into the cache, found by lib="vanilla"
     _ok(_run([cli, "vendor"], base, env))
     assert (cache / "src" / "llama.cpp" / "include" / "llama.h").is_file()
@@ -278,7 +278,7 @@ def _fake_checkout(tmp_path: Path, with_tree: str | None) -> Path:
 def test_source_step_patches_a_copy_when_no_patched_tree_is_at_hand(tmp_path, with_tree, builds):
     archive = _vendor.cached_archive(_vendor.Pin.load())
     if not archive.is_file():
-        pytest.skip("the pinned archive is not cached: this would download it")
+        pytest.fail("the pinned archive is not cached: `make setup` puts it there (pyllama-kv vendor)")
     cache = tmp_path / "cache"
     (cache / "downloads").mkdir(parents=True)
     os.symlink(archive, cache / "downloads" / archive.name)

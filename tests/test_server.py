@@ -447,32 +447,41 @@ def test_32_concurrent_clients(server, client):
 
 
 def test_full_queue_gets_429_and_sigterm_exits_0(small):
-    """Last on the small server: it ends with SIGTERM."""
+    """Last on the small server: it ends with SIGTERM. One request runs (a count the model goes on with
+    to max_tokens), one waits (the queue holds one), so a third is refused: each state is seen in
+    /metrics before the next request is sent, so the order does not depend on timing."""
     s = small
     c = s.client()
+    count = dict(model=MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=200, temperature=0)
 
-    def one(i: int):
-        try:
-            return c.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=24, temperature=0)
-        except openai.RateLimitError as e:
-            return e
+    def until(what, pred) -> None:
+        deadline = time.monotonic() + 60   # bounds the loop only
+        while not pred(s.metrics()):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
 
-    with ThreadPoolExecutor(6) as pool:
-        out = list(pool.map(one, range(6)))
-    limited = [o for o in out if isinstance(o, openai.RateLimitError)]
-    assert limited and len(limited) <= 4, out
-    assert all(e.response.headers.get("retry-after") and e.code == "queue_full" for e in limited)
-    assert all(o.choices[0].finish_reason in ("stop", "length") for o in out if not isinstance(o, Exception))
+    base = s.metrics()["pyllama_kv_requests_submitted_total"]
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(c.completions.create, **count)
+        until("the first request admitted", lambda m: m["pyllama_kv_requests_submitted_total"] >= base + 1)
+        waiting = pool.submit(c.completions.create, **count)
+        until("the second request queued or admitted",
+              lambda m: m["pyllama_kv_requests_submitted_total"] >= base + 2)
+        until("the second request queued", lambda m: m["pyllama_kv_requests_queued"] == 1)
+        assert s.metrics()["pyllama_kv_requests_running"] == 1   # the first has ~200 tokens to go
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=MODEL, prompt="Refused:", max_tokens=4, temperature=0)
+        assert e.value.response.headers.get("retry-after") and e.value.code == "queue_full"
+        assert s.metrics()["pyllama_kv_requests_rejected_total"] >= 1
+        done = [running.result(timeout=120), waiting.result(timeout=120)]
+    assert all(o.choices[0].finish_reason in ("stop", "length") for o in done)
     # SIGTERM while a request runs: it still finishes (within the grace time), then exit 0
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(c.completions.create, model=MODEL, prompt="A long story:", max_tokens=64,
-                          temperature=0)
-        deadline = time.monotonic() + 60
-        while s.metrics()["pyllama_kv_requests_running"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        base = s.metrics()["pyllama_kv_requests_submitted_total"]
+        fut = pool.submit(c.completions.create, **{**count, "max_tokens": 48})   # well within the grace
+        until("the last request admitted", lambda m: m["pyllama_kv_requests_submitted_total"] >= base + 1)
         s.proc.send_signal(signal.SIGTERM)
-        r = fut.result(timeout=60)
+        r = fut.result(timeout=120)
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
     assert s.stop() == 0, s.log()
     assert "Traceback" not in s.log()
