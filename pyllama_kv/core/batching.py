@@ -55,10 +55,11 @@ def chunk_plan(plan: Plan, cap: int) -> list[list[Piece]]:
     return chunks
 
 
-def fill_batch(b, plan: Plan, chunk: _Seq[Piece]) -> tuple[int, list[tuple[int, int]]]:
+def fill_batch(b, plan: Plan, chunk: _Seq[Piece], n_outs: _Seq[int] | None = None) -> tuple[int, list[tuple[int, int]]]:
     """Write ``chunk`` into the batch ``b`` (a :class:`~pyllama_kv._native.kv.NativeBatch`): tokens,
-    positions, sequence ids and output flags. Returns (the number of tokens, [(entry, batch index)]
-    for each entry whose last token is in the chunk: the rows of logits it gets, in order)."""
+    positions, sequence ids and output flags. ``n_outs[e]``: how many of entry ``e``'s last tokens get
+    an output (None: one each, its last). Returns (the number of tokens, [(entry, batch index)] for each
+    output in the chunk: the rows of logits it gets, in order; an entry's rows in position order)."""
     # one numpy assignment per array (lists built in Python are cheaper than a numpy call per
     # sequence for the many small pieces of a generation step)
     tok: list[int] = []
@@ -68,11 +69,13 @@ def fill_batch(b, plan: Plan, chunk: _Seq[Piece]) -> tuple[int, list[tuple[int, 
     for e, lo, hi, pos0 in chunk:
         sid, toks, _ = plan[e]
         k = hi - lo
+        base = len(tok)
         tok.extend(toks[lo:hi] if (lo or hi != len(toks)) else toks)
         pos.extend(range(pos0 + lo, pos0 + hi))
         sid_l.extend([sid] * k)
-        if hi == len(toks):
-            outs.append((e, len(tok) - 1))
+        first = len(toks) - (1 if n_outs is None else n_outs[e])   # the entry's first token with an output
+        for i in range(max(lo, first), hi):
+            outs.append((e, base + i - lo))
     n = len(tok)
     b.np_token[:n] = tok
     b.np_pos[:n] = pos

@@ -473,33 +473,62 @@ class Context(ContextStates):
             self.check_open()
             self._abort_fn = fn
 
-    def decode(self, batch: Mapping[_Sequence, Iterable[int]], *, copy: bool = True) -> dict[_Sequence, np.ndarray]:
+    def decode(self, batch: Mapping[_Sequence, Iterable[int]], *, copy: bool = True,
+               outputs: Mapping[_Sequence, int] | None = None) -> dict[_Sequence, np.ndarray]:
         """Append tokens to several sequences at once: ``{seq: tokens}`` -> ``{seq: logits}``.
 
         One ``llama_decode`` call for the whole batch (more only when it holds more than ``n_batch``
         tokens). The logits are the next-token logits after each sequence's last new token, float32
         arrays of shape (n_vocab,). Atomic: on failure nothing changes (see the module docstring).
 
+        ``outputs`` ``{seq: n}`` (1 <= n <= its new tokens; a sequence of ``batch``): that sequence gets
+        the logits after each of its last ``n`` new tokens, an (n, n_vocab) array in position order
+        (row i: the logits after new token ``len - n + i``), all from the one decode: what verifying a
+        draft needs. Its stored next-token logits are the last row.
+
         ``copy=False`` (for a loop that samples every row at once, like the engine): the arrays are
         read-only views of llama.cpp's output buffer, valid only until the next call on this context
         that decodes; the sequences do not keep them (their ``logits()`` evaluates the last token
         again). This saves a copy of n_sequences x n_vocab floats per step (16 MiB for 32 sequences
-        of a 128k vocabulary: a tenth of a GPU's step).
+        of a 128k vocabulary: a tenth of a GPU's step). The arrays of ``outputs`` are copies.
         """
         with self.critical():
             self.check_open()
+            wanted = self._outputs_of(outputs)   # the caller's code runs before _plan's checks
             plan, entries = self._plan(batch)
+            n_outs = self._outputs(wanted, entries, plan) if wanted else None
             clock = self.eval_cost.clock
             t0 = clock()
-            results = self._raw_decode(plan, copy)
+            results = self._raw_decode(plan, copy, n_outs)
             self.eval_cost.observe(sum(len(p[1]) for p in plan), clock() - t0)
             out: dict[_Sequence, np.ndarray] = {}
             for e, (_sid, new, _), logits in zip(entries, plan, results):
                 assert logits is not None   # every entry ends in the batch: it has an output
                 e.tokens.extend(new)
-                e.logits = logits if copy else None
+                last = logits if logits.ndim == 1 else logits[-1]
+                e.logits = last if copy or logits.ndim == 2 else None
                 out[e.seq] = logits
             return out
+
+    @staticmethod
+    def _outputs_of(outputs) -> list[tuple]:
+        if outputs is None:
+            return []
+        if not isinstance(outputs, Mapping):
+            raise InvalidInputError("outputs must be a mapping {sequence: n}")
+        return list(outputs.items())
+
+    def _outputs(self, wanted: list[tuple], entries: list[_SeqEntry], plan: _Plan) -> list[int]:
+        """decode's ``outputs`` as a count per plan entry (checked: sequences of the batch, 1..their
+        new tokens); InvalidInputError before anything changes."""
+        index = {id(e.seq): i for i, e in enumerate(entries)}
+        n_outs = [1] * len(entries)
+        for seq, n in wanted:
+            i = index.get(id(seq))
+            if i is None:
+                raise InvalidInputError("outputs names a sequence that is not in the batch")
+            n_outs[i] = int_param("outputs", n, 1, len(plan[i][1]))
+        return n_outs
 
     def _plan(self, batch) -> tuple[_Plan, list[_SeqEntry]]:
         """decode's plan [(seq_id, tokens, first_pos)] for ``batch`` and the entries it extends. First

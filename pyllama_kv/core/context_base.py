@@ -349,37 +349,40 @@ class ContextBase(_kv.CResource):
         if self._shift_pending:
             self._c_update()
 
-    def _raw_decode(self, plan: _Plan, copy: bool = True) -> list[np.ndarray | None]:
+    def _raw_decode(self, plan: _Plan, copy: bool = True, n_outs: list[int] | None = None) -> list[np.ndarray | None]:
         """Decode ``plan`` = [(seq_id, tokens, first_pos)] (validated) in as few llama_decode calls as
-        n_batch allows, with one output (the last token) per entry. On failure every entry's new
-        positions are removed and the mapped exception is raised. ``copy=False``: the rows of the last
-        llama_decode are read-only views of llama.cpp's output buffer (see :meth:`decode`)."""
+        n_batch allows, with one output (the last token) per entry, or the last ``n_outs[e]`` of entry
+        ``e`` (validated: 1..its tokens), whose result is then an (n, n_vocab) array in position order.
+        On failure every entry's new positions are removed and the mapped exception is raised.
+        ``copy=False``: the one-row results of the last llama_decode are read-only views of llama.cpp's
+        output buffer (see :meth:`decode`)."""
         native = self._native
         assert native is not None
         b = self._batch
-        results: list[np.ndarray | None] = [None] * len(plan)
+        rows_of: list[list[np.ndarray]] = [[] for _ in plan]
         n_vocab = self.model.n_vocab
         chunks = _chunk_plan(plan, b.cap)
         self._apply_shifts()
         try:
             for k, chunk in enumerate(chunks):
-                n, outs = _fill_batch(b, plan, chunk)
+                n, outs = _fill_batch(b, plan, chunk, n_outs)
                 rc = self._c_decode(b, n)
                 if rc != 0:
                     raise self._decode_error(rc)
                 if outs:
                     # one copy for all rows of this call (a view for the last call's, when asked);
-                    # each sequence gets a row of it
+                    # each output gets a row of it
                     view = not copy and k == len(chunks) - 1
                     rows = native.logits_view(len(outs), n_vocab) if view else native.logits(len(outs), n_vocab)
                     for i, (e, _bidx) in enumerate(outs):
-                        results[e] = rows[i]
+                        rows_of[e].append(rows[i])
         except BaseException:
             # llama_decode restored its own partial cells; remove what earlier chunks added
             for sid, _toks, pos0 in plan:
                 native.seq_rm(sid, pos0, -1)
             raise
-        return results
+        return [(r[0] if len(r) == 1 and (n_outs is None or n_outs[e] == 1) else np.stack(r)) if r else None
+                for e, r in enumerate(rows_of)]
 
     def _decode_error(self, rc: int) -> BaseException:
         """The exception for llama_decode's return code ``rc`` (see :mod:`.returncodes`)."""
