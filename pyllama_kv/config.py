@@ -26,6 +26,8 @@ from .limits import (
     POOLING_TYPES,
     QUANTIZED_KV_TYPES,
     REPEAT_PENALTY_MAX,
+    SPEC_MAX_DRAFT,
+    SPEC_SOURCES,
     TEMPERATURE_MAX,
     UINT32_MAX,
 )
@@ -92,6 +94,20 @@ def _num(name: str, v, lo: float, hi: float, lo_open: bool = False) -> float:
     if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
         raise InvalidInputError(f"{name}={v} is out of range {'(' if lo_open else '['}{lo}, {hi}]")
     return v
+
+
+def spec_sources(spec: str) -> tuple[str, ...]:
+    """``EngineConfig.spec`` ("none", or a comma list of limits.SPEC_SOURCES) as a tuple of sources (empty:
+    off); InvalidInputError otherwise."""
+    if not isinstance(spec, str):
+        raise InvalidInputError(f"spec must be a str, got {type(spec).__name__}")
+    names = tuple(s.strip() for s in spec.split(",") if s.strip())
+    if names in ((), ("none",)):
+        return ()
+    bad = [s for s in names if s not in SPEC_SOURCES]
+    if bad or len(set(names)) != len(names):
+        raise InvalidInputError(f"spec must be 'none' or a comma list of {', '.join(SPEC_SOURCES)}, got {spec!r}")
+    return names
 
 
 class _Config:
@@ -275,6 +291,8 @@ class EngineConfig(CacheConfig):
     n_keep: int = 4              # tokens a context shift or truncation keeps at the start (-1: the prompt)
     truncate: bool = False       # cut a prompt that does not fit the context (else it is refused)
     pooling: str | None = None   # embeddings: llama.cpp's pooling (limits.POOLING_TYPES; None: the model's)
+    spec: str = "none"           # speculative decoding's draft sources: "none", or a comma list of ngram, cache
+    spec_max: int = 16           # the most draft tokens a continuation gets in one step
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -297,6 +315,8 @@ class EngineConfig(CacheConfig):
         object.__setattr__(self, "cache_dir_mib", _int("cache_dir_mib", self.cache_dir_mib, 1))
         object.__setattr__(self, "output_reserve", _int("output_reserve", self.output_reserve, 0))
         object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
+        object.__setattr__(self, "spec_max", _int("spec_max", self.spec_max, 1, SPEC_MAX_DRAFT))
+        object.__setattr__(self, "spec", ",".join(spec_sources(self.spec)) or "none")
         self.context()  # validates the context's own fields (its sequence ids)
 
     def context(self) -> ContextConfig:

@@ -146,3 +146,13 @@ STORE_FILE_MAX_BYTES = 256 * 1024
 #: levels of nesting of such a JSON file (an Ollama manifest has 3: the manifest, its layers, a layer),
 #: checked before it is parsed: CPython's parser recurses, and ~1,000 levels are a RecursionError
 STORE_JSON_MAX_DEPTH = 32
+
+# -- speculative decoding (pyllama_kv.speculation, engine/speculate.py: issue 47) ------------------------
+
+#: the draft sources EngineConfig.spec (and `--spec`) names: a continuation's own tokens (prompt
+#: lookup) and every conversation the engine finished (the cache's suffix index)
+SPEC_SOURCES = ("ngram", "cache")
+#: the most draft tokens one continuation gets in a step (EngineConfig.spec_max's bound)
+SPEC_MAX_DRAFT = 64
+#: tokens of finished conversations the cache source indexes (the oldest go first; ~50 bytes a token)
+SPEC_INDEX_TOKENS = 1 << 20

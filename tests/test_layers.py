@@ -19,12 +19,13 @@ MAY = {
     "prefixcache": {"core"},
     "sampling": {"core", "_native"},
     "chat": {"core", "sampling", "modelfile"},
-    "engine": {"core", "prefixcache", "sampling", "chat"},
+    "speculation": {"core"},
+    "engine": {"core", "prefixcache", "sampling", "chat", "speculation"},
     "server": {"engine", "chat", "sampling", "core"},
     "cli": {"_native", "modelfile", "core", "prefixcache", "sampling", "chat", "engine", "server", "harness",
-            "tools"},
+            "tools", "speculation"},
     "harness": {"_native", "modelfile"},
-    "tools": {"_native", "modelfile", "core", "prefixcache", "sampling", "chat", "engine"},
+    "tools": {"_native", "modelfile", "core", "prefixcache", "sampling", "chat", "engine", "speculation"},
 }
 #: (importer, imported): the exceptions architecture.md lists, each with its reason there
 ALLOWED = {

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..config import EngineConfig, SamplingParams, int_param
 from ..errors import InvalidInputError
-from ..limits import MAX_STOP_STRINGS, prompt_too_long
+from ..limits import MAX_STOP_STRINGS, SPEC_MAX_DRAFT, prompt_too_long
 from .request import Request, RequestHandle
 
 
@@ -54,19 +54,22 @@ class Submission:
     boundaries: list[int] = field(default_factory=list)
     grammar: Any = None
     logprobs: int | None = None
+    spec_max: int | None = None
     truncated: int = 0       # prompt tokens truncation dropped
 
     def request(self, handle: RequestHandle) -> Request:
         """The engine's Request for this submission, answered through ``handle``."""
         return Request(prompt=self.prompt, params=self.params, max_tokens=self.max_tokens, stop=self.stop, n=self.n,
                        handle=handle, keep=self.keep, context_shift=self.context_shift, n_keep=self.n_keep,
-                       boundaries=self.boundaries, grammar=self.grammar, logprobs=self.logprobs)
+                       boundaries=self.boundaries, grammar=self.grammar, logprobs=self.logprobs,
+                       spec_max=self.spec_max)
 
 
 def admit(limits: Limits, prompt: Sequence[int] | str, params: SamplingParams | None = None, *,
           max_tokens: int = 256, stop: Iterable[str] | str = (), n: int = 1, keep: bool | None = None,
           context_shift: bool | None = None, n_keep: int | None = None, truncate: bool | None = None,
-          boundaries: Iterable[int] | None = None, grammar=None, logprobs: int | None = None) -> Submission:
+          boundaries: Iterable[int] | None = None, grammar=None, logprobs: int | None = None,
+          spec_max: int | None = None) -> Submission:
     """``submit``'s arguments checked against ``limits`` (InvalidInputError, naming the argument) and
     normalised (see :meth:`Engine.submit` for their meaning). The checks run in a fixed order, so a
     submission with several faults is always refused for the same one."""
@@ -95,10 +98,12 @@ def admit(limits: Limits, prompt: Sequence[int] | str, params: SamplingParams | 
         grammar = _compiled_grammar(limits, grammar)
     if logprobs is not None:
         logprobs = int_param("logprobs", logprobs, 0, 20)
+    if spec_max is not None:
+        spec_max = int_param("spec_max", spec_max, 0, SPEC_MAX_DRAFT)
     _check_sampling(limits, params)
     return Submission(prompt=toks, params=params, max_tokens=max_tokens, stop=stops, n=n, keep=keep,
                       context_shift=shift, n_keep=keep_n, boundaries=bounds, grammar=grammar, logprobs=logprobs,
-                      truncated=truncated)
+                      spec_max=spec_max, truncated=truncated)
 
 
 def _prompt_tokens(limits: Limits, prompt: Sequence[int] | str) -> list[int]:

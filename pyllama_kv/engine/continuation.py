@@ -11,6 +11,7 @@ import numpy as np
 from ..prefixcache.tiers import TierStats
 from .detok import TextStream
 from .request import FINISH_REASONS, Request
+from .speculate import SeqSpec, SpecStats
 
 
 @dataclass
@@ -38,6 +39,8 @@ class EngineStats:
     queue_peak: int = 0
     # the KV layer's host tier of paged-out prefixes (live TierStats; None for a KV without one)
     prefix_tier: TierStats | None = None
+    # speculation's counters (live SpecStats)
+    spec: SpecStats | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,7 +52,7 @@ class Continuation:
 
     __slots__ = ("req", "index", "seq", "pending", "tokens", "generated", "stream", "sampler", "close_sampler",
                  "logits", "reserve", "forked", "admit_order", "last_token", "boundaries", "constraint",
-                 "checkpoints")
+                 "checkpoints", "spec", "valid")
 
     def __init__(self, req: Request, index: int, tokens: list[int], sampler, reserve: int, admit_order: int,
                  boundaries: list[int] | None = None):
@@ -72,6 +75,10 @@ class Continuation:
         # positions where the KV layer keeps a checkpoint of the state while the prompt goes in
         # (a recurrent model: KVCache.checkpoints_at); a prompt chunk ends at each
         self.checkpoints: list[int] = []
+        # speculation (engine/speculate.py): its drafts' state (None: none for this continuation), and
+        # while a draft is verified the positions its sequence holds for it (the rest are removed)
+        self.spec: SeqSpec | None = None
+        self.valid: int | None = None
 
     @property
     def prefilling(self) -> bool:

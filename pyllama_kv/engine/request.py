@@ -171,6 +171,7 @@ class Request:
     boundaries: list[int] = field(default_factory=list)   # turn starts in ``prompt`` (sorted)
     grammar: Any = None           # a constrain.CompiledGrammar: each continuation gets its own matcher
     logprobs: int | None = None   # report log-probabilities with this many top alternatives
+    spec_max: int | None = None   # draft tokens a step at most (None: the engine's spec_max; 0: no speculation)
     admitted: bool = False
     cancelled: bool = False
     skipped: int = 0          # times a later request was admitted before this one

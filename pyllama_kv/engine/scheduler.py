@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 
-from ..config import EngineConfig, SamplingParams
+from ..config import EngineConfig, SamplingParams, spec_sources
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefixcache.cache import shared_prefix
 from .admission import Limits, admit, drop_range
@@ -68,6 +68,7 @@ from .continuation import Continuation as _Continuation, EngineStats, token_logp
 from .embeddings import EmbeddingQueue
 from .kv import KVCache, context_kv
 from .request import GRAMMAR_ERROR, Event, Request, RequestHandle
+from .speculate import SeqSpec, Speculator
 
 if TYPE_CHECKING:
     from ..core.context import Context
@@ -106,7 +107,9 @@ class Engine:
         self._is_eog = is_eog or model.is_eog
         self._make_sampler = sampler_factory or self._default_sampler
         self._llama_samplers = sampler_factory is None   # need the KV layer's context beyond greedy
-        self.stats = EngineStats(prefix_tier=getattr(kv, "tier_info", None))
+        self.spec = Speculator(spec_sources(config.spec), config.spec_max,
+                               recurrent=bool(getattr(model, "recurrent", False)))
+        self.stats = EngineStats(prefix_tier=getattr(kv, "tier_info", None), spec=self.spec.stats)
         self._ids = itertools.count(1)
         self._admit_counter = itertools.count()
         self._inbox: deque = deque()           # ("submit", Request) | ("cancel", Request)
@@ -129,7 +132,8 @@ class Engine:
                stop: Iterable[str] | str = (), n: int = 1, keep: bool | None = None,
                on_event: Callable[[Event], None] | None = None, context_shift: bool | None = None,
                n_keep: int | None = None, truncate: bool | None = None,
-               boundaries: Iterable[int] | None = None, grammar=None, logprobs: int | None = None) -> RequestHandle:
+               boundaries: Iterable[int] | None = None, grammar=None, logprobs: int | None = None,
+               spec_max: int | None = None) -> RequestHandle:
         """Queue a request; its handle streams events. ``prompt`` is token ids (or text, tokenized
         with BOS). ``n`` continuations are served by forking after the prompt. InvalidInputError for
         bad values, QueueFullError when the admission queue is full.
@@ -142,12 +146,14 @@ class Engine:
         :func:`~pyllama_kv.sampling.grammar.compile_grammar`) constrains every continuation's output (its
         logits are masked before the sampler); a grammar that cannot compile is a GrammarError (an
         InvalidInputError). ``logprobs=k`` reports each token's log-probability and the k most likely
-        alternatives (0..20) in the events and completions."""
+        alternatives (0..20) in the events and completions. ``spec_max`` caps the draft tokens of one
+        step for this request (0: no speculation; None: the engine's ``spec_max``): speculation never
+        changes the output, only how many tokens a step may give."""
         if self._closed:
             raise InvalidInputError("the engine is closed")
         sub = admit(self._limits(), prompt, params, max_tokens=max_tokens, stop=stop, n=n, keep=keep,
                     context_shift=context_shift, n_keep=n_keep, truncate=truncate, boundaries=boundaries,
-                    grammar=grammar, logprobs=logprobs)
+                    grammar=grammar, logprobs=logprobs, spec_max=spec_max)
         handle = RequestHandle(next(self._ids), sub.n, len(sub.prompt), on_event)
         handle.usage.truncated_tokens = sub.truncated
         handle.submitted_at = time.perf_counter()
@@ -260,17 +266,17 @@ class Engine:
         emb = self._embeddings
         n_emb = emb.step() if emb is not None and emb.has_work() else 0   # one embedding decode at most
         self._admit()
-        batch, owners = self._build_batch()
+        batch, owners, outputs = self._build_batch()
         if not batch:
             return n_emb
         self.stats.steps += 1
         try:
-            return self._step(batch, owners)
+            return self._step(batch, owners, outputs)
         finally:
             self.stats.step_seconds += time.perf_counter() - t0
 
-    def _step(self, batch: dict, owners: dict) -> int:
-        out = self._decode(batch, owners)
+    def _step(self, batch: dict, owners: dict, outputs: dict) -> int:
+        out = self._decode(batch, owners, outputs)
         n = 0
         for seq, logits in out.items():
             cont = owners[seq]
@@ -284,6 +290,9 @@ class Engine:
                     self._keep_checkpoint(cont)
             if cont.pending:
                 continue   # a prompt chunk: more to come
+            if logits.ndim == 2:   # a drafted continuation: one row per position from its next token on
+                self._verify(cont, logits)
+                continue
             cont.logits = logits
             self._after_decode(cont)
         return n
@@ -512,7 +521,9 @@ class Engine:
 
     # -- internals: batch, decode, sampling ------------------------------------------------------
 
-    def _build_batch(self) -> tuple[dict, dict]:
+    def _build_batch(self) -> tuple[dict, dict, dict]:
+        """{seq: tokens} of the next decode, {seq: continuation}, and {seq: outputs} for the drafted
+        continuations (their next token, then their draft: a row of logits for each)."""
         batch: dict = {}
         owners: dict = {}
         budget = self.n_batch
@@ -531,18 +542,59 @@ class Engine:
             batch[s.seq] = s.pending[:take]
             owners[s.seq] = s
             budget -= take
-        return batch, owners
+        outputs = self._drafts(gen, batch, budget) if self.spec.on and gen else {}
+        return batch, owners, outputs
 
-    def _decode(self, batch: dict, owners: dict) -> dict:
+    def _drafts(self, gen: list[_Continuation], batch: dict, room: int) -> dict:
+        """Add the drafts the cost rule takes this step to ``batch`` (see engine/speculate.py);
+        {seq: rows of logits wanted} for the drafted continuations."""
+        offers = []
+        for s in gen:
+            k = self._draft_room(s)
+            if k <= 0:
+                continue
+            if s.spec is None:
+                s.spec = SeqSpec()
+            d = self.spec.propose(s.tokens, s.spec, k)
+            if d is not None:
+                offers.append((s.seq, s.spec, d))
+        if not offers:
+            return {}
+        base = sum(len(t) for t in batch.values())
+        take = self.spec.allocate(base, len(gen), offers, room)
+        outputs = {}
+        for seq, st, d in offers:
+            k = take.get(seq, 0)
+            if k:
+                st.draft, st.source, st.match = d.tokens[:k], d.source, d.match
+                batch[seq] = batch[seq] + st.draft
+                outputs[seq] = k + 1
+        return outputs
+
+    def _draft_room(self, cont: _Continuation) -> int:
+        """How many draft tokens ``cont`` may take: none when its request asked for none or wants a
+        token or two more; never past the context (no shift can start inside a verification) or its
+        max_tokens."""
+        req = cont.req
+        k = self.spec.spec_max if req.spec_max is None else req.spec_max
+        return min(k, req.max_tokens - cont.generated - 1, self.n_ctx - len(cont.tokens) - 2)
+
+    def _decode(self, batch: dict, owners: dict, outputs: dict) -> dict:
         while batch:
             try:
                 self.stats.decode_calls += 1
                 t = time.perf_counter()
                 try:
-                    return self.kv.decode(batch)
+                    out = self.kv.decode(batch, outputs) if outputs else self.kv.decode(batch)
                 finally:
-                    self.stats.decode_seconds += time.perf_counter() - t
+                    dt = time.perf_counter() - t
+                    self.stats.decode_seconds += dt
+                self.spec.decoded(sum(len(t) for t in batch.values()), dt)
+                return out
             except KVCacheFullError as exc:
+                if outputs:   # drafts are the first to go: a draft never preempts anything
+                    self._drop_drafts(batch, owners, outputs)
+                    continue
                 needed = sum(len(t) for t in batch.values())
                 if needed <= self.kv.free_cells():
                     done = self._slot_failure(batch, owners, exc)
@@ -560,6 +612,14 @@ class Engine:
                     self._finish(owners[seq], "error", error=str(exc), keep=False)
                 return {}
         return {}
+
+    def _drop_drafts(self, batch: dict, owners: dict, outputs: dict) -> None:
+        for seq in outputs:
+            st = owners[seq].spec
+            assert st is not None
+            batch[seq] = batch[seq][:1]
+            st.draft = []
+        outputs.clear()
 
     def _slot_failure(self, batch: dict, owners: dict, exc: Exception) -> dict | None:
         """The library refused a batch that fits in the free cells (fragmentation, vanilla build):
@@ -614,6 +674,30 @@ class Engine:
         elif cont.last_token is None and cont.generated == 0:
             self.kv.remember(cont.seq)
         self._sample(cont)
+
+    def _verify(self, cont: _Continuation, rows: np.ndarray) -> None:
+        """``rows``: the logits after ``cont``'s next token and after each of its draft's tokens. Each is
+        sampled in order as a step without speculation would (the same sampler, grammar, stop strings
+        and stream), and the draft is kept up to the first token the sampler did not draw; that token
+        (or, all kept, the one after the draft) is the next to decode. The cells of the rest go."""
+        st = cont.spec
+        assert st is not None
+        draft = st.draft
+        cont.valid = len(cont.tokens)   # positions the sequence holds for it: the next token's is in now
+        accepted = 0
+        for i, row in enumerate(rows):
+            cont.logits = row
+            before = cont.generated
+            self._sample(cont)
+            if cont.seq is None or cont.generated == before or i >= len(draft) or cont.tokens[-1] != draft[i]:
+                break   # finished, or the sampler drew another token (the next to decode) than the draft's
+            accepted += 1
+            cont.valid = len(cont.tokens)   # the drafted token drawn is decoded already
+            cont.pending = []
+        self.spec.verified(st, accepted)
+        if cont.seq is not None:
+            self.kv.truncate(cont.seq, cont.valid)
+        cont.valid = None
 
     def _sample(self, cont: _Continuation) -> None:
         """Draw the next token from ``cont.logits`` (under its grammar's mask), stream it, and either
@@ -719,6 +803,8 @@ class Engine:
             self.stats.reevaluated_tokens += len(cont.pending) - 1
         # (K-shift: positions [end, held) are now [n_keep, held - discard), nothing to decode)
         del cont.tokens[n_keep:end]
+        if cont.spec is not None:   # its own tokens' index is of the list before the cut
+            cont.spec.lookup.reset()
         cont.boundaries = drop_range(cont.boundaries, n_keep, end)
         cont.checkpoints = []
         self.stats.context_shifts += 1
@@ -742,7 +828,13 @@ class Engine:
         comp.context_tokens = list(cont.tokens)
         comp.boundaries = list(cont.boundaries)
         if release and cont.seq is not None:
-            self.kv.finish(cont.seq, keep=req.keep if keep is None else keep)
+            if cont.valid is not None:   # finished inside a verification: the rest of the draft goes
+                self.kv.truncate(cont.seq, cont.valid)
+            keep = req.keep if keep is None else keep
+            self.kv.finish(cont.seq, keep=keep)
+            if keep and reason in ("eos", "stop", "length"):
+                start = req.handle.usage.reused_tokens if cont.index == 0 else len(req.prompt)
+                self.spec.finished(cont.tokens, start - 16)
         cont.seq = None
         if cont in self._continuations:
             self._continuations.remove(cont)

@@ -1,0 +1,158 @@
+"""Draft sources without a second model: token continuations seen before.
+
+* :class:`PromptLookup`: one continuation's own tokens (its prompt and what it generated): the longest
+  suffix of them (``n_max`` down to ``n_min`` tokens) that occurred earlier, and what followed its most
+  recent earlier occurrence (llama.cpp's ``ngram-simple``, llama-cpp-python's prompt lookup).
+* :class:`SuffixIndex`: what the engine cached (every finished conversation, prompt and answer, as the
+  prefix cache keeps it): the same search over all of them at once (SuffixDecoding's global tree, as an
+  index of short n-grams with the match extended backwards), so that a tool call, a file or a template
+  answer seen in another conversation is proposed again. Bounded by tokens, least recently added out.
+
+A draft is a :class:`Draft`: its tokens, its source and how many tokens of context matched (the
+policy trusts a longer match more). Both sources are pure Python over token ids, run on the engine's
+loop thread, and cost a few dict lookups a step.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+__all__ = ["Draft", "PromptLookup", "SuffixIndex"]
+
+#: the n-gram sizes a continuation's own tokens are searched by (longest first): measured on the code-
+#: editing load (scripts/bench_spec.py), 2-grams propose too often to be trusted, past 5 rarely more
+NGRAM_MIN = 3
+NGRAM_MAX = 5
+
+
+class Draft(NamedTuple):
+    tokens: list[int]   # what is proposed to follow the context, in order
+    source: str         # "ngram" (the continuation's own tokens), "cache" (the suffix index)
+    match: int          # context tokens that matched where it was found (at least the source's n_min)
+
+
+class PromptLookup:
+    """Drafts from one token list that grows at its end (a continuation's ``tokens``): the n-grams
+    ending at every position but the last are indexed as the list grows (most recent occurrence
+    kept); :meth:`reset` after the list changed otherwise (a context shift cut it)."""
+
+    __slots__ = ("n_min", "n_max", "_index", "_done", "_seen")
+
+    def __init__(self, n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self._done = 0   # positions indexed: the n-grams ending at 0 .. _done - 1
+        self._seen: tuple = ()   # the last tokens indexed (a list changed behind our back is indexed anew)
+
+    def reset(self) -> None:
+        for d in self._index.values():
+            d.clear()
+        self._done = 0
+        self._seen = ()
+
+    def _catch_up(self, tokens: Sequence[int]) -> None:
+        end = len(tokens) - 1   # the last position is the suffix searched for, not indexed yet
+        if end < self._done or tuple(tokens[self._done - len(self._seen):self._done]) != self._seen:
+            self.reset()
+        for j in range(self._done, end):
+            for n, d in self._index.items():
+                if j + 1 >= n:
+                    d[tuple(tokens[j + 1 - n:j + 1])] = j
+        self._done = max(self._done, end)
+        self._seen = tuple(tokens[max(0, self._done - self.n_max):self._done])
+
+    def propose(self, tokens: Sequence[int], k: int) -> Draft | None:
+        """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest suffix
+        of ``tokens`` (None: no suffix of ``n_min`` tokens or more occurred before)."""
+        if k <= 0 or len(tokens) <= self.n_min:
+            return None
+        self._catch_up(tokens)
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            j = self._index[n].get(tuple(tokens[len(tokens) - n:]))
+            if j is not None:
+                out = list(tokens[j + 1:j + 1 + k])
+                if out:
+                    return Draft(out, "ngram", n)
+        return None
+
+
+class SuffixIndex:
+    """Token documents (finished conversations), indexed by every ``key``-gram: a proposal is what
+    followed the occurrence of the context's last ``key`` tokens whose match extends furthest back
+    (at most ``max_match`` tokens compared), most recent first among equals. At most ``max_tokens``
+    tokens are kept: the oldest documents go first."""
+
+    def __init__(self, max_tokens: int = 1 << 20, key: int = 4, max_match: int = 64, per_key: int = 8):
+        if key < 1 or max_match < key or per_key < 1 or max_tokens < 1:
+            raise ValueError("SuffixIndex needs key >= 1, max_match >= key, per_key >= 1, max_tokens >= 1")
+        self.key, self.max_match, self.per_key, self.max_tokens = key, max_match, per_key, max_tokens
+        self._docs: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._index: dict[tuple, deque] = {}
+        self._next_id = 0
+        self.tokens = 0   # tokens held by the documents
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Index ``tokens`` as a new document (too short for one key: ignored); evict the oldest
+        documents past ``max_tokens`` (a document longer than that keeps its last ``max_tokens``)."""
+        doc = tuple(int(t) for t in tokens[-self.max_tokens:])
+        if len(doc) <= self.key:
+            return
+        did = self._next_id
+        self._next_id += 1
+        self._docs[did] = doc
+        self.tokens += len(doc)
+        k = self.key
+        for j in range(k - 1, len(doc) - 1):   # n-grams with at least one token after them
+            q = self._index.get(doc[j + 1 - k:j + 1])
+            if q is None:
+                q = self._index[doc[j + 1 - k:j + 1]] = deque(maxlen=self.per_key)
+            q.appendleft((did, j))
+        while self.tokens > self.max_tokens and len(self._docs) > 1:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        did, doc = self._docs.popitem(last=False)
+        self.tokens -= len(doc)
+        k = self.key
+        for j in range(k - 1, len(doc) - 1):
+            key = doc[j + 1 - k:j + 1]
+            q = self._index.get(key)
+            if q is None:
+                continue
+            kept = [e for e in q if e[0] != did]
+            if kept:
+                q.clear()
+                q.extend(kept)
+            else:
+                del self._index[key]
+
+    def propose(self, context: Sequence[int], k: int) -> Draft | None:
+        """Up to ``k`` tokens that followed the best occurrence of the end of ``context`` (None: its
+        last ``key`` tokens occur in no document)."""
+        if k <= 0 or len(context) < self.key:
+            return None
+        q = self._index.get(tuple(int(t) for t in context[len(context) - self.key:]))
+        if not q:
+            return None
+        best: tuple[int, int, int] | None = None   # (match, doc id, position)
+        limit = min(self.max_match, len(context))
+        for did, j in q:
+            doc = self._docs.get(did)
+            if doc is None:
+                continue
+            m = self.key
+            while m < limit and m <= j and doc[j - m] == context[len(context) - 1 - m]:
+                m += 1
+            if best is None or m > best[0]:
+                best = (m, did, j)
+        if best is None:
+            return None
+        m, did, j = best
+        out = list(self._docs[did][j + 1:j + 1 + k])
+        return Draft(out, "cache", m) if out else None

@@ -1,0 +1,249 @@
+"""Speculative decoding (issue 47): the draft sources, the cost rule, and the engine's verification.
+
+The engine verifies a draft by sampling each drafted position in order with the continuation's own
+sampler and keeping the draft up to the first token it did not draw, so its output is exactly the
+output without speculation: the same tokens for the same logits, at temperature 0 and at any
+temperature and seed (the sampler makes the same draws in the same order). On F32 weights and cache
+the logits of a position do not depend on the batch it was decoded in, so these tests compare token
+for token. A draft source here is an oracle (the answer without speculation, with wrong tokens put
+in at random), so that drafts are long, partly right and partly wrong, whatever the tiny model says.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import pyllama_kv as pk
+from conftest import F32, toks
+from pyllama_kv.engine import GREEDY, Engine, EngineConfig, SamplingParams
+from pyllama_kv.sampling.grammar import Grammar
+from pyllama_kv.speculation.drafts import Draft, PromptLookup, SuffixIndex
+from pyllama_kv.speculation.policy import Acceptance, BatchCost, SpecPolicy
+
+# ---------------------------------------------------------------------------------------------
+# the draft sources
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_suffix():
+    pl = PromptLookup(n_min=2, n_max=4)
+    t = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]
+    # "5 1 2 3" never occurred before; "1 2 3" did, last followed by 8 5 1
+    assert pl.propose(t, 3) == Draft([8, 5, 1], "ngram", 3)
+    t += [8]                          # grown: now "1 2 3 8" occurred before, followed by 5 1
+    assert pl.propose(t, 2) == Draft([5, 1], "ngram", 4)
+    assert pl.propose([4, 4, 7], 3) is None   # shorter than what was indexed: indexed again
+    assert pl.propose([6, 7, 6, 7], 5) == Draft([6, 7], "ngram", 2)
+    assert PromptLookup(3, 5).propose([1, 2, 1, 2], 4) is None   # no 3-gram repeats
+    assert pl.propose([6, 7, 6, 7], 0) is None
+
+
+def test_prompt_lookup_after_a_cut_is_rebuilt():
+    pl = PromptLookup(n_min=2, n_max=3)
+    t = list(range(50)) + [10, 11]
+    assert pl.propose(t, 2).tokens == [12, 13]
+    del t[20:40]                           # a context shift cut the middle (10..19 stay)
+    assert pl.propose(t, 2).tokens == [12, 13]   # (noticed without a reset: the list changed)
+    t[:] = [5, 6, 5, 6, 5]
+    pl.reset()
+    assert pl.propose(t, 3).tokens == [6, 5]
+
+
+def test_suffix_index_extends_the_match_backwards_and_stays_within_its_bound():
+    ix = SuffixIndex(max_tokens=100, key=2, max_match=16)
+    ix.add([1, 2, 3, 4, 5, 6])
+    ix.add([9, 9, 3, 4, 7, 7])                  # "3 4" again, with less context matching
+    d = ix.propose([0, 2, 3, 4], 3)
+    assert d.tokens == [5, 6] and d.match == 3   # "2 3 4" matched the first document further back
+    d = ix.propose([0, 9, 3, 4], 3)
+    assert d.tokens == [7, 7] and d.match == 3
+    assert ix.propose([3, 5], 3) is None and ix.propose([4], 3) is None
+    for i in range(30):                          # 30 documents of 6 tokens: the oldest go
+        ix.add([100 + i, 101 + i, 102 + i, 103 + i, 104 + i, 105 + i])
+    assert ix.tokens <= 100 and len(ix) == 100 // 6
+    assert ix.propose([2, 3, 4], 3) is None      # its documents were dropped, and their keys with them
+    assert all(did in ix._docs for q in ix._index.values() for did, _ in q)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost rule, on given costs (no timing)
+
+def cost_of(fixed: float, per_token: float) -> BatchCost:
+    c = BatchCost()
+    for b in (1, 2, 8, 32):
+        c.observe(b, fixed + per_token * b)
+    return c
+
+
+@pytest.mark.parametrize("fixed,per_token,rate,want", [
+    (0.5, 0.5, 0.3, 0),      # this CPU (a token costs about half a step), drafts rarely accepted: none
+    (0.5, 0.5, 0.95, 4),     # the same, drafts nearly always accepted: several
+    (1.0, 0.01, 0.5, 5),     # a GPU (a token is almost free): drafts even at a coin flip
+])
+def test_the_rule_drafts_where_it_pays(fixed, per_token, rate, want):
+    p = SpecPolicy(max_draft=16)
+    p.cost = cost_of(fixed, per_token)
+    got = p.allocate(base=1, generating=1, offers=[("a", rate, 16)], room=64).get("a", 0)
+    assert (got == 0) if want == 0 else (got >= want), got
+    # what it took is the best the line allows: one token more or less is not better
+    t = p.cost.seconds
+
+    def value(k):
+        return (1 + sum(rate ** j for j in range(1, k + 1))) / t(1 + k)
+    assert value(got) >= max(value(max(0, got - 1)), value(min(16, got + 1))) - 1e-12
+
+
+def test_the_rule_spends_the_batch_on_the_best_drafts_first():
+    p = SpecPolicy(max_draft=8)
+    p.cost = cost_of(1.0, 0.01)
+    got = p.allocate(base=4, generating=4, offers=[("good", 0.9, 8), ("bad", 0.2, 8)], room=6)
+    assert got.get("good", 0) >= 5 and sum(got.values()) <= 6
+    assert p.allocate(base=4, generating=4, offers=[("x", 0.9, 8)], room=0) == {}
+
+
+def test_batch_cost_reads_between_and_past_the_sizes_seen():
+    c = BatchCost()
+    assert c.seconds(4) is None
+    c.observe(2, 2.0)
+    assert c.seconds(2) == 2.0 and c.seconds(3) is None   # one size: no slope yet
+    c.observe(6, 4.0)
+    assert c.seconds(4) == pytest.approx(3.0) and c.seconds(10) == pytest.approx(6.0)
+    assert c.seconds(1) == pytest.approx(1.5)
+    c.observe(6, 8.0)                                      # a weighted mean per size
+    assert 4.0 < c.seconds(6) < 8.0
+
+
+def test_acceptance_learns_per_source_and_match():
+    a = Acceptance()
+    prior = a.rate("ngram", 8)
+    for _ in range(50):
+        a.observe("ngram", 8, drafted=4, accepted=4)
+        a.observe("cache", 8, drafted=4, accepted=0)
+    assert a.rate("ngram", 8) > 0.9 > prior > a.rate("cache", 8)
+    assert a.rate("ngram", 2) == pytest.approx(Acceptance().rate("ngram", 2))   # another bucket: untouched
+
+
+def test_a_policy_that_cannot_weigh_yet_explores_now_and_then():
+    p = SpecPolicy()
+    got = [p.allocate(base=1, generating=1, offers=[("a", 0.5, 10)], room=64) for _ in range(16)]
+    assert sum(1 for g in got if g) == 2 and all(g in ({}, {"a": 4}) for g in got)
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine: exactly the output of no speculation
+
+@pytest.fixture(scope="module")
+def model(tiny_model, pin_lib):
+    with pk.Model(tiny_model, lib=pin_lib) as m:
+        yield m
+
+
+def oracle_drafts(engine: Engine, answers: list[list[int]], wrong: float, seed: int = 0) -> None:
+    """Make ``engine`` draft from ``answers`` (the contexts of a run without speculation), every draft
+    as long as allowed, a token of it wrong with probability ``wrong``; the cost rule takes them all."""
+    rng = random.Random(seed)
+
+    def propose(tokens, state, k):
+        for full in answers:
+            n = len(tokens)
+            if len(full) > n and full[:n] == list(tokens):
+                d = list(full[n:n + k])
+                for i in range(len(d)):
+                    if rng.random() < wrong:
+                        d[i] = rng.randrange(engine.n_vocab)
+                return Draft(d, "ngram", 8)
+        return None
+
+    engine.spec.propose = propose
+    engine.spec.policy.allocate = lambda base, gen, offers, room: {key: min(n, room) for key, _r, n in offers}
+
+
+def run(model, spec: str, params, oracle=None, n: int = 1, **submit) -> tuple[list, list, Engine]:
+    cfg = EngineConfig(n_ctx=512, parallel=6, spec=spec, **F32)
+    with Engine(model, cfg) as e:
+        if oracle is not None:
+            oracle_drafts(e, oracle, wrong=0.08)
+        hs = [e.submit(toks(30 + 7 * i, seed=i), params, max_tokens=40, n=n, **submit) for i in range(3)]
+        e.run_until_idle()
+        done = [h.result() for h in hs]
+    return [[(c.tokens, c.text, c.finish_reason, c.logprobs) for c in r] for r in done], \
+        [c.context_tokens for r in done for c in r], e
+
+
+def same(got: list, want: list) -> bool:
+    """The same tokens, text and finish reasons, and log-probabilities within 1e-4 (F32 logits of one
+    position differ by ~1e-6 between batch shapes), the same top alternatives."""
+    for g, w in zip(got, want):
+        for (gt, gx, gr, gl), (wt, wx, wr, wl) in zip(g, w):
+            if (gt, gx, gr) != (wt, wx, wr) or (gl is None) != (wl is None):
+                return False
+            for a, b in zip(gl or (), wl or ()):
+                if a[0] != b[0] or abs(a[1] - b[1]) > 1e-4 or [t for t, _ in a[2]] != [t for t, _ in b[2]]:
+                    return False
+    return len(got) == len(want) and all(len(g) == len(w) for g, w in zip(got, want))
+
+
+CASES = {
+    "greedy": (GREEDY, 1, {}),
+    "seeded, n=2": (SamplingParams(temperature=0.9, top_k=20, seed=11), 2, {}),
+    "penalties": (SamplingParams(temperature=0.7, seed=3, repeat_penalty=1.3, frequency_penalty=0.5), 1, {}),
+    "logprobs and a stop string": (GREEDY, 1, {"logprobs": 3, "stop": ["a"]}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_drafts_change_nothing_but_the_steps(model, case):
+    params, n, extra = CASES[case]
+    want, contexts, plain = run(model, "none", params, n=n, **extra)
+    got, contexts2, spec = run(model, "ngram", params, oracle=contexts, n=n, **extra)
+    assert same(got, want) and contexts2 == contexts
+    st = spec.stats.spec
+    assert st.accepted > 0 and st.drafted > st.accepted, st   # drafts kept and drafts refused
+    assert spec.stats.steps < plain.stats.steps
+    assert spec.stats.generated_tokens == plain.stats.generated_tokens
+
+
+def test_a_grammar_is_kept_under_drafts(model):
+    g = Grammar.regex("[a-f ]{5,40}")
+    want, contexts, _ = run(model, "none", SamplingParams(temperature=0.8, seed=2), grammar=g)
+    got, _, spec = run(model, "ngram", SamplingParams(temperature=0.8, seed=2), oracle=contexts, grammar=g)
+    assert same(got, want) and spec.stats.spec.accepted > 0
+
+
+def test_rejected_cells_are_removed_and_the_cache_is_exact(model):
+    """After its verifications a sequence holds exactly its tokens: a later request that forks the
+    cached conversation continues as a fresh evaluation of it does."""
+    _, contexts, _ = run(model, "none", GREEDY)
+    cfg = EngineConfig(n_ctx=512, parallel=6, spec="ngram", **F32)
+    with Engine(model, cfg) as e:
+        oracle_drafts(e, contexts, wrong=0.3)
+        h = e.submit(toks(30, seed=0), GREEDY, max_tokens=40)
+        e.run_until_idle()
+        assert e.stats.spec.drafted > e.stats.spec.accepted > 0
+        # the conversation cached holds its tokens and no drafted cell more (the last token is decoded
+        # only when the answer ended at the end-of-generation token)
+        done = h.result()[0]
+        held = len(done.context_tokens) - (0 if done.finish_reason == "eos" else 1)
+        assert max(len(s) for s in e.context.sequences) == held
+        follow = done.context_tokens + toks(5, seed=9)
+        h2 = e.submit(follow, GREEDY, max_tokens=8)
+        e.run_until_idle()
+        assert h2.usage.reused_tokens >= len(contexts[0]) - 1
+    with Engine(model, EngineConfig(n_ctx=512, parallel=2, **F32)) as fresh:
+        h3 = fresh.submit(follow, GREEDY, max_tokens=8)
+        fresh.run_until_idle()
+    assert h2.result()[0].tokens == h3.result()[0].tokens
+
+
+def test_a_request_may_turn_it_off_and_a_full_cache_drops_drafts_first(model):
+    _, contexts, _ = run(model, "none", GREEDY)
+    cfg = EngineConfig(n_ctx=512, parallel=6, spec="ngram", **F32)
+    with Engine(model, cfg) as e:
+        oracle_drafts(e, contexts, wrong=0.0)
+        h = e.submit(toks(30, seed=0), GREEDY, max_tokens=40, spec_max=0)
+        e.run_until_idle()
+        assert e.stats.spec.drafted == 0 and h.result()[0].tokens
+    with pytest.raises(pk.InvalidInputError, match="spec_max"):
+        Engine(model, cfg).submit([1, 2], GREEDY, spec_max=-1)
+    with pytest.raises(pk.InvalidInputError, match="spec"):
+        EngineConfig(spec="ngram,bogus")
