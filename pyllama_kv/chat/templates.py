@@ -387,16 +387,28 @@ def _control_texts(model, s: str) -> frozenset[str] | None:
     return found
 
 
-def _placeholders(n: int, texts: list[str]) -> list[str]:
-    """``n`` characters of the supplementary private use area that occur in none of ``texts``."""
+#: the supplementary private use area (planes 15 and 16, but their last two noncharacters), where
+#: placeholders are taken from
+_PUA_FIRST, _PUA_LAST = 0xF0000, 0x10FFFD
+_PUA = re.compile("[\U000F0000-\U0010FFFD]")
+
+
+def _placeholders(n: int, texts) -> list[str]:
+    """``n`` characters of the supplementary private use area that occur in none of ``texts``: the
+    characters of that area the texts use are collected in one pass over them, then the first ``n``
+    others taken (linear in the texts' length plus ``n``, whatever characters they use)."""
+    used: set[str] = set()
+    for t in texts:
+        used.update(_PUA.findall(t))
     out: list[str] = []
-    for cp in range(0xF0000, 0x10FFFE):
+    for cp in range(_PUA_FIRST, _PUA_LAST + 1):
         c = chr(cp)
-        if not any(c in t for t in texts):
+        if c not in used:
             out.append(c)
             if len(out) == n:
                 return out
-    raise InvalidInputError("the messages use every private-use character")  # pragma: no cover
+    raise InvalidInputError(f"the messages use {len(used)} private-use characters: too many to mark "
+                            f"{n} control-token texts")
 
 
 def _strings(x: Any):
@@ -471,14 +483,26 @@ def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, 
     marked = _map_strings(msgs, mark)
     text = render(source, marked, add_generation_prompt, bos_token=bos, eos_token=eos, name=name,
                   tools=_map_strings(tools, mark))
-    back = dict(zip(marks, ordered))
-    out, plain, pos = [], [], 0
-    for piece in re.split("([" + "".join(marks) + "])", text):
-        if piece in back:
-            piece = back[piece]
-            plain.append((pos, pos + len(piece)))
-        out.append(piece)
-        pos += len(piece)
+    return _restore(text, dict(zip(marks, ordered)))
+
+
+def _restore(text: str, back: dict[str, str]) -> Rendered:
+    """``text`` with each placeholder of ``back`` put back as its text, marked plain: one pass over the
+    private-use characters of ``text`` (one regular expression, whatever the placeholders)."""
+    out: list[str] = []
+    plain: list[tuple[int, int]] = []
+    pos = start = 0
+    for m in _PUA.finditer(text):
+        original = back.get(m.group())
+        if original is None:
+            continue
+        out.append(text[start:m.start()])
+        pos += m.start() - start
+        out.append(original)
+        plain.append((pos, pos + len(original)))
+        pos += len(original)
+        start = m.end()
+    out.append(text[start:])
     return Rendered("".join(out), plain)
 
 

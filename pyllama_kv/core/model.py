@@ -7,6 +7,12 @@ which samplers build their chains with), ``Model.open_native_context(owner, adop
 ``adopt``, and ``owner`` registered: :meth:`Model.close` closes it first), ``Model.forget_context(owner)`` (the
 owner closed its native context) and ``Model.check_open()``. The model's lock is taken after a
 context's lock, never before.
+
+Vocabulary calls (tokenize, detokenize, token_to_piece, is_eog, meta) take no lock that generation
+needs: llama.cpp's vocabulary and metadata are read-only once the model is loaded, and its tokenizer
+is thread-safe (llama-server tokenizes in its HTTP threads while its main loop decodes), so a long
+tokenization in one thread never holds up another thread's decode or detokenization. Each is counted
+while it runs, and :meth:`Model.close` waits for those running to finish before it frees the model.
 """
 from __future__ import annotations
 
@@ -273,7 +279,8 @@ class Model(_kv.CResource):
 
     def _load(self, load_path: Path, n_gpu_layers: int, use_mmap: bool, endpoints: list[str]) -> _kv.NativeModel:
         """llama_model_load_from_file on ``load_path`` (the checked open file, or the path itself
-        with validation off), the RPC devices connected first; sets _native and _lock."""
+        with validation off), the RPC devices connected first; sets _native, _lock and the count of
+        vocabulary calls."""
         self.rpc: tuple[str, ...] = ()
         with _rpc_lock if endpoints else _NO_LOCK:
             devices = None
@@ -295,6 +302,9 @@ class Model(_kv.CResource):
             self.rpc = tuple(endpoints)
         self._native: _kv.NativeModel | None = native
         self._lock = threading.RLock()
+        # vocabulary calls running (they take no model lock), per thread: close() waits until none is
+        self._vocab_calls: dict[int, int] = {}
+        self._vocab_idle = threading.Condition(threading.Lock())
         return native
 
     def _head_dim(self, key: str) -> int:
@@ -385,7 +395,10 @@ class Model(_kv.CResource):
     def close(self) -> None:
         """Free the model. Open contexts are closed first (each under its own lock, so a context
         that is decoding finishes first; from a context's abort callback this raises
-        InvalidInputError and the model stays open)."""
+        InvalidInputError and the model stays open); then vocabulary calls running in other threads
+        finish (none starts once the model is closing: they raise InvalidInputError). From within a
+        vocabulary call of its own thread (a log handler) this raises InvalidInputError and the model
+        stays open."""
         if getattr(self, "_native", None) is None:
             return
         while True:
@@ -395,7 +408,13 @@ class Model(_kv.CResource):
                     return
                 ctxs = list(self._contexts)
                 if not ctxs:
-                    self._native = None
+                    with self._vocab_idle:
+                        if threading.get_ident() in self._vocab_calls:   # (a log handler, under the call)
+                            raise InvalidInputError("the model cannot be closed from within one of its own "
+                                                    "vocabulary calls")
+                        self._native = None   # (no vocabulary call starts from here on)
+                        while self._vocab_calls:
+                            self._vocab_idle.wait()
                     native.free()
                     if self.rpc:
                         with _rpc_lock:
@@ -416,6 +435,28 @@ class Model(_kv.CResource):
 
     # -- vocabulary -----------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _vocab(self):
+        """The native model for one vocabulary or metadata call, without the model's lock (read-only
+        after load, thread-safe in llama.cpp): counted while it runs, so that :meth:`close` frees the
+        model only after it. InvalidInputError when the model is closed or closing."""
+        me = threading.get_ident()
+        with self._vocab_idle:
+            native = self._native
+            if native is None:
+                raise InvalidInputError("the model is closed")
+            self._vocab_calls[me] = self._vocab_calls.get(me, 0) + 1
+        try:
+            yield native
+        finally:
+            with self._vocab_idle:
+                if self._vocab_calls[me] > 1:
+                    self._vocab_calls[me] -= 1
+                else:
+                    del self._vocab_calls[me]
+                    if not self._vocab_calls:
+                        self._vocab_idle.notify_all()
+
     def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         """Token ids of ``text`` (str, or UTF-8 bytes); ``add_bos`` adds the BOS token if the model
         uses one. Text the vocabulary cannot represent raises InvalidInputError."""
@@ -430,10 +471,7 @@ class Model(_kv.CResource):
         if len(data) > INT32_MAX // 2:
             raise InvalidInputError(f"text of {len(data)} bytes is too long to tokenize")
         n_max = len(data) + 8
-        with self._lock:
-            self.check_open()
-            native = self._native
-            assert native is not None
+        with self._vocab() as native:
             for _ in range(2):
                 n, toks = native.tokenize(data, n_max, bool(add_bos), bool(special))
                 if n >= 0:
@@ -481,10 +519,7 @@ class Model(_kv.CResource):
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (may be part of a UTF-8 character)."""
         t = self._token_id(token)
-        with self._lock:
-            self.check_open()
-            native = self._native
-            assert native is not None
+        with self._vocab() as native:
             n, piece = native.token_to_piece(t, 64, bool(special))
             if n < 0 and n != C_EXCEPTION:
                 n, piece = native.token_to_piece(t, -n, bool(special))
@@ -501,10 +536,7 @@ class Model(_kv.CResource):
             raise InvalidInputError(f"{arr.size} tokens are too many to detokenize at once")
         arr = np.ascontiguousarray(arr)
         n_max = max(64, arr.size * 16)
-        with self._lock:
-            self.check_open()
-            native = self._native
-            assert native is not None
+        with self._vocab() as native:
             for _ in range(2):
                 n, out = native.detokenize(arr, n_max, not special, bool(special))
                 if n >= 0:
@@ -517,10 +549,8 @@ class Model(_kv.CResource):
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT, ...)."""
         t = self._token_id(token)
-        with self._lock:
-            self.check_open()
-            assert self._native is not None
-            return self._native.is_eog(t)
+        with self._vocab() as native:
+            return native.is_eog(t)
 
     def meta(self, key: str) -> str | None:
         """A metadata value of the GGUF file as a string (None if absent; arrays are abridged by
@@ -531,10 +561,7 @@ class Model(_kv.CResource):
         if b"\0" in k:
             raise InvalidInputError("meta key must not contain NUL")
         size = 4096
-        with self._lock:
-            self.check_open()
-            native = self._native
-            assert native is not None
+        with self._vocab() as native:
             for _ in range(2):
                 n, val = native.meta(k, size)
                 if n < 0:

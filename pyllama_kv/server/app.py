@@ -79,6 +79,20 @@ _ERROR_FINISH = {"cache_full": (503, "server_error", "kv_cache_full"), "error": 
 _error = error_response   # (OpenAI's error object)
 
 
+def _utf8(text: str) -> bytes:
+    """JSON text (or an SSE event of it) written with ``ensure_ascii=False``, as UTF-8: a lone surrogate
+    a client sent (valid in a JSON string as an escape, not encodable as UTF-8) is written as that escape
+    again, instead of failing the answer."""
+    return text.encode("utf-8", "backslashreplace")
+
+
+class _JSON(JSONResponse):
+    """starlette's JSONResponse for answers that may repeat the client's text (see :func:`_utf8`)."""
+
+    def render(self, content) -> bytes:
+        return _utf8(json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")))
+
+
 class _Gone(Exception):
     """The client went away (``stage``: "body" while its request body was being read)."""
 
@@ -111,6 +125,9 @@ class Server:
         self._key_digest = hashlib.sha256((config.api_key or "").encode("latin-1")).digest()
         self._grace: threading.Timer | None = None
         self._piece = functools.lru_cache(maxsize=1 << 16)(model.token_to_piece)
+        # control tokens as their text (/tokenize's pieces)
+        self._special_piece = functools.lru_cache(maxsize=1 << 16)(functools.partial(model.token_to_piece,
+                                                                                     special=True))
         # compiled grammars and verdicts by text: agents send the same schema and tools again and again,
         # and a hostile grammar costs a worker's time once
         self.grammars = GrammarCache(model)
@@ -255,6 +272,10 @@ class Server:
                            headers={"Connection": "close"}) from None
         except ClientDisconnect:   # it closed the connection before its Content-Length was sent
             raise _Gone("body") from None
+        return await run_in_threadpool(self._json, data)   # (per-item work: never on the event loop)
+
+    @staticmethod
+    def _json(data: bytes | bytearray):
         try:
             return json.loads(data)
         except (ValueError, RecursionError):
@@ -286,42 +307,56 @@ class Server:
 
     async def tokenize(self, request: HTTPRequest) -> Response:
         """``{"content", "add_special", "parse_special", "with_pieces"}`` -> ``{"tokens": [...]}`` (with
-        pieces: ``[{"id", "piece"}]``, a piece that is not whole UTF-8 as its list of bytes)."""
-        content, add_special, parse_special, with_pieces = protocol.parse_tokenize(await self._body(request))
+        pieces: ``[{"id", "piece"}]``, a piece that is not whole UTF-8 as its list of bytes). Tokenized,
+        and each piece and the answer's JSON made, on a worker thread: per-token work never runs on the
+        event loop."""
+        args = protocol.parse_tokenize(await self._body(request))
+        return await run_in_threadpool(self._tokenize, *args)
+
+    def _tokenize(self, content: str, add_special: bool, parse_special: bool, with_pieces: bool) -> Response:
         m = self.model
-        toks = await run_in_threadpool(m.tokenize, content, add_bos=add_special, special=parse_special)
+        try:
+            toks = m.tokenize(content, add_bos=add_special, special=parse_special)
+        except InvalidInputError as e:
+            raise protocol.bad("content", f"content: {e}") from None
         if not with_pieces:
-            return JSONResponse({"tokens": list(toks)})
+            return JSONResponse({"tokens": toks})
         out = []
         for t in toks:
-            b = m.token_to_piece(int(t), special=True)
+            b = self._special_piece(t)
             try:
                 piece: str | list[int] = b.decode("utf-8")
             except UnicodeDecodeError:
                 piece = list(b)
-            out.append({"id": int(t), "piece": piece})
+            out.append({"id": t, "piece": piece})
         return JSONResponse({"tokens": out})
 
     async def detokenize(self, request: HTTPRequest) -> Response:
         """``{"tokens": [...]}`` -> ``{"content": text}`` (control tokens as their text, as llama-server
-        renders them); a 400 naming ``tokens`` for an id out of range."""
+        renders them); a 400 naming ``tokens`` for an id out of range. Checked and detokenized on a worker
+        thread."""
         raw = protocol.parse_detokenize(await self._body(request))
+        return await run_in_threadpool(self._detokenize, raw)
+
+    def _detokenize(self, raw: list) -> Response:
         try:
-            toks = self.model.check_tokens(raw).tolist()
+            toks = self.model.check_tokens(raw)
         except InvalidInputError as e:
             raise protocol.bad("tokens", str(e)) from None
-        text = await run_in_threadpool(functools.partial(self.model.detokenize, toks, special=True))
-        return JSONResponse({"content": text})
+        return JSONResponse({"content": self.model.detokenize(toks, special=True)})
 
     async def apply_template(self, request: HTTPRequest) -> Response:
         """``{"messages": [...]}`` -> ``{"prompt": text}``: the chat template applied (in its sandbox), with
-        the generation prompt, as a chat completion would see it."""
-        msgs = protocol.parse_apply_template(await self._body(request))
+        the generation prompt, as a chat completion would see it (checked and rendered on a worker thread)."""
+        return await run_in_threadpool(self._apply_template, await self._body(request))
+
+    def _apply_template(self, body) -> Response:
+        msgs = protocol.parse_apply_template(body)
         try:
-            text = await run_in_threadpool(self._render, msgs)
+            text = self._render(msgs)
         except InvalidInputError as e:
             raise protocol.bad("messages", str(e)) from None
-        return JSONResponse({"prompt": str(text)})
+        return _JSON({"prompt": str(text)})
 
     # -- embeddings and rerank (the engine's loop runs them: engine/embeddings.py) ---------------
 
@@ -336,7 +371,7 @@ class Server:
     async def _embeddings(self, request: HTTPRequest, kind: str) -> Response:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        req = protocol.parse_embeddings(await self._body(request), kind)
+        req = await run_in_threadpool(protocol.parse_embeddings, await self._body(request), kind)
         if req.model is not None:
             self._check_model(req.model)
         pooling = self.engine.embeddings.pooling
@@ -354,7 +389,8 @@ class Server:
         if vectors is None:
             return Response(status_code=499)
         n = sum(len(t) for t in toks)
-        return JSONResponse(protocol.embeddings_response(req, self.model_id, vectors, n))
+        return await run_in_threadpool(
+            lambda: _JSON(protocol.embeddings_response(req, self.model_id, vectors, n)))
 
     def _fit(self, toks, name: str, truncate: bool = False):
         """``toks`` within the embedding batch (cut when ``truncate``), else a 400 naming ``name``."""
@@ -383,7 +419,7 @@ class Server:
         the query, most relevant first."""
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        req = protocol.parse_rerank(await self._body(request))
+        req = await run_in_threadpool(protocol.parse_rerank, await self._body(request))
         if req.model is not None:
             self._check_model(req.model)
         pooling = self.engine.embeddings.pooling
@@ -395,7 +431,8 @@ class Server:
         if scores is None:
             return Response(status_code=499)
         n = sum(len(t) for t in toks)
-        return JSONResponse(protocol.rerank_response(req, self.model_id, [float(v[0]) for v in scores], n))
+        return await run_in_threadpool(
+            lambda: _JSON(protocol.rerank_response(req, self.model_id, [float(v[0]) for v in scores], n)))
 
     def _rerank_tokens(self, req) -> list:
         m = self.model
@@ -456,8 +493,8 @@ class Server:
         return await self._serve(request, self.dialects["messages"])
 
     async def stored_response(self, request: HTTPRequest) -> Response:
-        """``GET /v1/responses/{id}``: a stored response (``store``: true, not evicted yet)."""
-        return JSONResponse(self.response_store.answer(request.path_params["id"]))
+        """``GET /v1/responses/{id}``: a stored response (``store``: true, not evicted yet), its JSON as kept."""
+        return Response(self.response_store.answer(request.path_params["id"]), media_type="application/json")
 
     async def delete_response(self, request: HTTPRequest) -> Response:
         """``DELETE /v1/responses/{id}``: forget a stored response."""
@@ -467,7 +504,7 @@ class Server:
         """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens, rendered and tokenized
         exactly as ``/v1/messages`` would (tools included)."""
         assert isinstance(self.anthropic, messages.MessagesDialect)
-        req = self.anthropic.parse_count(await self._body(request))
+        req = await run_in_threadpool(self.anthropic.parse_count, await self._body(request))
         self._check_model(req.model)
         toks = await run_in_threadpool(self._prepare, req)
         return JSONResponse({"input_tokens": len(toks)})
@@ -637,7 +674,7 @@ class Server:
             raise APIError(400, f"{self.model_id} is an embedding model (no language-model head): it serves "
                            "/v1/embeddings (and /v1/rerank for a reranker), not completions",
                            code="model_not_supported")
-        req = dialect.parse(await self._body(request))
+        req = await run_in_threadpool(dialect.parse, await self._body(request))   # (per item: off the loop)
         self._check_model(req.model)
         toks, grammar = await self._prepared(request, req)
         loop = asyncio.get_running_loop()
@@ -662,8 +699,12 @@ class Server:
         if err is not None:
             return dialect.error(err)
         self._observe(handle, t0)
+        return await run_in_threadpool(self._answer, dialect, req, comps, handle.usage)
+
+    def _answer(self, dialect: Dialect, req: GenRequest, comps, usage) -> Response:
+        """A whole answer, on a worker thread (its transcript kept, its JSON made: per-token work)."""
         self._remember(req, comps)
-        return JSONResponse(dialect.answer(req, comps, handle.usage))
+        return _JSON(dialect.answer(req, comps, usage))
 
     def _remember(self, req: GenRequest, comps) -> None:
         """Keep each chat answer whose cells the cache holds as it was generated (finished by eos or
@@ -724,13 +765,18 @@ class Server:
                 handle.cancel()
         return True
 
-    async def _stream(self, req: GenRequest, handle, events: asyncio.Queue, t0: float, enc) -> AsyncIterator[str]:
+    def _end(self, req: GenRequest, handle, enc) -> list[str]:
+        """A stream's last events, on a worker thread (its transcript kept, the whole answer's objects made)."""
+        self._remember(req, handle.completions)
+        return list(enc.end(handle.completions, handle.usage))
+
+    async def _stream(self, req: GenRequest, handle, events: asyncio.Queue, t0: float, enc) -> AsyncIterator[bytes]:
         """The SSE events of the dialect's encoder ``enc`` for the engine's events (a Relay's pieces). A
         client that goes away cancels the request (starlette cancels this generator)."""
         relay = Relay(req)
         try:
             for s in enc.start():
-                yield s
+                yield _utf8(s)
             while relay.open:
                 ev = await events.get()
                 if ev.finish_reason in _ERROR_FINISH:
@@ -738,15 +784,14 @@ class Server:
                     err = self._failure([handle.completions[ev.index]], req)
                     assert err is not None
                     for s in enc.error(err):
-                        yield s
+                        yield _utf8(s)
                     return
                 for p in relay.pieces(ev):
                     for s in enc.piece(p):
-                        yield s
+                        yield _utf8(s)
             self._observe(handle, t0)
-            self._remember(req, handle.completions)
-            for s in enc.end(handle.completions, handle.usage):
-                yield s
+            for s in await run_in_threadpool(self._end, req, handle, enc):
+                yield _utf8(s)
         except (asyncio.CancelledError, GeneratorExit):   # the client went away (starlette cancels the stream)
             if relay.open:
                 self.metrics.client_disconnects.labels("generating").inc()
@@ -755,7 +800,7 @@ class Server:
             log.exception("error while streaming")
             self.metrics.internal_errors.inc()
             for s in enc.error(APIError(500, f"internal server error: {type(e).__name__}", "server_error")):
-                yield s
+                yield _utf8(s)
         finally:
             if relay.open:
                 handle.cancel()

@@ -33,8 +33,9 @@ from typing import Any, Callable
 from starlette.responses import Response
 
 from ..chat import toolcall
+from ..limits import MAX_MESSAGE_PARTS, MAX_MESSAGES, MAX_STOP_STRINGS
 from . import protocol
-from .protocol import APIError, GenRequest, bad
+from .protocol import APIError, GenRequest, bad, check_count
 from .relay import Bounds, Dialect, Piece, error_response as _json_error, renamed, renamer, sse
 
 FIELDS = frozenset(["model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
@@ -88,6 +89,7 @@ def _text_blocks(v, where: str) -> str:
         return v
     if not isinstance(v, list):
         raise bad(where, f"{where} must be a string or a list of text blocks")
+    check_count(v, where, MAX_MESSAGE_PARTS, "blocks")
     out = []
     for j, b in enumerate(v):
         q = f"{where}[{j}]"
@@ -140,6 +142,7 @@ def _messages(v) -> list[dict]:
     text; an assistant's text and tool calls in one message."""
     if not isinstance(v, list) or not v:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    check_count(v, "messages", MAX_MESSAGES, "messages")
     out: list[dict] = []
     for i, m in enumerate(v):
         p = f"messages[{i}]"
@@ -155,6 +158,7 @@ def _messages(v) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise bad(f"{p}.content", f"{p}.content must be a string or a list of content blocks")
+        check_count(content, f"{p}.content", MAX_MESSAGE_PARTS, "blocks")
         msg: dict[str, Any] = {"role": role, "content": ""}
         results: list[dict] = []
         for j, b in enumerate(content):
@@ -171,6 +175,7 @@ def _tools(v) -> list | None:
         return None
     if not isinstance(v, list):
         raise bad("tools", "tools must be a list of {name, description, input_schema} objects")
+    check_count(v, "tools", toolcall.MAX_TOOLS, "tools")
     out = []
     for i, t in enumerate(v):
         p = f"tools[{i}]"
@@ -238,6 +243,8 @@ def _options(body: dict, allowed: frozenset) -> None:
     if body.get("user_profile_id") is not None and not isinstance(body["user_profile_id"], str):
         raise bad("user_profile_id", "user_profile_id must be a string")
     stops = body.get("stop_sequences")
+    if isinstance(stops, list):
+        check_count(stops, "stop_sequences", MAX_STOP_STRINGS, "strings")
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(x, str) for x in stops)):
         raise bad("stop_sequences", "stop_sequences must be a list of strings")
     th = body.get("thinking")
@@ -278,13 +285,15 @@ def _chat_body(body) -> dict:
         raise bad(None, "the request body must be a JSON object", code="invalid_json")
     if body.get("messages") is None:
         raise bad("messages", "messages is required", code="missing_required_parameter")
+    # the other fields typed before any message is translated
+    choice, parallel = _tool_choice(body.get("tool_choice"))
+    tools = _tools(body.get("tools"))
     system = body.get("system")
     msgs = ([{"role": "system", "content": _text_blocks(system, "system")}] if system is not None else []) \
         + _messages(body["messages"])
-    choice, parallel = _tool_choice(body.get("tool_choice"))
     chat = {"model": body.get("model"), "messages": msgs, "max_tokens": body.get("max_tokens"),
             "stop": body.get("stop_sequences"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "top_k": body.get("top_k"), "stream": body.get("stream"), "tools": _tools(body.get("tools")),
+            "top_k": body.get("top_k"), "stream": body.get("stream"), "tools": tools,
             "tool_choice": choice, "parallel_tool_calls": parallel, "response_format": _response_format(body)}
     return {k: v for k, v in chat.items() if v is not None}
 

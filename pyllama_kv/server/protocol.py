@@ -53,6 +53,8 @@ from ..limits import (
     INT32_MAX,
     LOGIT_BIAS_MAX,
     MAX_EMBED_INPUTS,
+    MAX_MESSAGE_PARTS,
+    MAX_MESSAGES,
     MAX_STOP_STRINGS as MAX_STOP,
     OPENAI_TEMPERATURE_MAX,
     PENALTY_MAX,
@@ -162,16 +164,23 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
+def check_count(v: list, name: str, limit: int, what: str = "items") -> None:
+    """A 400 naming ``name`` when the list ``v`` has more than ``limit`` items: checked before any of
+    them is looked at (see limits.MAX_MESSAGES)."""
+    if len(v) > limit:
+        raise bad(name, f"{name} has {len(v)} {what}; at most {limit} are allowed in one request")
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     v = body.get("stop")
     if v is None:
         return ()
     if isinstance(v, str):
         v = [v]
+    if isinstance(v, list) and len(v) > MAX_STOP:
+        raise bad("stop", f"stop has {len(v)} strings; at most {MAX_STOP} are allowed")
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise bad("stop", "stop must be a string or a list of strings")
-    if len(v) > MAX_STOP:
-        raise bad("stop", f"stop has {len(v)} strings; at most {MAX_STOP} are allowed")
     return tuple(s for s in v if s)
 
 
@@ -318,6 +327,7 @@ def _content(content, i: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        check_count(content, f"messages[{i}].content", MAX_MESSAGE_PARTS, "parts")
         parts = []
         for j, p in enumerate(content):
             if not isinstance(p, dict) or not isinstance(p.get("type"), str):
@@ -339,6 +349,7 @@ def _tool_calls(v, i: int) -> list[dict]:
     p = f"messages[{i}].tool_calls"
     if not isinstance(v, list):
         raise bad(p, f"{p} must be a list of {{id, type: function, function: {{name, arguments}}}}")
+    check_count(v, p, MAX_MESSAGE_PARTS, "calls")
     out = []
     for j, c in enumerate(v):
         q = f"{p}[{j}]"
@@ -373,6 +384,7 @@ def _messages(v) -> list[dict]:
     ``tool_calls`` (arguments as objects), ``tool_call_id`` and ``name`` where given."""
     if not isinstance(v, list) or not v:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    check_count(v, "messages", MAX_MESSAGES, "messages")
     out = []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
@@ -476,6 +488,7 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int,
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required (a string: see GET /v1/models)", code="missing_required_parameter")
+    _fields(body, kind)   # (every field named and typed before the messages' items are looked at)
     if kind == "chat":
         if "messages" not in body:
             raise bad("messages", "messages is required", code="missing_required_parameter")
@@ -484,7 +497,6 @@ def parse(body, kind: str, *, parallel: int, max_tokens_cap: int,
         if "prompt" not in body:
             raise bad("prompt", "prompt is required", code="missing_required_parameter")
         prompt = _prompt(body["prompt"])
-    _fields(body, kind)
     max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap)
     if kind == "chat" and max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap)
@@ -737,11 +749,11 @@ def parse_rerank(body) -> EmbedRequest:
     if not isinstance(query, str):
         raise bad("query", "query is required (a string)", code="missing_required_parameter")
     docs = body.get("documents")
+    if isinstance(docs, list) and len(docs) > MAX_EMBED_INPUTS:
+        raise bad("documents", f"documents has {len(docs)} items; at most {MAX_EMBED_INPUTS} in one request")
     if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
         raise bad("documents", "documents is required (a non-empty list of strings)",
                   code="missing_required_parameter" if docs is None else "invalid_value")
-    if len(docs) > MAX_EMBED_INPUTS:
-        raise bad("documents", f"documents has {len(docs)} items; at most {MAX_EMBED_INPUTS} in one request")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user", "user must be a string")
     return EmbedRequest(kind="rerank", model=model, inputs=list(docs), query=query,

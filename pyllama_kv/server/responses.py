@@ -17,22 +17,35 @@ cached_tokens``).
 Refused with a 400 naming the field: built-in tools (web_search, file_search, ...), image, file and
 audio parts, other item types (reasoning, item_reference, ...), ``background``, ``conversation``,
 ``prompt``, ``include`` items, ``reasoning.summary``, ``top_logprobs``, ``max_tool_calls``,
-``prompt_cache_key``. Accepted without effect: ``reasoning.effort``, ``user``, ``safety_identifier``,
-``service_tier`` auto/default, ``text.verbosity: "medium"``, ``text.format.description``,
-``stream_options.include_obfuscation``, a message item's ``id``/``status`` and parts' ``annotations``.
+``prompt_cache_key``. Accepted without effect: ``reasoning.effort`` (one of OpenAI's efforts),
+``user``, ``safety_identifier``, ``service_tier`` auto/default, ``text.verbosity: "medium"``,
+``text.format.description`` (a string), ``stream_options.include_obfuscation``, a message item's
+``id``/``status`` and parts' ``annotations``. Every field the response object repeats (and the store
+keeps) is typed first: no value of an unchecked shape is ever stored.
+
+Bounds: at most ``limits.MAX_MESSAGES`` input items (the conversation a ``previous_response_id``
+continues included) and ``limits.MAX_MESSAGE_PARTS`` parts per item, counted before any item is
+translated.
 """
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..chat import toolcall
-from ..limits import RESPONSES_STORED, RESPONSES_STORED_BYTES
+from ..limits import (
+    MAX_MESSAGE_PARTS,
+    MAX_MESSAGES,
+    RESPONSES_ENTRY_BYTES,
+    RESPONSES_STORED,
+    RESPONSES_STORED_BYTES,
+)
 from . import protocol
-from .protocol import APIError, GenRequest, bad
+from .protocol import APIError, GenRequest, bad, check_count
 from .relay import Bounds, Dialect, Piece, renamed, renamer, sse
 
 #: the fields /v1/responses takes (honoured, or accepted as having no effect: see the module docstring)
@@ -52,6 +65,8 @@ _ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
               "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
               "function_call_output": {"type", "call_id", "output", "id", "status"}}
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+#: OpenAI's values of ``reasoning.effort`` (accepted without effect: this server does not reason apart)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass
@@ -80,6 +95,7 @@ def _text_parts(v, where: str) -> str:
         return v
     if not isinstance(v, list):
         raise bad(where, f"{where} must be a string or a list of input_text parts")
+    check_count(v, where, MAX_MESSAGE_PARTS, "parts")
     out = []
     for j, p in enumerate(v):
         q = f"{where}[{j}]"
@@ -141,12 +157,16 @@ def _item(item, i: int, out: list[dict]) -> None:
         out.append({"role": _ROLES[role], "content": _text_parts(item["content"], f"{p}.content")})
 
 
-def _input(v) -> list[dict]:
-    """``input`` as chat messages."""
+def _input(v, before: int = 0) -> list[dict]:
+    """``input`` as chat messages; its items counted first (``before``: the messages of the stored
+    conversation it continues), so that too many are refused before any is translated."""
     if isinstance(v, str):
         return [{"role": "user", "content": v}]
     if not isinstance(v, list) or not v:
         raise bad("input", "input must be a string or a non-empty list of items")
+    if before + len(v) > MAX_MESSAGES:
+        raise bad("input", f"input has {len(v)} items" + (f" after the {before} messages of previous_response_id's "
+                  "conversation" if before else "") + f"; at most {MAX_MESSAGES} are allowed in one request")
     out: list[dict] = []
     for i, item in enumerate(v):
         _item(item, i, out)
@@ -159,6 +179,7 @@ def _tools(v) -> list | None:
         return None
     if not isinstance(v, list):
         raise bad("tools", "tools must be a list of {type: function, name, description, parameters} objects")
+    check_count(v, "tools", toolcall.MAX_TOOLS, "tools")
     out = []
     for i, t in enumerate(v):
         p = f"tools[{i}]"
@@ -202,6 +223,9 @@ def _format(v) -> dict | None:
         _keys(f, {"type"}, "text.format")
         return {"type": f["type"]}
     _keys(f, {"type", "name", "schema", "strict", "description"}, "text.format")
+    for k in ("name", "description"):   # (repeated by the response object, and stored)
+        if f.get(k) is not None and not isinstance(f[k], str):
+            raise bad(f"text.format.{k}", f"text.format.{k} must be a string")
     if f.get("schema") is None:
         raise bad("text.format.schema", "text.format.schema is required", code="missing_required_parameter")
     return {"type": "json_schema", "json_schema": {k: f[k] for k in ("name", "schema", "strict") if k in f}}
@@ -223,11 +247,7 @@ def _options(body: dict) -> None:
     if inc is not None and inc != []:
         raise bad("include", "include must be empty here (no extra output data is supported)",
                   code="unsupported_parameter")
-    r = body.get("reasoning")
-    if r is not None:
-        if not isinstance(r, dict):
-            raise bad("reasoning", "reasoning must be an object {effort}")
-        _keys(r, {"effort"}, "reasoning")
+    _reasoning(body.get("reasoning"))
     if body.get("truncation") not in (None, "auto", "disabled"):
         raise bad("truncation", "truncation must be auto or disabled")
     opts = body.get("stream_options")
@@ -241,6 +261,17 @@ def _options(body: dict) -> None:
         if body.get(name) is not None and not isinstance(body[name], str):
             raise bad(name, f"{name} must be a string")
     _metadata(body.get("metadata"))
+
+
+def _reasoning(v) -> None:
+    """``reasoning``: ``{effort}``, one of OpenAI's efforts (repeated by the response object, and stored)."""
+    if v is None:
+        return
+    if not isinstance(v, dict):
+        raise bad("reasoning", "reasoning must be an object {effort}")
+    _keys(v, {"effort"}, "reasoning")
+    if v.get("effort") is not None and v["effort"] not in REASONING_EFFORTS:
+        raise bad("reasoning.effort", f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}")
 
 
 def _metadata(v) -> None:
@@ -258,26 +289,46 @@ def _metadata(v) -> None:
 # -- the store -----------------------------------------------------------------------------------------
 
 
-class ResponseStore:
-    """Stored responses, by id, least recently used first out: at most ``max_items``, and their JSON at
-    most ``max_bytes`` (a response larger than that is not kept)."""
+def _compact(x) -> bytes:
+    """``x`` as compact ASCII JSON: what the store keeps (a lone surrogate stays valid, as an escape)."""
+    return json.dumps(x, separators=(",", ":")).encode("ascii")
 
-    def __init__(self, max_items: int = RESPONSES_STORED, max_bytes: int = RESPONSES_STORED_BYTES):
-        self.max_items, self.max_bytes = max_items, max_bytes
-        self._items: OrderedDict[str, tuple[list[dict], dict, int]] = OrderedDict()
+
+class ResponseStore:
+    """Stored responses, by id, least recently used first out: at most ``max_items``, holding at most
+    ``max_bytes`` of memory together (a response larger than that is not kept).
+
+    Each is kept as compact JSON, its conversation and its response object as two bytes objects, and
+    counted by the memory those take (``sys.getsizeof``) and ``entry_bytes`` for its id and its place in
+    the table: what is counted is what is held, whatever the shapes (an empty list is 2 bytes here, where
+    the list object would take 56). :meth:`conversation` decodes a copy; :meth:`answer` gives the JSON as
+    kept. Thread-safe."""
+
+    def __init__(self, max_items: int = RESPONSES_STORED, max_bytes: int = RESPONSES_STORED_BYTES,
+                 entry_bytes: int = RESPONSES_ENTRY_BYTES):
+        self.max_items, self.max_bytes, self.entry_bytes = max_items, max_bytes, entry_bytes
+        self._items: OrderedDict[str, tuple[bytes, bytes, int, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def held(self) -> int:
+        """The memory the stored responses are counted for (at most ``max_bytes``)."""
+        return self._bytes
+
     def put(self, rid: str, conversation: list[dict], response: dict) -> None:
-        size = len(json.dumps(conversation)) + len(json.dumps(response))
+        """Keep ``response`` (a JSON object) and the ``conversation`` it ended (a list of chat messages)
+        as ``rid``, dropping the least recently used ones until the bounds hold."""
+        conv, resp = _compact(conversation), _compact(response)
+        size = sys.getsizeof(conv) + sys.getsizeof(resp) + sys.getsizeof(rid) + self.entry_bytes
         with self._lock:
             self._drop(rid)
             if size > self.max_bytes:
                 return
-            self._items[rid] = (conversation, response, size)
+            self._items[rid] = (conv, resp, len(conversation), size)
             self._bytes += size
             while len(self._items) > self.max_items or self._bytes > self.max_bytes:
                 self._drop(next(iter(self._items)))
@@ -285,10 +336,10 @@ class ResponseStore:
     def _drop(self, rid: str) -> bool:
         entry = self._items.pop(rid, None)
         if entry is not None:
-            self._bytes -= entry[2]
+            self._bytes -= entry[3]
         return entry is not None
 
-    def _get(self, rid: str, param: str | None):
+    def _get(self, rid: str, param: str | None) -> tuple[bytes, bytes, int, int]:
         with self._lock:
             entry = self._items.get(rid)
             if entry is not None:
@@ -299,11 +350,18 @@ class ResponseStore:
                              "true, and the oldest are dropped)", code="previous_response_not_found")
         raise APIError(404, f"no stored response has the id {rid!r}", param="id", code="not_found")
 
-    def conversation(self, rid: str) -> list[dict]:
-        """The conversation response ``rid`` ended (a 400 naming previous_response_id when not kept)."""
-        return list(self._get(rid, "previous_response_id")[0])
+    def length(self, rid: str) -> int:
+        """The messages of the conversation response ``rid`` ended (a 400 naming previous_response_id when
+        not kept)."""
+        return self._get(rid, "previous_response_id")[2]
 
-    def answer(self, rid: str) -> dict:
+    def conversation(self, rid: str) -> list[dict]:
+        """The conversation response ``rid`` ended, a new copy (a 400 naming previous_response_id when not
+        kept)."""
+        return json.loads(self._get(rid, "previous_response_id")[0])
+
+    def answer(self, rid: str) -> bytes:
+        """The response object ``rid`` as stored: its JSON (a 404 when not kept)."""
         return self._get(rid, None)[1]
 
     def delete(self, rid: str) -> dict:
@@ -346,14 +404,16 @@ class ResponsesDialect(Dialect):
         _options(body)
         if body.get("input") is None:
             raise bad("input", "input is required", code="missing_required_parameter")
-        new = _input(body["input"])
+        # every other field typed, and the items counted, before any item is translated
+        fmt, tools, choice = _format(body.get("text")), _tools(body.get("tools")), _tool_choice(body.get("tool_choice"))
         prev = body.get("previous_response_id")
+        new = _input(body["input"], self.store.length(prev) if prev else 0)
         history = (self.store.conversation(prev) if prev else []) + new
         msgs = ([{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []) + history
         chat = {"model": body.get("model"), "messages": msgs, "max_tokens": body.get("max_output_tokens"),
                 "temperature": body.get("temperature"), "top_p": body.get("top_p"), "stream": body.get("stream"),
-                "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
-                "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": _format(body.get("text")),
+                "tools": tools, "tool_choice": choice,
+                "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": fmt,
                 "user": body.get("user"), "safety_identifier": body.get("safety_identifier"),
                 "service_tier": body.get("service_tier"),
                 "truncate": True if body.get("truncation") == "auto" else None}
