@@ -113,6 +113,11 @@ MAX_MESSAGES = 4096
 #: content parts (text parts, Anthropic's content blocks) and tool calls of one message: joined into one
 #: string, or rendered one by one (calls), so bounded like messages
 MAX_MESSAGE_PARTS = 4096
+#: control-token spellings (``<|im_end|>`` typed in a message) one rendered chat may carry: each is
+#: tokenized on its own as plain text (llama_tokenize costs ~70 us a call here, whatever the text's
+#: length), so 1 MiB of them took 11 s to tokenize and stalled other clients; far above a chat that
+#: quotes a template or a log
+MAX_CONTROL_TEXTS = 1024
 
 # -- the server's stored responses (POST /v1/responses with store: true) ---------------------------------
 

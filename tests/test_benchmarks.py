@@ -325,3 +325,17 @@ def test_bench_embeddings():
         assert r["errors"] == 0 and r["texts_per_s"] > 0 and r["tokens_per_s"] > 0, r
     assert d["ratio_ours_over_llama_server"] > 0
     assert d["first_vector_max_abs_diff"] is not None and d["first_vector_max_abs_diff"] <= 1e-4
+
+
+def test_bench_hostile():
+    """Each hostile request is answered (the ones past the bounds refused with a 400), the quiet chat
+    answers beside every one, and the store's probe is refused whole (its ratios are the benchmark's to
+    print, not this test's to judge)."""
+    d = _run("bench_hostile.py")
+    rows = d["rows"]
+    assert set(rows) == {"tokenize-specials", "tokenize-pieces", "chat-specials", "responses-items", "placeholders",
+                         "store-nested"}, rows
+    assert rows["tokenize-specials"]["status"] == rows["tokenize-pieces"]["status"] == 200, rows
+    assert all(rows[k]["status"] == 400 for k in ("chat-specials", "responses-items", "placeholders")), rows
+    assert all(r["chat_over_quiet"] > 0 for k, r in rows.items() if k != "store-nested"), rows
+    assert rows["store-nested"]["statuses"] == {"400": 4}, rows

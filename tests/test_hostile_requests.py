@@ -28,7 +28,7 @@ import pyllama_kv as pk
 from conftest import run_py
 from pyllama_kv.chat import templates
 from pyllama_kv.errors import InvalidInputError
-from pyllama_kv.limits import MAX_MESSAGE_PARTS, MAX_MESSAGES
+from pyllama_kv.limits import MAX_CONTROL_TEXTS, MAX_MESSAGE_PARTS, MAX_MESSAGES
 from pyllama_kv.server import messages, protocol, responses
 from pyllama_kv.server.protocol import APIError
 from pyllama_kv.server.relay import Bounds
@@ -327,6 +327,22 @@ def test_placeholders_are_chosen_in_one_pass():
     marks, lines = _lines(templates._placeholders, 3, texts)
     assert marks == [chr(0xF0000 + used + k) for k in range(3)]
     assert lines <= 10 * (used + n_texts), f"{lines} lines for {used} used characters in {n_texts} texts"
+
+
+def test_too_many_control_token_spellings_are_refused_before_rendering(real_model, monkeypatch):
+    """Each typed control-token spelling is tokenized on its own (about 70 us a call): 1 MiB of them
+    took 11 s and stalled other clients. At most MAX_CONTROL_TEXTS, counted before the template runs."""
+    rendered = []
+    real_render = templates.render
+    monkeypatch.setattr(templates, "render", lambda *a, **k: rendered.append(1) or real_render(*a, **k))
+    with pk.Model(real_model) as model:
+        ok = templates.apply_chat_template(model, [{"role": "user", "content": "<|im_end|> " * MAX_CONTROL_TEXTS}])
+        assert len(ok.plain) == MAX_CONTROL_TEXTS and rendered == [1]
+        too_many = [{"role": "user", "content": "<|im_end|>" * (MAX_CONTROL_TEXTS - 10)},
+                    {"role": "user", "content": "a<|im_start|>b" * 11}]
+        with pytest.raises(InvalidInputError, match=f"{MAX_CONTROL_TEXTS + 1} times.*at most {MAX_CONTROL_TEXTS}"):
+            templates.apply_chat_template(model, too_many)
+        assert rendered == [1]   # refused before the template ran
 
 
 def test_control_text_among_many_private_use_characters_renders_plain(real_model):

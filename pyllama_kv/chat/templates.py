@@ -49,6 +49,7 @@ from typing import Any
 
 from .. import _worker as _template_worker
 from ..errors import InvalidInputError, LlamaError
+from ..limits import MAX_CONTROL_TEXTS
 from . import sandbox as _template_sandbox
 from .sandbox import TemplateFailure, TemplateLimits
 
@@ -373,10 +374,10 @@ def _control_texts(model, s: str) -> frozenset[str] | None:
     if hit is not False:
         return hit
     try:
-        with_special = model.tokenize(s, add_bos=False, special=True)
+        # the tokens only special-token parsing makes (control or unknown: _special_text), if any
+        texts = {_special_text(model, t) for t in set(model.tokenize(s, add_bos=False, special=True))} - {None}
         found: frozenset[str] | None = frozenset()
-        if with_special != model.tokenize(s, add_bos=False, special=False):
-            texts = {_special_text(model, t) for t in set(with_special)} - {None}
+        if texts:
             found = frozenset(t for t in texts if t) if all(t and t in s for t in texts) else None
     except InvalidInputError:   # text the vocabulary cannot tokenize: tokenizing the prompt says so
         found = frozenset()
@@ -471,9 +472,13 @@ def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, 
         return Rendered(render(source, msgs, add_generation_prompt, bos_token=bos, eos_token=eos, name=name,
                                tools=tools))
     ordered = sorted(texts, key=lambda t: (-len(t), t)) + sorted(whole)
+    pattern = re.compile("|".join(re.escape(t) for t in ordered[:len(texts)])) if texts else None
+    # each spelling is tokenized on its own later: too many are refused before anything is rendered
+    spelled = len(whole) + sum(len(pattern.findall(s)) for s in strings if found.get(s)) if pattern else len(whole)
+    if spelled > MAX_CONTROL_TEXTS:
+        raise _too_many_spellings(ordered[0], spelled)
     marks = _placeholders(len(ordered), [source, bos, eos, *strings])
     to_mark = dict(zip(ordered, marks))
-    pattern = re.compile("|".join(re.escape(t) for t in ordered[:len(texts)])) if texts else None
 
     def mark(s: str) -> str:
         if s in to_mark and found.get(s) is None:
@@ -483,7 +488,15 @@ def apply_chat_template(model, messages, add_generation_prompt: bool = True, *, 
     marked = _map_strings(msgs, mark)
     text = render(source, marked, add_generation_prompt, bos_token=bos, eos_token=eos, name=name,
                   tools=_map_strings(tools, mark))
-    return _restore(text, dict(zip(marks, ordered)))
+    out = _restore(text, dict(zip(marks, ordered)))
+    if len(out.plain) > MAX_CONTROL_TEXTS:   # (a template that repeats a message)
+        raise _too_many_spellings(ordered[0], len(out.plain))
+    return out
+
+
+def _too_many_spellings(example: str, n: int) -> InvalidInputError:
+    return InvalidInputError(f"the messages spell control tokens (such as {example[:40]!r}) {n} times in the "
+                             f"rendered chat; at most {MAX_CONTROL_TEXTS}")
 
 
 def _restore(text: str, back: dict[str, str]) -> Rendered:

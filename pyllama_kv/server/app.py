@@ -72,6 +72,8 @@ _UNKNOWN = object()   # (a grammar the cache does not know yet)
 #: threads that compile grammars not in the cache (each waits for a grammar worker, then builds the
 #: matcher here): apart from the threads every request renders and tokenizes on
 GRAMMAR_THREADS = 4
+#: tokens a chunk of a /tokenize answer with pieces holds (each chunk made on a worker thread)
+PIECES_CHUNK = 2048
 
 _ERROR_FINISH = {"cache_full": (503, "server_error", "kv_cache_full"), "error": (500, "server_error", "engine_error")}
 
@@ -126,8 +128,7 @@ class Server:
         self._grace: threading.Timer | None = None
         self._piece = functools.lru_cache(maxsize=1 << 16)(model.token_to_piece)
         # control tokens as their text (/tokenize's pieces)
-        self._special_piece = functools.lru_cache(maxsize=1 << 16)(functools.partial(model.token_to_piece,
-                                                                                     special=True))
+        self._piece_json = functools.lru_cache(maxsize=1 << 16)(self._one_piece_json)
         # compiled grammars and verdicts by text: agents send the same schema and tools again and again,
         # and a hostile grammar costs a worker's time once
         self.grammars = GrammarCache(model)
@@ -321,15 +322,26 @@ class Server:
             raise protocol.bad("content", f"content: {e}") from None
         if not with_pieces:
             return JSONResponse({"tokens": toks})
-        out = []
-        for t in toks:
-            b = self._special_piece(t)
-            try:
-                piece: str | list[int] = b.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(b)
-            out.append({"id": t, "piece": piece})
-        return JSONResponse({"tokens": out})
+        # each token's {"id", "piece"} JSON is made once (cached), and the answer is sent in chunks, each
+        # joined on a worker thread: a long list never holds the GIL long enough to stall the engine
+        piece = self._piece_json
+
+        def chunks():
+            yield '{"tokens":['
+            for i in range(0, len(toks), PIECES_CHUNK):
+                yield ("," if i else "") + ",".join([piece(t) for t in toks[i:i + PIECES_CHUNK]])
+            yield "]}"
+        return StreamingResponse(chunks(), media_type="application/json")
+
+    def _one_piece_json(self, token: int) -> str:
+        """``{"id": token, "piece": ...}`` as JSON: the piece's text, or its list of bytes when it is not
+        whole UTF-8 (llama-server's shape)."""
+        b = self.model.token_to_piece(token, special=True)
+        try:
+            piece: str | list[int] = b.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(b)
+        return json.dumps({"id": token, "piece": piece}, separators=(",", ":"))
 
     async def detokenize(self, request: HTTPRequest) -> Response:
         """``{"tokens": [...]}`` -> ``{"content": text}`` (control tokens as their text, as llama-server
