@@ -9,6 +9,7 @@ changed; whatever succeeds must continue exactly as a fresh evaluation."""
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import numpy as np
@@ -407,3 +408,58 @@ def test_the_servers_system_prompt_boundary_under_a_template_that_folds_it_into_
                 assert shared_prefix(alone, ta) < 16 and end == [shared_prefix(ta, tb)] and end[0] > 40, end
             else:           # ChatML: the end of the system message
                 assert end == [len(alone)] and len(alone) > 40, end
+
+
+# -- the library follows the model (issue 46) ------------------------------------------------------------
+
+def test_a_model_only_the_current_library_loads_chooses_it(paths, tiny_model, current_lib, monkeypatch, capfd):
+    """Without a choice (no lib, no $PYLLAMA_KV_LIB) a SmolLM3 or LFM2 file loads on the current library,
+    said in one line on stderr and in Model.library; a choice made stays, with today's clear error."""
+    monkeypatch.delenv("PYLLAMA_KV_LIB", raising=False)
+    for name in ("smollm3", "lfm2"):
+        with pk.Model(paths[name]) as m:
+            assert m.library["variant"] == "current" and m.library["chosen"] == m.library_choice
+            assert f"architecture {name!r}" in m.library_choice and m.tokenize("the cache")
+        err = capfd.readouterr().err
+        assert err.count("loads on the 'current' library") == 1, err
+    with pk.Model(tiny_model) as m:   # an architecture the default library has: it stays
+        assert m.library["variant"] == "patched" and not m.library_choice and "chosen" not in m.library
+    with pytest.raises(pk.ModelLoadError, match="lib='current'"):
+        pk.Model(paths["smollm3"], lib="patched")
+    monkeypatch.setenv("PYLLAMA_KV_LIB", "patched")   # a choice too
+    with pytest.raises(pk.ModelLoadError, match="lib='current'"):
+        pk.Model(paths["smollm3"])
+
+
+def test_run_and_serve_choose_the_current_library_for_it(paths, current_lib):
+    from test_server import ServerProc
+
+    if os.environ.get("PYLLAMA_KV_LIB"):
+        pytest.skip("$PYLLAMA_KV_LIB chooses the library here (a device run)")
+    r = run_cli(["run", str(paths["smollm3"]), "-p", "the cache of the model", "-n", "4", "--temp", "0", "--json",
+                 "-t", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["library"] == "current" and "loads on the 'current' library" in r.stderr
+    with ServerProc(paths["lfm2"], "--ctx", "512", "--parallel", "1", key=None) as s:
+        import httpx
+
+        model = httpx.get(s.url + "/models", timeout=30).json()["data"][0]
+        assert model["library"] == "current" and "architecture 'lfm2'" in model["library_chosen"]
+        body = {"model": model["id"], "messages": [{"role": "user", "content": "the cache"}], "max_tokens": 4}
+        assert httpx.post(s.url + "/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_model_that_needs_the_current_library_says_how_to_build_it(paths, monkeypatch):
+    from pyllama_kv.core import model as model_mod
+
+    monkeypatch.delenv("PYLLAMA_KV_LIB", raising=False)
+    real = model_mod._kv.load_library
+
+    def no_current(lib=None):
+        if lib == "current":
+            raise pk.LibraryError("no current build of libllama found")
+        return real(lib)
+    monkeypatch.setattr(model_mod._kv, "load_library", no_current)
+    with pytest.raises(pk.LibraryError, match=r"architecture 'smollm3' needs the current llama.cpp.*not built.*"
+                                              r"pyllama-kv build --pin current"):
+        pk.Model(paths["smollm3"])

@@ -138,7 +138,8 @@ def add_lib_flag(parser) -> None:
                         help="libllama to use: patched (the mission pin with our series), vanilla (the same pin "
                              "without it), current (the current llama.cpp: `pyllama-kv build --pin current`) or a "
                              "path (default: $PYLLAMA_KV_LIB if set, else the one pip compiled into the package, else "
-                             "patched)")
+                             "patched; a model only the current llama.cpp loads, by its architecture or pre-tokenizer, "
+                             "loads on current, said in one line)")
 
 
 def add_deprecated_flag(parser, old: str, new: str, dest: str, **kw) -> None:

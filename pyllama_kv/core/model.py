@@ -22,6 +22,7 @@ import re
 import socket
 import stat
 import struct
+import sys
 import threading
 from collections.abc import Iterable, Sequence as _Seq
 from pathlib import Path
@@ -128,7 +129,8 @@ def _open_model_file(path: Path) -> int:
     all read (through :func:`pyllama_kv.modelfile.vetting.fd_path`), so that a file swapped in at the path
     meanwhile is never what gets loaded. ModelLoadError naming the path."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO put at the path after it was checked never blocks the open
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise ModelLoadError(f"{path}: no such file") from None
     except OSError as exc:
@@ -139,22 +141,50 @@ def _open_model_file(path: Path) -> int:
     return fd
 
 
-def _validate_gguf(path: Path, fd: int, level: str, lib: _kv.Library, n_gpu_layers: int,
+def _validate_gguf(path: Path, fd: int, header: GGUFHeader, level: str, lib: _kv.Library, n_gpu_layers: int,
                    use_mmap: bool) -> GGUFHeader:
     """Refuse (ModelLoadError) a file that would make llama.cpp abort or misbehave, before it sees it
     (``level`` "full" or "static"; see :mod:`pyllama_kv.modelfile.vetting`): the static checks of
     pyllama_kv.modelfile.validate (complete for dense llama models; structure, common hyperparameters
     and vocabulary for the others), then, at "full", a vetting run in a child process for a file the
     static checks could not validate completely (cached by the file's sha256). Reads the open file
-    ``fd`` (``path`` names it in messages); returns its header."""
+    ``fd`` (``path`` names it in messages; ``header``: its header, read already); returns it."""
     from ..modelfile.validate import validated_header
 
-    header, complete = validated_header(path, fd, lib.caps.architectures)
+    header, complete = validated_header(path, fd, lib.caps.architectures, header)
     if not complete and level == "full":
         from ..modelfile.vetting import vet
 
         vet(path, lib.path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, fd=fd)
     return header
+
+
+def _load_chosen(lib, why: str) -> _kv.Library:
+    """The library ``lib``; ``why`` (not empty: chosen for the model, see _library_for) is said on
+    stderr, and a current library that is not built is a LibraryError that says how to build it."""
+    if not why:
+        return _kv.load_library(lib)
+    try:
+        loaded = _kv.load_library(lib)
+    except LibraryError as exc:
+        raise LibraryError(f"{why}, which is not built: `make setup` in a checkout, or `pyllama-kv build --pin "
+                           f"current` ({exc})") from None
+    print(f"pyllama-kv: {why}", file=sys.stderr, flush=True)
+    return loaded
+
+
+def _library_for(path: Path, lib, header: GGUFHeader | None) -> tuple[object, str]:
+    """The ``lib`` to load ``path`` with, and why when it is not the one asked for: without a choice
+    (``lib`` None and no ``$PYLLAMA_KV_LIB``), a model whose architecture or pre-tokenizer the default
+    (mission) llama.cpp lacks and the current one has loads on the current library; an explicit choice
+    stays (and is refused, with a hint, by validation)."""
+    if lib is not None or os.environ.get("PYLLAMA_KV_LIB") or header is None:
+        return lib, ""
+    arch, pre = header.loader_needs()
+    if _archs.implements("mission", arch, pre) or not _archs.implements("current", arch, pre):
+        return lib, ""
+    what = f"architecture {arch!r}" if not _archs.implements("mission", arch) else f"pre-tokenizer {pre!r}"
+    return "current", f"{path.name}: its {what} needs the current llama.cpp, so it loads on the 'current' library"
 
 
 class Model(_kv.CResource):
@@ -165,9 +195,12 @@ class Model(_kv.CResource):
     >>> toks = model.tokenize("hello")        # [bos, ...]
     >>> with model.context(n_ctx=2048, n_seq_max=8) as ctx: ...
 
-    ``lib`` selects the library: a path, ``"patched"`` / ``"vanilla"``, or None for the default
-    (``$PYLLAMA_KV_LIB``, else the patched build). Close with :meth:`close` or ``with``; contexts made
-    from a model keep it alive until they close.
+    ``lib`` selects the library: a path, ``"patched"`` / ``"vanilla"`` / ``"current"``, or None for the
+    default (``$PYLLAMA_KV_LIB``, else the patched build; a model only the current llama.cpp loads, by its
+    architecture or pre-tokenizer, loads on the current library, said in one line on stderr and in
+    :attr:`library_choice` and ``library["chosen"]``). Close with :meth:`close` or ``with``; contexts made
+    from a model keep it alive until they close. ``trust_unverified``: an offline Hugging Face file the
+    hub cannot vouch for is loaded, not refused (:func:`pyllama_kv.modelfile.hub.verify`).
 
     ``n_gpu_layers``: the last N layers (and, past the layer count, the output) go to the GPU;
     -1 for all. The default (None) is all of them on a library built with a GPU backend
@@ -192,7 +225,7 @@ class Model(_kv.CResource):
     # long: the checks in the order loading needs them, then every public attribute a Model has,
     # declared here in one place
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, *, lib=None,
-                 use_mmap: bool = True, validate: bool | str = "full", rpc=None):
+                 use_mmap: bool = True, validate: bool | str = "full", rpc=None, trust_unverified: bool = False):
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"the model path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)
@@ -201,7 +234,7 @@ class Model(_kv.CResource):
         # a name (catalogue, Hugging Face, ollama:, lmstudio:) or a split model's part: one GGUF file
         from ..modelfile import names
 
-        self.path = names.resolve(path)
+        self.path = names.resolve(path, trust_unverified=bool(trust_unverified))
         if not isinstance(use_mmap, bool):
             raise InvalidInputError(f"use_mmap must be a bool, got {type(use_mmap).__name__}")
         from ..modelfile.vetting import validate_level
@@ -211,10 +244,6 @@ class Model(_kv.CResource):
         if n_gpu_layers is not None and (isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int)
                                          or not -1 <= n_gpu_layers <= INT32_MAX):
             raise InvalidInputError("n_gpu_layers must be an int >= -1 (-1: all layers)")
-        self._lib = _kv.load_library(lib)
-        gpus = bool(self._lib.gpu_devices())
-        if n_gpu_layers is None:   # every layer where they can go: rpc servers, else a GPU of this library
-            n_gpu_layers = -1 if endpoints or gpus else 0
         fd = None
         load_path: Path = self.path
         if level != "off":
@@ -225,8 +254,19 @@ class Model(_kv.CResource):
         try:
             header = None
             if fd is not None:
+                from ..modelfile.validate import read_header
+
+                header = read_header(self.path, fd)
+            lib, self.library_choice = _library_for(self.path, lib, header)
+            self._lib = _load_chosen(lib, self.library_choice)
+            gpus = bool(self._lib.gpu_devices())
+            if n_gpu_layers is None:   # every layer where they can go: rpc servers, else a GPU of this library
+                n_gpu_layers = -1 if endpoints or gpus else 0
+            if fd is not None:
+                assert header is not None
                 # a vetting child runs on this machine's devices (rpc endpoints serve one client at a time)
-                header = _validate_gguf(self.path, fd, level, self._lib, 0 if endpoints else n_gpu_layers, use_mmap)
+                header = _validate_gguf(self.path, fd, header, level, self._lib, 0 if endpoints else n_gpu_layers,
+                                        use_mmap)
             native = self._load(load_path, n_gpu_layers, use_mmap, endpoints)
             # the identity a saved sequence state is checked against (the file as loaded now)
             from . import state as _state
@@ -317,7 +357,7 @@ class Model(_kv.CResource):
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str | None = None, *, quant: str | None = None,
-                        revision: str | None = None, **kwargs) -> Model:
+                        revision: str | None = None, trust_unverified: bool = False, **kwargs) -> Model:
         """A GGUF model of the Hugging Face hub, downloaded into the Hugging Face cache on first use
         (huggingface_hub: ``HF_TOKEN``, ``HF_ENDPOINT``, ``HF_HUB_OFFLINE``), its sha256 checked
         against the hub's, then loaded as :class:`Model` (``kwargs`` are its arguments).
@@ -331,14 +371,16 @@ class Model(_kv.CResource):
         :mod:`pyllama_kv.modelfile.hub` (the only model, else Q4_K_M, Q4_K_S, Q4_0, Q5_K_M, Q8_0).
         ``revision``: a branch, tag or commit. ModelLoadError (one line) for a repo that does not
         exist, is gated without a token, has no GGUF or no model matching, or cannot be reached and
-        is not cached."""
+        is not cached. ``trust_unverified``: offline, a cached file the hub cannot vouch for (not a link
+        into the repo's blobs) is loaded instead of refused."""
         from ..modelfile import hub
 
         if not isinstance(repo_id, str) or hub.parse(repo_id, explicit=True) != hub.HubName(repo_id):
             raise InvalidInputError(f"repo_id must be 'OWNER/REPO', got {repo_id!r}")
         if filename is not None and quant is not None:
             raise InvalidInputError("give filename or quant, not both")
-        return cls(hub.fetch(hub.HubName(repo_id, revision, quant, filename)), **kwargs)
+        return cls(hub.fetch(hub.HubName(repo_id, revision, quant, filename), trust_unverified=bool(trust_unverified)),
+                   **kwargs)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -354,8 +396,12 @@ class Model(_kv.CResource):
 
     @property
     def library(self) -> dict:
-        """Information about the libllama this model runs on (see pyllama_kv.library_info)."""
-        return dict(self._lib.info)
+        """Information about the libllama this model runs on (see pyllama_kv.library_info); ``chosen``:
+        why it is not the default library (the model needs the current llama.cpp), when so."""
+        out = dict(self._lib.info)
+        if self.library_choice:
+            out["chosen"] = self.library_choice
+        return out
 
     @property
     def on_device(self) -> bool:

@@ -204,22 +204,30 @@ def validate_gguf(path: str | os.PathLike, fd: int | None = None,
     return validated_header(path, fd, architectures)[1]
 
 
-def validated_header(path: str | os.PathLike, fd: int | None = None,
-                     architectures: frozenset | None = None) -> tuple[GGUFHeader, bool]:
+def validated_header(path: str | os.PathLike, fd: int | None = None, architectures: frozenset | None = None,
+                     header: GGUFHeader | None = None) -> tuple[GGUFHeader, bool]:
     """:func:`validate_gguf`, returning the header it read with the verdict (for a caller that needs
-    the header too: the model's fingerprint)."""
+    the header too: the model's fingerprint). ``header``: the file's, read already (by
+    :func:`read_header`)."""
+    if header is not None:
+        return header, check_gguf_header(header, architectures)
+    return (h := read_header(path, fd)), check_gguf_header(h, architectures)
+
+
+def read_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHeader:
+    """The GGUF header of ``path`` (or of the open file ``fd``), ModelLoadError (one line) when it
+    cannot be read."""
     path = Path(path)
     if fd is None and not path.exists():
         raise ModelLoadError(f"{path}: no such file")
     if fd is None and not path.is_file():
         raise ModelLoadError(f"{path}: not a file")
     try:
-        header = read_gguf_header(path, fd)
+        return read_gguf_header(path, fd)
     except GGUFFileError as exc:
         raise ModelLoadError(str(exc)) from None
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read: {exc}") from None
-    return header, check_gguf_header(header, architectures)
 
 
 def check_gguf_header(header: GGUFHeader, architectures: frozenset | None = None) -> bool:

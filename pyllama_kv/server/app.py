@@ -291,7 +291,14 @@ class Server:
                              "requests_queued": eng.waiting}, status_code=200 if ok else 503)
 
     def _model_object(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pyllama-kv"}
+        """OpenAI's model object, with the llama.cpp library it runs on (``library``: its variant;
+        ``library_chosen``: why, when the model chose it, see Model.library_choice)."""
+        out = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pyllama-kv",
+               "library": self.library}
+        why = getattr(self.model, "library_choice", "")
+        if why:
+            out["library_chosen"] = why
+        return out
 
     async def models(self, request: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_object()]})
