@@ -32,7 +32,8 @@ import pyllama_kv as pk
 from conftest import f32_copy, run_cli, run_py
 from pyllama_kv.engine import Engine, EngineConfig, SamplingParams
 from pyllama_kv.modelfile import vetting
-from pyllama_kv.tools.gguf import inspect_gguf, make_tiny_model
+from pyllama_kv.tools.gguf import make_tiny_model
+from pyllama_kv.tools.gguf_inspect import inspect_gguf
 from test_real_model import TEXT, Fresh
 
 GEMMA = "gemma3-270m"

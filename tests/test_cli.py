@@ -122,7 +122,7 @@ elif hook == "disk-full-map":  # the map cannot be saved after the workload ran
         raise OSError(errno.ENOSPC, "No space left on device")
     matplotlib.figure.Figure.savefig = savefig
 elif hook == "inspect-bug":  # an exception that is no error of pyllama_kv: a bug
-    import pyllama_kv.tools.gguf as _g
+    import pyllama_kv.tools.gguf_inspect as _g
     def inspect_gguf(*a, **k):
         raise KeyError("boom")
     _g.inspect_gguf = inspect_gguf

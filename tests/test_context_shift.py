@@ -168,7 +168,7 @@ def gemma3_model(models):
 def test_reevaluation_on_a_sliding_window_model_equals_a_fresh_evaluation(gemma3_model):
     """Sliding-window layers (8 tokens, shorter than what a shift keeps): after each shift of a
     64-cell context the logits are a fresh evaluation's of the kept tokens, under a fixed bound."""
-    from pyllama_kv.tools.gguf import inspect_gguf
+    from pyllama_kv.tools.gguf_inspect import inspect_gguf
 
     assert inspect_gguf(gemma3_model)["sliding_window"] == 8
     with pk.Model(gemma3_model) as m:

@@ -29,7 +29,8 @@ from pyllama_kv.modelfile.validate import (
     read_gguf_header,
     validate_gguf,
 )
-from pyllama_kv.tools.gguf import inspect_gguf, make_tiny_model, tiny_vocab
+from pyllama_kv.tools.gguf import make_tiny_model, tiny_vocab
+from pyllama_kv.tools.gguf_inspect import inspect_gguf
 
 T = gguf.GGUFValueType
 Q = gguf.GGMLQuantizationType

@@ -183,3 +183,14 @@ def test_no_function_over_60_lines_without_a_reason():
                 missing.append(f"{p.relative_to(ROOT)}:{n.lineno}: {n.name} ({length} lines)")
     assert not missing, (f"functions over {MAX_FUNCTION_LINES} lines with no '# long: <why>' comment just above "
                          "their def (or decorators): split them, or say why\n" + "\n".join(missing))
+
+
+#: issue 46: a module longer than this is split, each piece one concern (the Context's and the Engine's
+#: layers, the server's base): a reader holds a module whole
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_over_800_lines():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted(PKG.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them, one concern each):\n" + "\n".join(long)

@@ -18,7 +18,8 @@ import pytest
 import pyllama_kv as pk
 from conftest import F32, run_cli, toks
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig
-from pyllama_kv.tools.gguf import inspect_gguf, make_tiny_model
+from pyllama_kv.tools.gguf import make_tiny_model
+from pyllama_kv.tools.gguf_inspect import inspect_gguf
 from test_engine import greedy_run
 
 # 1e-4 per 10 of the logits' magnitude: F32 rounding moves logits with the batch shape by ~2e-6 of

@@ -1,9 +1,10 @@
 """What the engine's loop keeps: one continuation's state (:class:`Continuation`), the engine's
 counters (:class:`EngineStats`), and the log-probabilities of a draw (:func:`token_logprobs`).
-Written by :mod:`.scheduler` alone (the one loop); read by the server's metrics and the tests."""
+Written by :mod:`.scheduler` alone (the one loop); read by the server's metrics and the tests. And
+:func:`default_sampler`, how a continuation draws its tokens."""
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -100,3 +101,23 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple:
         alts = tuple((int(i), float(x[i] - lse)) for i in idx)
     return (int(token), float(x[token] - lse), alts)
 
+
+
+def default_sampler(req: Request, index: int, ctx, seeds: Iterator[int]):
+    """(logits -> token, closer) for continuation ``index`` of ``req``: greedy is an argmax in numpy,
+    anything else llama.cpp's sampler chain over ``ctx``, seeded with the request's seed + the
+    continuation's index (without a seed: the next of ``seeds``)."""
+    p = req.params
+    if p.greedy and not p.penalized:
+        return (lambda logits: int(np.argmax(logits))), None
+    from ..sampling.sampler import Sampler
+
+    seed = (p.seed + index if p.seed is not None else next(seeds)) & 0xFFFFFFFF
+    assert ctx is not None   # (submit refused the request otherwise)
+    if p.penalized:   # logit bias and penalties: llama.cpp's samplers at the head of the chain
+        from ..sampling.penalties import PenalizedSampler
+
+        pen = PenalizedSampler(ctx, p, seed=seed, last_n=req.max_tokens)
+        return pen.sample_logits, pen.close
+    smp = Sampler(ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seed)
+    return smp.sample_logits, smp.close

@@ -18,12 +18,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..core.embedding import Embedder, model_pooling, normalize_rows
-from ..errors import QueueFullError
+from ..errors import InvalidInputError, QueueFullError
 
 __all__ = ["EmbeddingQueue", "EmbeddingStats"]
 
@@ -165,3 +166,42 @@ class EmbeddingQueue:
         if self._embedder is not None:
             self._embedder.close()
             self._embedder = None
+
+
+class EmbeddingRequests:
+    """The engine's embedding requests, a base of :class:`~pyllama_kv.engine.scheduler.Engine` (one
+    object, whose ``__init__`` sets what is declared here): one embedding decode per step, in its loop."""
+
+    model: Any
+    config: Any
+    _embeddings: EmbeddingQueue | None
+    _embeddings_lock: threading.Lock
+    _closed: bool
+    _cv: threading.Condition
+
+    @property
+    def embeddings(self) -> EmbeddingQueue:
+        """The engine's embedding requests and embeddings context (made on first use; its pooling is
+        ``config.pooling``, else the model's)."""
+        with self._embeddings_lock:
+            if self._embeddings is None:
+                cfg = self.config
+                self._embeddings = EmbeddingQueue(self.model, cfg.pooling, cfg.n_batch, cfg.n_threads, cfg.max_queue,
+                                                  cfg.type_k, cfg.type_v)
+            return self._embeddings
+
+    def embedding_stats(self) -> dict | None:
+        """The embedding counters (EmbeddingStats as a dict), None before the first embedding request."""
+        emb = self._embeddings
+        return None if emb is None else {**asdict(emb.stats), "waiting": emb.waiting}
+
+    def submit_embedding(self, inputs: list, normalize: bool = True) -> Future:
+        """Queue an embedding request (any thread): ``inputs`` are checked token arrays (core.embedding's
+        embed_inputs), each at most ``embeddings.n_batch`` tokens. Its Future gets one result per input
+        (see Embedder.embed); cancel it to drop the request. QueueFullError when the queue is full."""
+        if self._closed:
+            raise InvalidInputError("the engine is closed")
+        fut = self.embeddings.submit(inputs, normalize)
+        with self._cv:
+            self._cv.notify_all()
+        return fut

@@ -55,7 +55,6 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
@@ -64,11 +63,11 @@ from ..config import EngineConfig, SamplingParams, spec_sources
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefixcache.cache import shared_prefix
 from .admission import Limits, admit, drop_range
-from .continuation import Continuation as _Continuation, EngineStats, token_logprobs
-from .embeddings import EmbeddingQueue
+from .continuation import Continuation as _Continuation, EngineStats, default_sampler, token_logprobs
+from .embeddings import EmbeddingQueue, EmbeddingRequests
 from .kv import KVCache, context_kv
 from .request import GRAMMAR_ERROR, Event, Request, RequestHandle
-from .speculate import SeqSpec, Speculator
+from .speculate import SpeculativeSteps, Speculator
 
 if TYPE_CHECKING:
     from ..core.context import Context
@@ -80,7 +79,7 @@ _MAX_OVERTAKES = 8     # times the head of the queue may be overtaken before eve
 _MIN_SHARED = 16       # prompt tokens shared with a prompt being evaluated that are worth waiting for
 
 
-class Engine:
+class Engine(SpeculativeSteps, EmbeddingRequests):
     """Serve requests over one context (see the module docstring).
 
     >>> eng = Engine(model, EngineConfig(n_ctx=4096, parallel=8))
@@ -227,35 +226,6 @@ class Engine:
         emb = self._embeddings
         return bool(self._continuations or self._waiting or self._resume or self._inbox
                     or (emb is not None and emb.has_work()))
-
-    # -- embeddings (engine/embeddings.py: one embedding decode per step, in this loop) ----------
-
-    @property
-    def embeddings(self) -> EmbeddingQueue:
-        """The engine's embedding requests and embeddings context (made on first use; its pooling is
-        ``config.pooling``, else the model's)."""
-        with self._embeddings_lock:
-            if self._embeddings is None:
-                cfg = self.config
-                self._embeddings = EmbeddingQueue(self.model, cfg.pooling, cfg.n_batch, cfg.n_threads, cfg.max_queue,
-                                                  cfg.type_k, cfg.type_v)
-            return self._embeddings
-
-    def embedding_stats(self) -> dict | None:
-        """The embedding counters (EmbeddingStats as a dict), None before the first embedding request."""
-        emb = self._embeddings
-        return None if emb is None else {**asdict(emb.stats), "waiting": emb.waiting}
-
-    def submit_embedding(self, inputs: list, normalize: bool = True) -> Future:
-        """Queue an embedding request (any thread): ``inputs`` are checked token arrays (core.embedding's
-        embed_inputs), each at most ``embeddings.n_batch`` tokens. Its Future gets one result per input
-        (see Embedder.embed); cancel it to drop the request. QueueFullError when the queue is full."""
-        if self._closed:
-            raise InvalidInputError("the engine is closed")
-        fut = self.embeddings.submit(inputs, normalize)
-        with self._cv:
-            self._cv.notify_all()
-        return fut
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -545,40 +515,6 @@ class Engine:
         outputs = self._drafts(gen, batch, budget) if self.spec.on and gen else {}
         return batch, owners, outputs
 
-    def _drafts(self, gen: list[_Continuation], batch: dict, room: int) -> dict:
-        """Add the drafts the cost rule takes this step to ``batch`` (see engine/speculate.py);
-        {seq: rows of logits wanted} for the drafted continuations."""
-        offers = []
-        for s in gen:
-            k = self._draft_room(s)
-            if k <= 0:
-                continue
-            if s.spec is None:
-                s.spec = SeqSpec()
-            d = self.spec.propose(s.tokens, s.spec, k)
-            if d is not None:
-                offers.append((s.seq, s.spec, d))
-        if not offers:
-            return {}
-        base = sum(len(t) for t in batch.values())
-        take = self.spec.allocate(base, len(gen), offers, room)
-        outputs = {}
-        for seq, st, d in offers:
-            k = take.get(seq, 0)
-            if k:
-                st.draft, st.source, st.match = d.tokens[:k], d.source, d.match
-                batch[seq] = batch[seq] + st.draft
-                outputs[seq] = k + 1
-        return outputs
-
-    def _draft_room(self, cont: _Continuation) -> int:
-        """How many draft tokens ``cont`` may take: none when its request asked for none or wants a
-        token or two more; never past the context (no shift can start inside a verification) or its
-        max_tokens."""
-        req = cont.req
-        k = self.spec.spec_max if req.spec_max is None else req.spec_max
-        return min(k, req.max_tokens - cont.generated - 1, self.n_ctx - len(cont.tokens) - 2)
-
     def _decode(self, batch: dict, owners: dict, outputs: dict) -> dict:
         while batch:
             try:
@@ -612,14 +548,6 @@ class Engine:
                     self._finish(owners[seq], "error", error=str(exc), keep=False)
                 return {}
         return {}
-
-    def _drop_drafts(self, batch: dict, owners: dict, outputs: dict) -> None:
-        for seq in outputs:
-            st = owners[seq].spec
-            assert st is not None
-            batch[seq] = batch[seq][:1]
-            st.draft = []
-        outputs.clear()
 
     def _slot_failure(self, batch: dict, owners: dict, exc: Exception) -> dict | None:
         """The library refused a batch that fits in the free cells (fragmentation, vanilla build):
@@ -674,30 +602,6 @@ class Engine:
         elif cont.last_token is None and cont.generated == 0:
             self.kv.remember(cont.seq)
         self._sample(cont)
-
-    def _verify(self, cont: _Continuation, rows: np.ndarray) -> None:
-        """``rows``: the logits after ``cont``'s next token and after each of its draft's tokens. Each is
-        sampled in order as a step without speculation would (the same sampler, grammar, stop strings
-        and stream), and the draft is kept up to the first token the sampler did not draw; that token
-        (or, all kept, the one after the draft) is the next to decode. The cells of the rest go."""
-        st = cont.spec
-        assert st is not None
-        draft = st.draft
-        cont.valid = len(cont.tokens)   # positions the sequence holds for it: the next token's is in now
-        accepted = 0
-        for i, row in enumerate(rows):
-            cont.logits = row
-            before = cont.generated
-            self._sample(cont)
-            if cont.seq is None or cont.generated == before or i >= len(draft) or cont.tokens[-1] != draft[i]:
-                break   # finished, or the sampler drew another token (the next to decode) than the draft's
-            accepted += 1
-            cont.valid = len(cont.tokens)   # the drafted token drawn is decoded already
-            cont.pending = []
-        self.spec.verified(st, accepted)
-        if cont.seq is not None:
-            self.kv.truncate(cont.seq, cont.valid)
-        cont.valid = None
 
     def _sample(self, cont: _Continuation) -> None:
         """Draw the next token from ``cont.logits`` (under its grammar's mask), stream it, and either
@@ -864,20 +768,4 @@ class Engine:
             self._finish(cont, "error", error=msg, keep=False)
 
     def _default_sampler(self, req: Request, index: int):
-        """(logits -> token, closer) for one continuation: greedy is an argmax in numpy, anything
-        else llama.cpp's sampler chain, seeded with the request's seed + the continuation's index."""
-        p = req.params
-        if p.greedy and not p.penalized:
-            return (lambda logits: int(np.argmax(logits))), None
-        from ..sampling.sampler import Sampler
-
-        seed = (p.seed + index if p.seed is not None else next(self._seed)) & 0xFFFFFFFF
-        ctx = self.context
-        assert ctx is not None   # (submit refused the request otherwise)
-        if p.penalized:   # logit bias and penalties: llama.cpp's samplers at the head of the chain
-            from ..sampling.penalties import PenalizedSampler
-
-            pen = PenalizedSampler(ctx, p, seed=seed, last_n=req.max_tokens)
-            return pen.sample_logits, pen.close
-        smp = Sampler(ctx, temp=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seed)
-        return smp.sample_logits, smp.close
+        return default_sampler(req, index, self.context, self._seed)

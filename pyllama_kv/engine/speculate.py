@@ -17,10 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ..limits import SPEC_INDEX_TOKENS, SPEC_SOURCES as SOURCES
 from ..speculation.drafts import Draft, PromptLookup, SuffixIndex
 from ..speculation.policy import SeqAcceptance, SpecPolicy
+
+if TYPE_CHECKING:
+    from .continuation import Continuation
+    from .kv import KVCache
 
 
 @dataclass
@@ -115,3 +122,82 @@ class Speculator:
         """A conversation finished holding ``tokens``; those from ``start`` on are new to the index."""
         if self.index is not None and self.on:
             self.index.add(tokens[max(0, start):])
+
+
+class SpeculativeSteps:
+    """The loop's part of speculation, a base of :class:`~pyllama_kv.engine.scheduler.Engine` (one
+    object, whose ``__init__`` sets what is declared here): drafts into a step's batch, and their
+    verification after its decode."""
+
+    spec: Speculator
+    kv: KVCache
+    n_ctx: int
+
+    def _sample(self, cont: Continuation) -> None:   # the Engine's: draw, stream, finish or continue
+        raise NotImplementedError
+
+    def _drafts(self, gen: list[Continuation], batch: dict, room: int) -> dict:
+        """Add the drafts the cost rule takes this step to ``batch`` (see engine/speculate.py);
+        {seq: rows of logits wanted} for the drafted continuations."""
+        offers = []
+        for s in gen:
+            k = self._draft_room(s)
+            if k <= 0:
+                continue
+            if s.spec is None:
+                s.spec = SeqSpec()
+            d = self.spec.propose(s.tokens, s.spec, k)
+            if d is not None:
+                offers.append((s.seq, s.spec, d))
+        if not offers:
+            return {}
+        base = sum(len(t) for t in batch.values())
+        take = self.spec.allocate(base, len(gen), offers, room)
+        outputs = {}
+        for seq, st, d in offers:
+            k = take.get(seq, 0)
+            if k:
+                st.draft, st.source, st.match = d.tokens[:k], d.source, d.match
+                batch[seq] = batch[seq] + st.draft
+                outputs[seq] = k + 1
+        return outputs
+
+    def _draft_room(self, cont: Continuation) -> int:
+        """How many draft tokens ``cont`` may take: none when its request asked for none or wants a
+        token or two more; never past the context (no shift can start inside a verification) or its
+        max_tokens."""
+        req = cont.req
+        k = self.spec.spec_max if req.spec_max is None else req.spec_max
+        return min(k, req.max_tokens - cont.generated - 1, self.n_ctx - len(cont.tokens) - 2)
+
+    def _drop_drafts(self, batch: dict, owners: dict, outputs: dict) -> None:
+        for seq in outputs:
+            st = owners[seq].spec
+            assert st is not None
+            batch[seq] = batch[seq][:1]
+            st.draft = []
+        outputs.clear()
+
+    def _verify(self, cont: Continuation, rows: np.ndarray) -> None:
+        """``rows``: the logits after ``cont``'s next token and after each of its draft's tokens. Each is
+        sampled in order as a step without speculation would (the same sampler, grammar, stop strings
+        and stream), and the draft is kept up to the first token the sampler did not draw; that token
+        (or, all kept, the one after the draft) is the next to decode. The cells of the rest go."""
+        st = cont.spec
+        assert st is not None
+        draft = st.draft
+        cont.valid = len(cont.tokens)   # positions the sequence holds for it: the next token's is in now
+        accepted = 0
+        for i, row in enumerate(rows):
+            cont.logits = row
+            before = cont.generated
+            self._sample(cont)
+            if cont.seq is None or cont.generated == before or i >= len(draft) or cont.tokens[-1] != draft[i]:
+                break   # finished, or the sampler drew another token (the next to decode) than the draft's
+            accepted += 1
+            cont.valid = len(cont.tokens)   # the drafted token drawn is decoded already
+            cont.pending = []
+        self.spec.verified(st, accepted)
+        if cont.seq is not None:
+            self.kv.truncate(cont.seq, cont.valid)
+        cont.valid = None

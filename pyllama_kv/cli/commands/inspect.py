@@ -25,7 +25,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from ...errors import InvalidInputError
-    from ...tools.gguf import inspect_gguf, kv_type_size
+    from ...tools.gguf_inspect import inspect_gguf, kv_type_size
 
     positive("--parallel", args.parallel)
     positive("--ctx", args.n_ctx)

@@ -31,7 +31,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ...tools.gguf import inspect_gguf, make_tiny_model
+    from ...tools.gguf import make_tiny_model
+    from ...tools.gguf_inspect import inspect_gguf
 
     for name in ("layers", "embd", "heads", "kv_heads", "ff", "ctx_train"):
         positive("--" + name.replace("_", "-"), getattr(args, name))
