@@ -78,7 +78,7 @@ def test_stress_lib_honours_the_environment(capsys, tiny_model, tmp_path, monkey
 def test_a_bug_shows_its_traceback(capsys, tiny_model, monkeypatch, exc):
     # a bare ValueError or TypeError from our code is a bug, not a user's error: it is no longer
     # printed as if it were one
-    import pyllama_kv.tools.gguf as g
+    import pyllama_kv.tools.gguf_inspect as g
 
     def inspect_gguf(*a, **k):
         raise exc
@@ -94,7 +94,7 @@ def test_a_bug_shows_its_traceback(capsys, tiny_model, monkeypatch, exc):
 
 
 def test_ctrl_c_exits_130(capsys, tiny_model, monkeypatch):
-    import pyllama_kv.tools.gguf as g
+    import pyllama_kv.tools.gguf_inspect as g
 
     def inspect_gguf(*a, **k):
         raise KeyboardInterrupt
@@ -120,7 +120,8 @@ def test_the_exit_code_table():
 
 # the modules whose exception classes are public (raised to callers of the API, the harness or the CLI)
 _PUBLIC_ERROR_MODULES = ("errors", "modelfile.gguf", "modelfile.catalogue", "modelfile.validate", "sampling.grammar",
-                         "sampling.grammar_check", "chat.toolcall", "tools.gguf", "harness.vendor",
+                         "sampling.grammar_check", "chat.toolcall", "tools.gguf", "tools.gguf_inspect",
+                         "harness.vendor",
                          "harness.patch", "harness.build", "harness.cuda", "cli.common")
 
 

@@ -10,6 +10,7 @@ in at random), so that drafts are long, partly right and partly wrong, whatever 
 """
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -247,3 +248,116 @@ def test_a_request_may_turn_it_off_and_a_full_cache_drops_drafts_first(model):
         Engine(model, cfg).submit([1, 2], GREEDY, spec_max=-1)
     with pytest.raises(pk.InvalidInputError, match="spec"):
         EngineConfig(spec="ngram,bogus")
+
+
+# ---------------------------------------------------------------------------------------------
+# the real model: prompt lookup on an answer that repeats the prompt
+
+def test_prompt_lookup_on_a_real_answer_is_exact_and_saves_steps(real_f32_model, pin_lib):
+    """SmolLM2 (F32 weights and cache) asked to repeat a passage: its greedy answer with prompt-lookup
+    drafts is token for token the answer without, in fewer steps."""
+    text = ("The harbour opens every morning. The baker repairs the old bridge on Sundays, and the "
+            "librarian paints the chapel after the spring rains. Two fishermen guard the lighthouse at dusk.")
+    with pk.Model(real_f32_model, lib=pin_lib) as m:
+        msgs = [{"role": "user", "content": "Repeat this text exactly, word for word:\n\n" + text}]
+        from pyllama_kv.chat import apply_chat_template, tokenize_rendered
+
+        prompt = tokenize_rendered(m, apply_chat_template(m, msgs))
+
+        def answer(spec: str):
+            with Engine(m, EngineConfig(n_ctx=1024, parallel=1, spec=spec, **F32)) as e:
+                h = e.submit(prompt, GREEDY, max_tokens=60)
+                e.run_until_idle()
+                return h.result()[0].tokens, e
+        want, off = answer("none")
+        got, on = answer("ngram")
+    assert got == want
+    st = on.stats.spec
+    assert st.accepted >= 10 and on.stats.steps < off.stats.steps, (st, on.stats.steps, off.stats.steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# the server: flags, the per-request field, timings and /metrics
+
+def test_the_server_reports_drafts_and_takes_the_request_field(tiny_model, pin_lib):
+    from test_server import ServerProc
+
+    with ServerProc(tiny_model, "--lib", pin_lib, "--ctx", "512", "--parallel", "2", "--spec", "ngram,cache",
+                    "--spec-max", "8", key=None) as s:
+        import httpx
+
+        mid = httpx.get(s.url + "/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": mid, "prompt": "the cache of the model " * 8, "max_tokens": 16, "temperature": 0}
+        r = httpx.post(s.url + "/completions", json={**body, "speculative.n_max": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        t = r.json()["timings"]
+        assert t["draft_n"] == 0 == t["draft_n_accepted"] and t["predicted_n"] == 16
+        r = httpx.post(s.url + "/completions", json={**body, "speculative.n_max": -1}, timeout=60)
+        assert r.status_code == 400 and "speculative.n_max" in r.text
+        metrics = s.metrics()
+        assert metrics['pyllama_kv_spec_on{off_reason="",sources="ngram,cache"}'] == 1.0
+        assert 'pyllama_kv_spec_drafted_tokens_total{source="cache"}' in metrics
+        assert metrics["pyllama_kv_spec_steps_total"] >= 0
+
+
+def test_spec_flags_are_checked_and_a_hybrid_model_says_why_it_is_off(tiny_model):
+    from conftest import run_cli
+
+    r = run_cli(["run", str(tiny_model), "-p", "hi", "-n", "2", "--spec", "ngram,bogus"])
+    assert r.returncode == 2 and "--spec" in r.stderr and "ngram" in r.stderr, r.stderr
+    r = run_cli(["run", str(tiny_model), "-p", "the cache", "-n", "4", "--spec", "ngram", "--json"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["spec"] == "ngram" and out["draft_tokens"] >= out["draft_accepted"] >= 0
+    from pyllama_kv.engine.speculate import Speculator
+
+    assert "recurrent" in Speculator(("ngram",), 8, recurrent=True).off_reason
+    assert "sliding-window" in Speculator(("ngram",), 8, sliding_window=True).off_reason
+    assert Speculator((), 8, recurrent=True).stats.off_reason == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# a draft model
+
+def test_a_draft_model_drafts_and_changes_nothing(model, tiny_model, pin_lib):
+    """The model as its own draft model (so its greedy drafts are right, its seeded ones often not):
+    the same answers as without, in fewer steps; its mirrors follow forks and finishes."""
+    for params, n in ((GREEDY, 1), (SamplingParams(temperature=0.9, seed=4), 2)):
+        want, _, plain = run(model, "none", params, n=n)
+        with pk.Model(tiny_model, lib=pin_lib) as draft:
+            cfg = EngineConfig(n_ctx=512, parallel=6, spec="none", **F32)
+            with Engine(model, cfg, draft_model=draft) as e:
+                e.spec.policy.allocate = lambda base, gen, offers, room, count=True: {
+                    key: min(k, room) for key, _r, k in offers}
+                hs = [e.submit(toks(30 + 7 * i, seed=i), params, max_tokens=40, n=n) for i in range(3)]
+                e.run_until_idle()
+                got = [[(c.tokens, c.text, c.finish_reason, c.logprobs) for c in h.result()] for h in hs]
+                st = e.stats.spec
+                assert same(got, want) and st.by_source["draft"]["accepted"] > 0, st
+                assert e.stats.steps < plain.stats.steps
+                assert e.spec.draft_model is not None and not e.spec.draft_model._mirrors   # all forgotten
+
+
+def test_a_draft_model_must_share_the_vocabulary(model, models, pin_lib):
+    from pyllama_kv.tools.gguf import make_tiny_model
+
+    other = make_tiny_model(models / "qwen-vocab.gguf", arch="qwen2", vocab="qwen")
+    with pk.Model(other, lib=pin_lib) as draft:
+        with pytest.raises(pk.InvalidInputError, match="vocabulary"):
+            Engine(model, EngineConfig(n_ctx=512, parallel=2), draft_model=draft)
+
+
+def test_run_with_a_draft_model_answers_the_same(tiny_model, models):
+    from conftest import run_cli
+    from pyllama_kv.tools.gguf import make_tiny_model
+
+    base = ["run", str(tiny_model), "-p", "the cache of the model", "-n", "24", "--temp", "0", "--json",
+            "--type-k", "f32", "--type-v", "f32", "--flash-attn", "off"]
+    plain = run_cli(base)
+    drafted = run_cli(base + ["--draft-model", str(tiny_model)])
+    assert plain.returncode == 0 == drafted.returncode, drafted.stderr[-2000:]
+    a, b = json.loads(plain.stdout), json.loads(drafted.stdout)
+    assert a["outputs"] == b["outputs"] and b["draft_tokens"] >= b["draft_accepted"] >= 0
+    other = make_tiny_model(models / "qwen-vocab-cli.gguf", arch="qwen2", vocab="qwen")
+    r = run_cli(base + ["--draft-model", str(other)])
+    assert r.returncode == 1 and "--draft-model" in r.stderr and "vocabulary" in r.stderr, r.stderr

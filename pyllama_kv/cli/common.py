@@ -70,6 +70,17 @@ def open_model(path: str, lib: str | None, rpc: list[str] | None = None, validat
     return Model(path, n_gpu_layers, lib=lib, rpc=rpc, validate=validate or DEFAULT_VALIDATE)
 
 
+def open_draft_model(model, draft: str | None, trust_unverified: bool = False, validate: str | None = None):
+    """``--draft-model``'s model (None without one), on ``model``'s library (its vocabulary is checked
+    against the model's by the engine)."""
+    if draft is None:
+        return None
+    from ..modelfile.names import resolve
+
+    return open_model(str(resolve(draft, trust_unverified=trust_unverified)), model.library["path"],
+                      validate=validate)
+
+
 def check_ctx(model, n_ctx: int | None, flag: str = "--ctx") -> None:
     if n_ctx and n_ctx > model.n_ctx_train:
         raise CLIError(f"{flag} {n_ctx} is larger than the model supports (n_ctx_train {model.n_ctx_train})")

@@ -126,6 +126,13 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "--pooling): mean, cls (the first token), last, rank (a reranker's score, for /v1/rerank) or none (one "
          "vector per token; /v1/embeddings refuses it) (default: the model's GGUF says; none if it says nothing)",
          str, metavar="TYPE", choices=tuple(POOLING_TYPES)),
+    Flag(EngineConfig, "spec", ("--spec",), "speculative decoding: none, or the draft sources, a comma list of "
+         "ngram (each answer's own prompt and output) and cache (every conversation this engine finished): drafts "
+         "are verified in the same decode as everything else, the output is the same (at any temperature and "
+         "seed), and a cost rule measured on this machine drafts only where it pays (off for a model with "
+         "recurrent layers) (default {default})", str, metavar="none|ngram[,cache]"),
+    Flag(EngineConfig, "spec_max", ("--spec-max",), "the most draft tokens an answer gets in one step "
+         "(default {default})", metavar="N"),
     Flag(EngineConfig, "n_keep", ("--keep",), "tokens at the start that a context shift never drops; -1: the whole "
          "prompt (default {default})", metavar="N"),
     # the model: how its file is checked (pk.Model(..., validate=...)) and where its layers run
@@ -135,6 +142,10 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
     Flag(None, "rpc", ("--rpc",), "offload every layer to the rpc-server processes at these endpoints (ggml's RPC "
          "backend, a library built with `pyllama-kv build --rpc`); never expose rpc-server to an untrusted "
          "network", _rpc_endpoints, metavar="HOST:PORT[,HOST:PORT...]"),
+    Flag(None, "draft_model", ("--draft-model",), "speculative decoding with a draft model: a smaller model with "
+         "the same vocabulary (a path or a name, as MODEL; loaded on the same library), whose greedy continuation "
+         "is drafted for every answer and verified in the same decode (with --spec's sources, the likeliest draft "
+         "wins); the output does not change", str, metavar="MODEL"),
     # the MODEL name: a Hugging Face file the hub cannot vouch for (hub.TRUST_FLAG, hub.verify)
     Flag(None, "trust_unverified", ("--trust-unverified",), "load a Hugging Face model file that no hash of the "
          "hub vouches for (offline: a cached snapshot link that points outside the cache, or a blob named by no "

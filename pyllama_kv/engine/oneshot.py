@@ -34,13 +34,13 @@ class EngineSession:
     Not thread-safe: the calling thread submits and steps. :meth:`close` (or ``with``) closes the
     engine and the context; the model stays open."""
 
-    def __init__(self, model, config: EngineConfig, *, hold: bool = False):
+    def __init__(self, model, config: EngineConfig, *, hold: bool = False, draft_model=None):
         self.model = model
         self.config = config
         self.ctx = model.context(**config.context().context_kwargs())
         try:
             self.kv: ContextKV = context_kv(self.ctx, config, hold=hold)
-            self.engine = Engine(model, config, kv=self.kv)
+            self.engine = Engine(model, config, kv=self.kv, draft_model=draft_model)
         except BaseException:
             self.ctx.close()
             raise

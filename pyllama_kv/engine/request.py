@@ -64,6 +64,8 @@ class Usage:
     truncated_tokens: int = 0     # prompt tokens dropped so that the prompt fits the context
     dropped_tokens: int = 0       # tokens dropped by context shifts, all continuations together
     context_shifts: int = 0       # context shifts, all continuations together
+    draft_tokens: int = 0         # speculative decoding: drafted tokens verified, all continuations together
+    draft_accepted: int = 0       # of which kept (each a step saved)
 
     @property
     def dropped_total(self) -> int:

@@ -89,7 +89,7 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
 
     def __init__(self, model, config: EngineConfig | None = None, *, kv: KVCache | None = None,
                  n_vocab: int | None = None, token_piece: Callable[[int], bytes] | None = None,
-                 is_eog: Callable[[int], bool] | None = None, sampler_factory=None):
+                 is_eog: Callable[[int], bool] | None = None, sampler_factory=None, draft_model=None):
         self.config = config = config or EngineConfig()
         self.model = model
         self._own_ctx = None
@@ -107,7 +107,9 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         self._make_sampler = sampler_factory or self._default_sampler
         self._llama_samplers = sampler_factory is None   # need the KV layer's context beyond greedy
         self.spec = Speculator(spec_sources(config.spec), config.spec_max,
-                               recurrent=bool(getattr(model, "recurrent", False)))
+                               recurrent=bool(getattr(model, "recurrent", False)),
+                               sliding_window=getattr(model, "n_swa", 0) not in (0, None),
+                               draft_model=self._draft_model(model, draft_model, config))
         self.stats = EngineStats(prefix_tier=getattr(kv, "tier_info", None), spec=self.spec.stats)
         self._ids = itertools.count(1)
         self._admit_counter = itertools.count()
@@ -124,6 +126,17 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         self._seed = itertools.count(int.from_bytes(os.urandom(4), "little"))
         self._embeddings: EmbeddingQueue | None = None   # made by the first embedding request
         self._embeddings_lock = threading.Lock()
+
+    def _draft_model(self, model, draft, config: EngineConfig):
+        """The draft model's side (its own context, mirror sequences), after its vocabulary is checked
+        against the model's; None without one."""
+        if draft is None:
+            return None
+        from ..speculation.draftmodel import DraftModel, check_vocab
+
+        check_vocab(model, draft)
+        return DraftModel(draft, config.parallel, self.n_ctx, n_threads=config.n_threads, type_k=config.type_k,
+                          type_v=config.type_v)
 
     # -- submission (any thread) ----------------------------------------------------------------
 
@@ -371,6 +384,8 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         self._closed = True
         if self._embeddings is not None:
             self._embeddings.close()
+        if self.spec.draft_model is not None:
+            self.spec.draft_model.close()
         if self._own_ctx is not None:
             self._own_ctx.close()
 
@@ -579,6 +594,7 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
 
     def _preempt(self, cont: _Continuation) -> None:
         self.stats.preempted += 1
+        self.spec.forget(cont)
         # what it holds, plus what it has yet to decode, is redone on resume (mostly from cache)
         self.kv.finish(cont.seq, keep=True)
         cont.seq = None
@@ -740,6 +756,7 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
                 start = req.handle.usage.reused_tokens if cont.index == 0 else len(req.prompt)
                 self.spec.finished(cont.tokens, start - 16)
         cont.seq = None
+        self.spec.forget(cont)
         if cont in self._continuations:
             self._continuations.remove(cont)
         if cont.close_sampler is not None:

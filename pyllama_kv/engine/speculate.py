@@ -10,8 +10,9 @@ sources: ``ngram`` (the continuation's own prompt and output, :class:`~pyllama_k
 PromptLookup`) and ``cache`` (every conversation the engine finished, :class:`~pyllama_kv.speculation.
 drafts.SuffixIndex`); how many tokens pay is :class:`~pyllama_kv.speculation.policy.SpecPolicy`'s rule.
 
-Off for a continuation whose sequence cannot drop its last positions (recurrent layers keep only the
-state after their last token: :attr:`Speculator.off_reason`) or whose request asked for none.
+Off for a model whose sequences cannot drop their last positions for sure (recurrent layers keep only
+the state after their last token; a sliding-window cache may reuse the cells of the window a removal
+goes back to: :attr:`Speculator.off_reason`), and for a request that asked for none.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..limits import SPEC_INDEX_TOKENS, SPEC_SOURCES as SOURCES
+from ..speculation.draftmodel import DraftModel
 from ..speculation.drafts import Draft, PromptLookup, SuffixIndex
 from ..speculation.policy import SeqAcceptance, SpecPolicy
 
@@ -37,11 +39,14 @@ class SpecStats:
     steps: int = 0          # verifications (a continuation's drafted tokens checked in a decode)
     drafted: int = 0        # drafted tokens decoded
     accepted: int = 0       # of which kept (each one a decode step saved)
-    by_source: dict = field(default_factory=lambda: {s: {"drafted": 0, "accepted": 0} for s in SOURCES})
+    by_source: dict = field(default_factory=lambda: {s: {"drafted": 0, "accepted": 0} for s in (*SOURCES, "draft")})
+    sources: str = "none"   # the draft sources on (EngineConfig.spec)
+    off_reason: str = ""    # why speculation is off for this engine's model ("" where it is on or not asked)
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-                "by_source": {k: dict(v) for k, v in self.by_source.items()}}
+                "by_source": {k: dict(v) for k, v in self.by_source.items()}, "sources": self.sources,
+                "off_reason": self.off_reason}
 
 
 class SeqSpec:
@@ -61,12 +66,13 @@ class SeqSpec:
 class Speculator:
     """Drafts and the cost rule of one engine (see the module docstring)."""
 
-    def __init__(self, sources: Sequence[str], spec_max: int, recurrent: bool = False):
-        self.sources = tuple(sources)
+    def __init__(self, sources: Sequence[str], spec_max: int, recurrent: bool = False, sliding_window: bool = False,
+                 draft_model: DraftModel | None = None):
+        self.sources = tuple(sources) + (("draft",) if draft_model is not None else ())
+        self.draft_model = draft_model
         self.spec_max = spec_max
         self.policy = SpecPolicy(max_draft=spec_max)
         self.index = SuffixIndex(SPEC_INDEX_TOKENS) if "cache" in self.sources else None
-        self.stats = SpecStats()
         #: why speculation is off for every continuation of this engine ("": it is on where asked)
         self.off_reason = ""
         if not self.sources:
@@ -74,6 +80,11 @@ class Speculator:
         elif recurrent:
             self.off_reason = ("off for this model: its recurrent layers keep only the state after the last "
                                "token, so rejected draft tokens cannot be removed")
+        elif sliding_window:
+            self.off_reason = ("off for this model: its sliding-window cache may reuse the cells of the positions "
+                               "that removing rejected draft tokens goes back to")
+        self.stats = SpecStats(sources=",".join(self.sources) or "none",
+                               off_reason=self.off_reason if self.sources else "")
 
     @property
     def on(self) -> bool:
@@ -90,6 +101,31 @@ class Speculator:
             if d is not None and (best is None or d.match > best.match):
                 best = d
         return best
+
+    def propose_all(self, wanted: Sequence[tuple[object, Sequence[int], SeqSpec, int]], base: int, generating: int,
+                    room: int) -> dict[object, Draft]:
+        """The best draft for each of ``wanted`` [(key, tokens, state, the most draft tokens)]: the own
+        tokens' and the index's (:meth:`propose`), and the draft model's where the cost rule could take
+        its tokens at its acceptance so far (it runs a decode per drafted token: not when they would
+        not pay); per key the one whose tokens are the likeliest to be accepted."""
+        out = {key: d for key, tokens, st, k in wanted if (d := self.propose(tokens, st, k)) is not None}
+        dm = self.draft_model
+        if dm is not None:
+            acc = self.policy.acceptance
+            rate = {key: st.record.blend(acc.rate("draft", 0)) for key, _t, st, _k in wanted}
+            worth = self.policy.allocate(base, generating, [(key, rate[key], k) for key, _t, _s, k in wanted], room,
+                                         count=False)
+            ask = [(key, tokens, worth[key]) for key, tokens, _s, _k in wanted if worth.get(key)]
+            for key, d in dm.propose(ask).items():
+                cur = out.get(key)
+                if cur is None or rate[key] > acc.rate(cur.source, cur.match):
+                    out[key] = d
+        return out
+
+    def forget(self, key: object) -> None:
+        """Continuation ``key`` is done (finished or preempted): the draft model's mirror of it goes."""
+        if self.draft_model is not None:
+            self.draft_model.forget(key)
 
     def allocate(self, base: int, generating: int, offers: list[tuple[object, SeqSpec, Draft]],
                  room: int) -> dict[object, int]:
@@ -139,19 +175,19 @@ class SpeculativeSteps:
     def _drafts(self, gen: list[Continuation], batch: dict, room: int) -> dict:
         """Add the drafts the cost rule takes this step to ``batch`` (see engine/speculate.py);
         {seq: rows of logits wanted} for the drafted continuations."""
-        offers = []
+        wanted = []
         for s in gen:
             k = self._draft_room(s)
             if k <= 0:
                 continue
             if s.spec is None:
                 s.spec = SeqSpec()
-            d = self.spec.propose(s.tokens, s.spec, k)
-            if d is not None:
-                offers.append((s.seq, s.spec, d))
+            wanted.append((s, s.tokens, s.spec, k))
+        base = sum(len(t) for t in batch.values())
+        found = self.spec.propose_all(wanted, base, len(gen), room) if wanted else {}
+        offers = [(s.seq, st, found[s]) for s, _t, st, _k in wanted if s in found]
         if not offers:
             return {}
-        base = sum(len(t) for t in batch.values())
         take = self.spec.allocate(base, len(gen), offers, room)
         outputs = {}
         for seq, st, d in offers:
@@ -198,6 +234,9 @@ class SpeculativeSteps:
             cont.valid = len(cont.tokens)   # the drafted token drawn is decoded already
             cont.pending = []
         self.spec.verified(st, accepted)
+        usage = cont.req.handle.usage
+        usage.draft_tokens += len(draft)
+        usage.draft_accepted += accepted
         if cont.seq is not None:
             self.kv.truncate(cont.seq, cont.valid)
         cont.valid = None

@@ -57,7 +57,7 @@ from ..engine.request import GRAMMAR_ERROR
 from ..errors import InvalidInputError, LlamaError, QueueFullError
 from ..limits import CHECKPOINT_MIN_TOKENS, prompt_too_long
 from ..sampling.grammar import Grammar, GrammarCache, GrammarError
-from . import messages, protocol, responses
+from . import embedproto, messages, protocol, responses
 from .base import ServerBase, _Gone
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE, Metrics, Snapshot
@@ -269,7 +269,7 @@ class Server(ServerBase):
     async def _embeddings(self, request: HTTPRequest, kind: str) -> Response:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        req = await run_in_threadpool(protocol.parse_embeddings, await self._body(request), kind)
+        req = await run_in_threadpool(embedproto.parse_embeddings, await self._body(request), kind)
         if req.model is not None:
             self._check_model(req.model)
         pooling = self.engine.embeddings.pooling
@@ -288,7 +288,7 @@ class Server(ServerBase):
             return Response(status_code=499)
         n = sum(len(t) for t in toks)
         return await run_in_threadpool(
-            lambda: _JSON(protocol.embeddings_response(req, self.model_id, vectors, n)))
+            lambda: _JSON(embedproto.embeddings_response(req, self.model_id, vectors, n)))
 
     def _fit(self, toks, name: str, truncate: bool = False):
         """``toks`` within the embedding batch (cut when ``truncate``), else a 400 naming ``name``."""
@@ -317,7 +317,7 @@ class Server(ServerBase):
         the query, most relevant first."""
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        req = await run_in_threadpool(protocol.parse_rerank, await self._body(request))
+        req = await run_in_threadpool(embedproto.parse_rerank, await self._body(request))
         if req.model is not None:
             self._check_model(req.model)
         pooling = self.engine.embeddings.pooling
@@ -330,7 +330,7 @@ class Server(ServerBase):
             return Response(status_code=499)
         n = sum(len(t) for t in toks)
         return await run_in_threadpool(
-            lambda: _JSON(protocol.rerank_response(req, self.model_id, [float(v[0]) for v in scores], n)))
+            lambda: _JSON(embedproto.rerank_response(req, self.model_id, [float(v[0]) for v in scores], n)))
 
     def _rerank_tokens(self, req) -> list:
         m = self.model

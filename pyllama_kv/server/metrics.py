@@ -137,6 +137,24 @@ def _engine_metrics(st: dict):
     yield _counter("step_seconds", "wall time of the engine's steps that decoded something (admission, "
                    "page-outs and restores, the decode, sampling and streaming)", st["step_seconds"])
     yield _counter("decode_seconds", "of which in llama_decode (and the copy of its logits)", st["decode_seconds"])
+    yield from _spec_metrics(st.get("spec") or {})
+
+
+def _spec_metrics(spec: dict):
+    """Speculative decoding's counters (engine/speculate.py's SpecStats), by draft source."""
+    on = GaugeMetricFamily(_P + "spec_on", "speculative decoding: 1 where it runs (the draft sources; the reason "
+                           "when the model cannot: recurrent layers)", labels=["sources", "off_reason"])
+    on.add_metric([spec.get("sources", "none"), spec.get("off_reason", "")],
+                  float(spec.get("sources", "none") != "none" and not spec.get("off_reason")))
+    yield on
+    yield _counter("spec_steps", "verifications: a continuation's drafted tokens checked in a decode",
+                   spec.get("steps", 0))
+    for key, name, doc in (("drafted", "spec_drafted_tokens", "drafted tokens decoded and verified"),
+                           ("accepted", "spec_accepted_tokens", "drafted tokens kept (each a decode step saved)")):
+        fam = CounterMetricFamily(_P + name, doc, labels=["source"])
+        for source, v in (spec.get("by_source") or {}).items():
+            fam.add_metric([source], v.get(key, 0))
+        yield fam
 
 
 def _embedding_metrics(st: dict):

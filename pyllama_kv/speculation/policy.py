@@ -137,11 +137,13 @@ class SpecPolicy:
         self._steps = 0
 
     def allocate(self, base: int, generating: int, offers: Sequence[tuple[Hashable, float, int]],
-                 room: int) -> dict[Hashable, int]:
+                 room: int, count: bool = True) -> dict[Hashable, int]:
         """Draft tokens per continuation for a step of ``base`` tokens that yields ``generating``
         tokens without drafts. ``offers``: (key, the acceptance rate of each of its drafted tokens, the
-        draft's length); ``room``: tokens the batch may still take. {key: k} for k > 0 only."""
-        self._steps += 1
+        draft's length); ``room``: tokens the batch may still take. {key: k} for k > 0 only.
+        ``count`` False: a question asked before the step's drafts are known (not a step)."""
+        if count:
+            self._steps += 1
         room = max(0, room)
         if not offers or room == 0 or generating == 0:
             return {}
@@ -149,17 +151,19 @@ class SpecPolicy:
         if t0 is None or self.cost.seconds(base + 1) is None:
             return self._explore(offers, room)
         # every drafted token's expected gain, best first (a continuation's j-th: rate^j)
-        heap = [(-rate, key, 1, rate, min(n, self.max_draft)) for key, rate, n in offers if n > 0 and rate > 0]
+        # (i: the offer's index, so that equal gains never compare keys)
+        heap = [(-rate, i, 1, rate, min(n, self.max_draft)) for i, (_k, rate, n) in enumerate(offers)
+                if n > 0 and rate > 0]
         heapq.heapify(heap)
         best_m, best_v, gain, m = 0, generating / t0, 0.0, 0
         took: list[Hashable] = []
         while heap and m < room:
-            g, key, j, rate, n = heapq.heappop(heap)
+            g, i, j, rate, n = heapq.heappop(heap)
             gain -= g
             m += 1
-            took.append(key)
+            took.append(offers[i][0])
             if j < n:
-                heapq.heappush(heap, (-(rate ** (j + 1)), key, j + 1, rate, n))
+                heapq.heappush(heap, (-(rate ** (j + 1)), i, j + 1, rate, n))
             t = self.cost.seconds(base + m)
             if t is not None and (generating + gain) / t > best_v:
                 best_m, best_v = m, (generating + gain) / t

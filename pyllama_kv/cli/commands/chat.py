@@ -23,12 +23,15 @@ import time
 from pathlib import Path
 
 from ...chat.conversation import Conversation
+from ...errors import InvalidInputError
 from .. import options
 from ..common import (
     MODEL_HELP,
+    CLIError,
     add_lib_flag,
     chat_template,
     context_size,
+    open_draft_model,
     open_model,
     positive,
     read_template,
@@ -72,6 +75,7 @@ def register(subparsers) -> None:
     add_lib_flag(s)
     options.add(s, "n_threads", "n_gpu_layers", "rpc", "validate", "cache_ram", "cache_dir", "cache_dir_mib",
                 "trust_unverified")
+    options.add(s, "spec", "spec_max", "draft_model")
     options.add(s, "context_shift", "n_keep", defaults={"n_keep": None},
                 helps={"n_keep": "tokens at the start that truncation and context shifts never drop "
                                  "(default: the system prompt's)"})
@@ -251,20 +255,29 @@ def run(args) -> int:
     set_phase("loading the model")
     model = open_model(options.model_path(args.model, args.trust_unverified), args.lib, args.rpc, args.validate,
                        args.n_gpu_layers)
+    draft = None
     try:
+        draft = open_draft_model(model, args.draft_model, args.trust_unverified, args.validate)
         n_ctx = context_size(model, args.n_ctx)
         template = chat_template(model, source, args.template)
         cfg = options.build(options.EngineConfig, n_ctx=n_ctx, parallel=1, prefix_cache=2, n_threads=args.n_threads,
                             max_queue=1, max_tokens=args.n_predict, keep_finished=True, cache_ram=args.cache_ram,
                             cache_dir=args.cache_dir, cache_dir_mib=args.cache_dir_mib,
-                            context_shift=args.context_shift, truncate=args.context_shift,
+                            context_shift=args.context_shift, truncate=args.context_shift, spec=args.spec,
+                            spec_max=args.spec_max,
                             **({} if args.n_keep is None else {"n_keep": args.n_keep}))
         set_phase("creating the context")
         from ...engine.oneshot import EngineSession
 
-        with EngineSession(model, cfg) as engine:
+        try:
+            session = EngineSession(model, cfg, draft_model=draft)
+        except InvalidInputError as exc:   # a draft model of another vocabulary
+            raise CLIError(f"--draft-model: {exc}") from None
+        with session as engine:
             return _session(args, model, engine, cfg, Conversation(template, args.system), params)
     finally:
+        if draft is not None:
+            draft.close()
         model.close()
 
 

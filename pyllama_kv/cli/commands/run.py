@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import CacheConfig as _CACHE
+from ...errors import InvalidInputError
 from ...limits import MAX_SEQUENCES, prompt_too_long
 from .. import options
 from ..common import (
@@ -26,6 +27,7 @@ from ..common import (
     add_lib_flag,
     chat_template,
     context_size,
+    open_draft_model,
     open_model,
     positive,
     read_template,
@@ -57,7 +59,7 @@ def register(subparsers) -> None:
                 helps={"n_ctx": "KV cache cells " + options.CTX_DEFAULT_HELP})
     add_lib_flag(s)
     options.add(s, "n_threads", "type_k", "type_v", "flash_attn", "n_gpu_layers", "rpc", "validate", "context_shift",
-                "n_keep", "trust_unverified")
+                "n_keep", "trust_unverified", "spec", "spec_max", "draft_model")
     s.add_argument("--json", action="store_true", help="print the texts and the summary as JSON (no streaming)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid against this JSON schema")
@@ -92,6 +94,9 @@ class RunSpec:
     n_keep: int | None = None      # --keep: tokens a context shift keeps (None: EngineConfig's)
     grammar: object = None         # --json-schema / --grammar: a pyllama_kv.sampling.grammar.Grammar
     trust_unverified: bool = False  # --trust-unverified: a hub file no hash vouches for is loaded
+    spec: str = "none"             # --spec: speculative decoding's draft sources
+    spec_max: int = 16             # --spec-max
+    draft_model: str | None = None  # --draft-model: a MODEL whose greedy continuation is drafted
 
 
 def read_prompt(prompt: str | None, file: str | None) -> bytes:
@@ -149,7 +154,8 @@ def run(args) -> int:
                             chat=args.chat, system=args.system, template=template, template_file=args.template,
                             rpc=args.rpc, n_gpu_layers=args.n_gpu_layers, validate=args.validate,
                             context_shift=args.context_shift,
-                            n_keep=args.n_keep, grammar=grammar, trust_unverified=args.trust_unverified))
+                            n_keep=args.n_keep, grammar=grammar, trust_unverified=args.trust_unverified,
+                            spec=args.spec, spec_max=args.spec_max, draft_model=args.draft_model))
 
 
 def engine_config(spec: RunSpec, n_ctx: int):
@@ -162,6 +168,7 @@ def engine_config(spec: RunSpec, n_ctx: int):
                          n_threads=spec.n_threads, type_k=spec.type_k, type_v=spec.type_v,
                          flash_attn=spec.flash_attn, max_queue=1,
                          max_tokens=max(1, spec.n_predict), keep_finished=False, context_shift=spec.context_shift,
+                         spec=spec.spec, spec_max=spec.spec_max,
                          **({} if spec.n_keep is None else {"n_keep": spec.n_keep}))
 
 
@@ -173,7 +180,10 @@ def generate(spec: RunSpec) -> int:
     set_phase("loading the model")  # Ctrl-C until the model is open: main() says so, in one line
     model = open_model(options.model_path(spec.model, spec.trust_unverified), spec.lib, spec.rpc, spec.validate,
                        spec.n_gpu_layers)
+    draft = None
     try:
+        set_phase("loading the draft model")
+        draft = open_draft_model(model, spec.draft_model, spec.trust_unverified, spec.validate)
         n_ctx = context_size(model, spec.n_ctx)
         set_phase("tokenizing the prompt")
         if spec.chat:
@@ -196,9 +206,14 @@ def generate(spec: RunSpec) -> int:
         set_phase("creating the context")
         from ...engine.oneshot import EngineSession
 
-        # hold: the summary reads the cache after the request
-        return _serve(spec, model, EngineSession(model, cfg, hold=True), toks, grammar)
+        try:   # hold: the summary reads the cache after the request
+            session = EngineSession(model, cfg, hold=True, draft_model=draft)
+        except InvalidInputError as exc:   # a draft model of another vocabulary
+            raise CLIError(f"--draft-model: {exc}") from None
+        return _serve(spec, model, session, toks, grammar)
     finally:
+        if draft is not None:
+            draft.close()
         model.close()
 
 
@@ -283,6 +298,10 @@ def _summary(spec: RunSpec, model, *, n_prompt: int, n_threads: int, prompt_done
         "reused_tokens": n_prompt * (n - 1) if prompt_done else 0,
         "context_shifts": usage.context_shifts,
         "dropped_tokens": usage.dropped_tokens,
+        "spec": spec.spec,
+        "draft_model": spec.draft_model,
+        "draft_tokens": usage.draft_tokens,
+        "draft_accepted": usage.draft_accepted,
         "interrupted": interrupted is not None,
         "interrupted_while": interrupted,
         "kv": st.as_dict(),
@@ -303,6 +322,11 @@ def _print_summary(s: dict, st, stop: list[str]) -> None:
         f"({s['generation_tokens_per_s']} tok/s), {n} sequence(s) per decode; stop: {', '.join(sorted(set(stop)))}"
         + (f"; {s['context_shifts']} context shifts dropped {s['dropped_tokens']} tokens"
            if s["context_shifts"] else ""))
+    if s["spec"] != "none" or s["draft_model"]:
+        d, a = s["draft_tokens"], s["draft_accepted"]
+        src = ",".join(x for x in (s["spec"] if s["spec"] != "none" else "", s["draft_model"] and "draft model") if x)
+        log(f"drafts      {src}: {d} drafted, {a} accepted" + (f" ({a / d:.0%})" if d else "")
+            + f"; {a} decode steps saved")
     where = s["interrupted_while"]
     log(f"KV cache    {st.used_cells}/{st.n_cells} cells used, largest free block {st.largest_free_block}, "
         f"defrags {st.defrags if st.defrags is not None else 'n/a (vanilla)'}, seed {s['seed']}, "

@@ -16,6 +16,7 @@ from ..common import (
     add_lib_flag,
     chat_template,
     context_size,
+    open_draft_model,
     open_model,
     positive,
     read_template,
@@ -67,11 +68,27 @@ def register(subparsers) -> None:
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "cache_ram", "cache_dir", "cache_dir_mib",
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
-                "n_gpu_layers", "rpc", "validate", "pooling", "trust_unverified",
+                "n_gpu_layers", "rpc", "validate", "pooling", "trust_unverified", "spec", "spec_max", "draft_model",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
                        "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
     add_lib_flag(s)
+
+
+def _open_engine(model, ecfg, args):
+    """(the engine over ``model``, --draft-model's model or None: the caller closes it after the engine)."""
+    from ...engine import Engine
+    from ...errors import InvalidInputError
+
+    set_phase("loading the draft model")
+    draft = open_draft_model(model, args.draft_model, args.trust_unverified, args.validate)
+    set_phase("creating the context")
+    try:
+        return Engine(model, ecfg, draft_model=draft), draft
+    except InvalidInputError as exc:   # a draft model of another vocabulary
+        if draft is not None:
+            draft.close()
+        raise CLIError(f"--draft-model: {exc}") from None
 
 
 def _model_names(spec: str, path: Path) -> list[str]:
@@ -115,6 +132,7 @@ def run(args) -> int:
     set_phase("loading the model")
     path = Path(options.model_path(args.model, args.trust_unverified))
     model = open_model(str(path), args.lib, args.rpc, args.validate, args.n_gpu_layers)
+    draft = None
     try:
         template_name = None
         if source is not None:   # a broken or refused template stops the start, with one line saying why
@@ -123,10 +141,7 @@ def run(args) -> int:
         ecfg = options.from_args(EngineConfig, args, n_ctx=n_ctx)
         if ecfg.pooling == "rank":   # a clear refusal now, not a 400 on every /v1/rerank
             _check_reranker(model)
-        set_phase("creating the context")
-        from ...engine import Engine
-
-        engine = Engine(model, ecfg)
+        engine, draft = _open_engine(model, ecfg, args)
         try:
             server = server_app.Server(model, engine, scfg, _model_names(args.model, path),
                                        library=model.library.get("variant"), template=source,
@@ -146,6 +161,8 @@ def run(args) -> int:
         finally:
             engine.close()
     finally:
+        if draft is not None:
+            draft.close()
         model.close()
     log("pyllama-kv serve: stopped")
     return 0
