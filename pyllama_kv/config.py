@@ -292,7 +292,7 @@ class EngineConfig(CacheConfig):
     truncate: bool = False       # cut a prompt that does not fit the context (else it is refused)
     pooling: str | None = None   # embeddings: llama.cpp's pooling (limits.POOLING_TYPES; None: the model's)
     spec: str = "none"           # speculative decoding's draft sources: "none", or a comma list of ngram, cache
-    spec_max: int = 16           # the most draft tokens a continuation gets in one step
+    spec_max: int = 32           # the most draft tokens a continuation gets in one step
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -12,7 +12,8 @@ same KV cells, slots and threads, each server a subprocess on 127.0.0.1 with a f
   * peer-mod:     the same with `--spec-type ngram-mod`
 The loads (seeded, greedy, non-streaming chat requests; C clients take them in order):
   * code:   a ~45-line Python file, returned with one rename (the answer repeats the prompt);
-  * agents: a tool call whose arguments repeat a JSON record given in the prompt, several records;
+  * agents: a JSON record given in the prompt written back with one field changed (the arguments of a
+            tool call that echo a record);
   * chat:   short open questions about a made-up town (nothing to repeat: speculation must not lose).
 Reported per server, load and client count: completion tokens/s (all completion tokens over the wall
 time), p95 latency, errors, the drafted and accepted tokens (timings.draft_n / draft_n_accepted, as
@@ -74,11 +75,11 @@ def loads(n_requests: int, seed: int, code_lines: int) -> dict[str, list[list[di
                             {"role": "user", "content": f"Rename `{old}` to `{new}` in this file:\n```python\n{src}"
                                                         "```"}])
         rec = {"id": rng.randrange(10_000), "owner": rng.choice(["ana", "bo", "chen", "dara"]),
-               "items": [rng.choice(NAMES) for _ in range(6)], "status": rng.choice(["open", "closed"])}
-        out["agents"].append([{"role": "system", "content": "You call tools. To save a record, answer with one line "
-                                                            "of JSON: {\"tool\": \"save_record\", \"arguments\": "
-                                                            "RECORD} where RECORD is the record exactly as given."},
-                              {"role": "user", "content": "Save this record: " + json.dumps(rec)}])
+               "items": [rng.choice(NAMES) for _ in range(12)], "status": "open",
+               "notes": " ".join(rng.choice(NAMES) for _ in range(10))}
+        # the arguments of a tool call that echo a record (SmolLM2 writes it back, changed as asked)
+        out["agents"].append([{"role": "user", "content": "Here is a JSON record:\n" + json.dumps(rec)
+                               + "\nWrite the same JSON record again, with the status changed to closed."}])
         town = rng.choice(["Eldermoor", "Westhaven", "Brightwater"])
         q = rng.choice(["What would you visit first in {t}?", "Describe a morning at the harbour of {t}.",
                         "Invent a festival for {t}.", "Write a short note to a friend about {t}."])

@@ -20,7 +20,7 @@ from conftest import F32, toks
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from pyllama_kv.sampling.grammar import Grammar
 from pyllama_kv.speculation.drafts import Draft, PromptLookup, SuffixIndex
-from pyllama_kv.speculation.policy import Acceptance, BatchCost, SpecPolicy
+from pyllama_kv.speculation.policy import EXPLORE_EVERY, EXPLORE_SIZES, Acceptance, BatchCost, SpecPolicy
 
 # ---------------------------------------------------------------------------------------------
 # the draft sources
@@ -70,8 +70,9 @@ def test_suffix_index_extends_the_match_backwards_and_stays_within_its_bound():
 # the cost rule, on given costs (no timing)
 
 def cost_of(fixed: float, per_token: float) -> BatchCost:
+    """A decode's cost as a line, every size the rule explores measured (so that it decides, not explores)."""
     c = BatchCost()
-    for b in (1, 2, 8, 32):
+    for b in (1, *EXPLORE_SIZES):
         c.observe(b, fixed + per_token * b)
     return c
 
@@ -124,10 +125,21 @@ def test_acceptance_learns_per_source_and_match():
     assert a.rate("ngram", 2) == pytest.approx(Acceptance().rate("ngram", 2))   # another bucket: untouched
 
 
-def test_a_policy_that_cannot_weigh_yet_explores_now_and_then():
+def test_a_policy_explores_the_batch_sizes_it_has_not_measured_now_and_then():
+    """Every EXPLORE_EVERY steps with a draft on offer, the draft is cut to make the decode the next
+    unmeasured size of EXPLORE_SIZES; until a longer batch's cost is known nothing else is drafted."""
     p = SpecPolicy()
-    got = [p.allocate(base=1, generating=1, offers=[("a", 0.5, 10)], room=64) for _ in range(16)]
-    assert sum(1 for g in got if g) == 2 and all(g in ({}, {"a": 4}) for g in got)
+    p.cost.observe(1, 1.0)
+    got = []
+    for step in range(4 * EXPLORE_EVERY):
+        got.append(p.allocate(base=1, generating=1, offers=[("a", 0.5, 10)], room=64))
+        if got[-1]:
+            p.cost.observe(1 + got[-1]["a"], 1.0 + 0.5 * got[-1]["a"])
+    assert [(i, g) for i, g in enumerate(got) if g] == [(0, {"a": 1}), (EXPLORE_EVERY, {"a": 3}),
+                                                         (2 * EXPLORE_EVERY, {"a": 7})] + \
+        [(i, g) for i, g in enumerate(got) if g and i > 2 * EXPLORE_EVERY]
+    # (draft 10 tokens at most: size 16 is out of its reach)
+    assert all(not g for g in got[1:EXPLORE_EVERY])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ __all__ = ["Draft", "PromptLookup", "SuffixIndex"]
 #: editing load (scripts/bench_spec.py), 2-grams propose too often to be trusted, past 5 rarely more
 NGRAM_MIN = 3
 NGRAM_MAX = 5
+#: context tokens compared to measure a match (how far it extends back before the n-gram)
+MAX_MATCH = 64
 
 
 class Draft(NamedTuple):
@@ -70,12 +72,16 @@ class PromptLookup:
         if k <= 0 or len(tokens) <= self.n_min:
             return None
         self._catch_up(tokens)
-        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
-            j = self._index[n].get(tuple(tokens[len(tokens) - n:]))
+        end = len(tokens) - 1
+        for n in range(min(self.n_max, end), self.n_min - 1, -1):
+            j = self._index[n].get(tuple(tokens[end + 1 - n:]))
             if j is not None:
                 out = list(tokens[j + 1:j + 1 + k])
                 if out:
-                    return Draft(out, "ngram", n)
+                    m = n   # the match's length, extended backwards (the policy trusts a longer one more)
+                    while m < MAX_MATCH and m <= j and tokens[j - m] == tokens[end - m]:
+                        m += 1
+                    return Draft(out, "ngram", m)
         return None
 
 
@@ -85,7 +91,7 @@ class SuffixIndex:
     (at most ``max_match`` tokens compared), most recent first among equals. At most ``max_tokens``
     tokens are kept: the oldest documents go first."""
 
-    def __init__(self, max_tokens: int = 1 << 20, key: int = 4, max_match: int = 64, per_key: int = 8):
+    def __init__(self, max_tokens: int = 1 << 20, key: int = 4, max_match: int = MAX_MATCH, per_key: int = 8):
         if key < 1 or max_match < key or per_key < 1 or max_tokens < 1:
             raise ValueError("SuffixIndex needs key >= 1, max_match >= key, per_key >= 1, max_tokens >= 1")
         self.key, self.max_match, self.per_key, self.max_tokens = key, max_match, per_key, max_tokens

@@ -95,7 +95,7 @@ class RunSpec:
     grammar: object = None         # --json-schema / --grammar: a pyllama_kv.sampling.grammar.Grammar
     trust_unverified: bool = False  # --trust-unverified: a hub file no hash vouches for is loaded
     spec: str = "none"             # --spec: speculative decoding's draft sources
-    spec_max: int = 16             # --spec-max
+    spec_max: int = 32             # --spec-max
     draft_model: str | None = None  # --draft-model: a MODEL whose greedy continuation is drafted
 
 
