@@ -322,10 +322,17 @@ def test_the_peer_builds_from_the_current_tree_without_its_series(tmp_path, monk
     series = P.series(root / "patches" / "current")
     pristine = (tree / "include" / "llama.h").read_bytes()
     P.apply(tree, series)
+    # source directories named models stay in the copy (the current tree builds src/models and
+    # tools/mtmd/models); only the top level's vocabulary files are left out
+    for d in ("models", "src/models", "tools/mtmd/models"):
+        (tree / d).mkdir(parents=True, exist_ok=True)
+        (tree / d / "models.h").write_text("// " + d + "\n")
     copy = peer._pristine_tree(CURRENT, root, log=lambda m: None)
     assert copy == tmp_path / "cache" / "peer" / "0c1e57098" / "src"
     assert P.state(copy, series).n_applied == 0 and P.state(tree, series).complete
     assert (copy / "include" / "llama.h").read_bytes() == pristine
+    assert (copy / "src/models/models.h").is_file() and (copy / "tools/mtmd/models/models.h").is_file()
+    assert not (copy / "models").exists()
 
 
 def test_every_file_the_series_touches_is_in_the_pin_fingerprint():

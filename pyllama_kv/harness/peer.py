@@ -161,9 +161,17 @@ def _pristine_tree(pin: _vendor.Pin, root: Path | None, log: Log) -> Path:
     if copy.exists():
         shutil.rmtree(copy)
     log(f"{vdir} holds patches of the current pin: building the peer from an unpatched copy in {copy}")
-    shutil.copytree(vdir, copy, symlinks=True, ignore=shutil.ignore_patterns("models", "docs", ".git"))
+    # the top level's models (vocabulary files) and docs are not needed; src/models and tools/mtmd/models
+    # are source code: only the top level's are left out
+    top = vdir.resolve()
+    shutil.copytree(vdir, copy, symlinks=True,
+                    ignore=lambda d, names: [n for n in names if Path(d).resolve() == top and n in _NOT_COPIED])
     _patch.reverse(copy, series)
     return copy
+
+
+#: what the peer's unpatched copy of the tree leaves out, at its top level only
+_NOT_COPIED = ("models", "docs", ".git")
 
 
 def _configured_from(bdir: Path) -> Path | None:
