@@ -141,6 +141,13 @@ CHECKPOINT_MIN_TOKENS = 16
 #: used first out): a 1B hybrid's state is a few hundred KiB, a 30B gated-delta-net's tens of MiB
 CHECKPOINT_BYTES = 256 << 20
 
+#: a recurrent model's long prompt also keeps a checkpoint every CHECKPOINT_INTERVAL tokens (the last
+#: CHECKPOINT_PERIODIC of them): a branch where no exact checkpoint is forks from the last one before it
+#: (engine/kv.py's periodic_points; a tiny LFM2's raw completion branching at ~1,100 cached tokens reused
+#: nothing without them)
+CHECKPOINT_INTERVAL = 256
+CHECKPOINT_PERIODIC = 8
+
 # -- model stores read in place (pyllama_kv.modelfile.local, .names, .hub: issue 45) -------------------
 
 #: bytes of a small file of a model store that is read whole: an Ollama manifest (about 1 KiB for a

@@ -4,7 +4,7 @@
 Speed depends on shapes, not values, so the GPU benchmarks time this file instead of downloading
 an 8B model (pyllama_kv.tools.gguf.make_timing_model). Its text is noise: never use it for output.
 
-  python scripts/make_timing_model.py OUT.gguf [--shape llama3-8b|llama3-1b] [--layers N]
+  python scripts/make_timing_model.py OUT.gguf [--shape llama3-8b|llama3-3b|llama3-1b] [--layers N]
 """
 from __future__ import annotations
 

@@ -182,12 +182,12 @@ class Evaluated(KVWrapper):
         self.kv.checkpoint(seq)
 
 
-def _conversation(eng, model, prompt, bounds) -> int:
+def _conversation(eng, model, prompt, bounds, n_ctx: int = 1024) -> int:
     """One request through ``eng`` (6 greedy tokens, the turn ``bounds``), run to its end: its answer
     is the greedy continuation of a fresh evaluation; returns the prompt tokens it reused."""
     h = eng.submit(prompt, GREEDY, max_tokens=6, boundaries=bounds)
     eng.run_until_idle()
-    assert list(h.result()[0].tokens) == greedy_run(model, prompt, len(h.result()[0].tokens))
+    assert list(h.result()[0].tokens) == greedy_run(model, prompt, len(h.result()[0].tokens), n_ctx=n_ctx)
     return h.usage.reused_tokens
 
 
@@ -212,6 +212,21 @@ def test_the_engine_serves_a_shared_system_prompt_from_its_checkpoint(lfm2):
             assert kv["checkpoints"] >= 1 and kv["checkpoint_bytes"] > 0 and kv["checkpoint_forks"] >= 1
             tier = eng.kv.tier_stats()   # no spans for a recurrent state: the host tier keeps whole states
             assert tier["enabled"] and not tier["off_reason"], tier
+
+
+def test_a_long_raw_prompt_keeps_periodic_checkpoints_for_its_first_branch(lfm2):
+    """A raw prompt (no turns known) of 1,170 tokens on the hybrid model keeps a checkpoint every
+    CHECKPOINT_INTERVAL tokens: the first prompt that branches from it at 1,100 forks the last one
+    before (1,024 tokens reused, not 0), keeps an exact one where it branches, and the next prompt
+    branching there forks all 1,100. Every answer is the greedy continuation of a fresh evaluation."""
+    from pyllama_kv.limits import CHECKPOINT_INTERVAL
+
+    long = toks(1150, 50)
+    with Engine(lfm2, EngineConfig(n_ctx=4096, parallel=2, prefix_cache=4, **F32)) as eng:
+        reused = [_conversation(eng, lfm2, long + toks(20, 60), None, n_ctx=2048)]
+        for seed in (70, 80):
+            reused.append(_conversation(eng, lfm2, long[:1100] + toks(31, seed), None, n_ctx=2048))
+    assert reused == [0, 1100 // CHECKPOINT_INTERVAL * CHECKPOINT_INTERVAL, 1100], reused
 
 
 # -- a sliding-window model: its checkpoints are idle sequences of exactly the branch's tokens -----------

@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from ..core.context import Context
-from ..limits import CHECKPOINT_MIN_TOKENS
+from ..limits import CHECKPOINT_INTERVAL, CHECKPOINT_MIN_TOKENS, CHECKPOINT_PERIODIC
 from ..prefixcache.cache import PrefixCache
 from ..prefixcache.tiers import TierStats
 
@@ -293,6 +293,8 @@ class ContextKV(PrefixPolicy):
         if not self.cache.keeps_checkpoints:
             return []
         points = set(boundaries) | {self.cache.branch_point(tokens)}
+        if self.cache.checkpoints is not None:   # a recurrent model: periodic ones too (see periodic_points)
+            points |= set(periodic_points(held, len(tokens)))
         return sorted(p for p in points if CHECKPOINT_MIN_TOKENS <= p and held <= p < len(tokens))
 
     def checkpoint(self, seq) -> None:
@@ -324,6 +326,17 @@ class ContextKV(PrefixPolicy):
     def tier_info(self) -> TierStats:
         """The tiers' live counters, host and disk (the engine's ``stats.prefix_tier``)."""
         return self.cache.tier_info
+
+
+def periodic_points(held: int, n: int) -> list[int]:
+    """Where a recurrent model's long prompt keeps checkpoints besides the exact ones (its turns, where
+    it leaves the cache): every CHECKPOINT_INTERVAL tokens of the part it evaluates, the last
+    CHECKPOINT_PERIODIC of them. A later prompt that branches inside this one, where no exact
+    checkpoint is (a raw completion: no turns known), then forks from the last one before its branch
+    instead of evaluating everything (llama-server keeps such checkpoints too); the cache's byte bound
+    (CHECKPOINT_BYTES) bounds them all."""
+    first = (held // CHECKPOINT_INTERVAL + 1) * CHECKPOINT_INTERVAL
+    return list(range(first, n, CHECKPOINT_INTERVAL))[-CHECKPOINT_PERIODIC:]
 
 
 def context_kv(ctx: Context, config, hold: bool = False) -> ContextKV:

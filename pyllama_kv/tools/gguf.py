@@ -396,6 +396,7 @@ def _write_gguf(path: Path, arch: str, meta: dict, tensors: dict) -> None:
 #: the shapes of models people run, for timing (n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab)
 TIMING_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "llama3-8b": (32, 4096, 32, 8, 14336, 128256),
+    "llama3-3b": (28, 3072, 24, 8, 8192, 128256),
     "llama3-1b": (16, 2048, 32, 8, 8192, 128256),
 }
 
