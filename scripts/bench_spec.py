@@ -15,7 +15,8 @@ The loads (seeded, greedy, non-streaming chat requests; C clients take them in o
   * agents: a JSON record given in the prompt written back with one field changed (the arguments of a
             tool call that echo a record);
   * chat:   short open questions about a made-up town (nothing to repeat: speculation must not lose).
-Reported per server, load and client count: completion tokens/s (all completion tokens over the wall
+Each load sends max(2, C) requests at C clients. Reported per server, load and client count:
+completion tokens/s (all completion tokens over the wall
 time), p95 latency, errors, the drafted and accepted tokens (timings.draft_n / draft_n_accepted, as
 llama-server names them); then ours-best / ours-off and ours-best / peer-best per load and clients, and
 how many of our answers with speculation equal ours without (greedy: the same on F32 weights; on a
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
     args.ctx = 1024 * args.slots
     per = 2 if args.quick else None
     max_tokens = ({"code": 96, "agents": 64, "chat": 32} if args.quick else
-                  {"code": 400, "agents": 128, "chat": 96})
+                  {"code": 300, "agents": 128, "chat": 96})
     wanted = args.loads.split(",")
     if any(s.startswith("peer") for s in only) and find_peer_server() is None:
         build_peer()
@@ -213,11 +214,12 @@ def main(argv=None) -> int:
                                                           Path(logs)) as srv:
             mid = srv.model_id()
             for c in clients:
-                work = loads(per or 2 * c, args.seed + c, 20 if args.quick else 45)
+                work = loads(per or max(2, c), args.seed + c, 20 if args.quick else 45)
                 for load in wanted:
-                    print(f"  [{name}] {load}, {c} client(s)", file=sys.stderr)
                     r = run_load(srv.url, mid, work[load], c, max_tokens[load])
                     rows.append({"server": name, "load": load, **r})
+                    print(f"  [{name}] {load}, {c} client(s): {r['tps']} tok/s, p95 {r['latency_p95_s']} s, drafts "
+                          f"{r['draft_n_accepted']}/{r['draft_n']}, errors {r['errors']}", file=sys.stderr)
     out = {"benchmark": "spec", "model": Path(model).name, "threads": args.threads, "machine": machine(),
            "date": time.strftime("%Y-%m-%d"), "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows],
            "ratios": ratios(rows)}
