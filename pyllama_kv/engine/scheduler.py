@@ -249,14 +249,20 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         emb = self._embeddings
         n_emb = emb.step() if emb is not None and emb.has_work() else 0   # one embedding decode at most
         self._admit()
+        tb = time.perf_counter()
         batch, owners, outputs = self._build_batch()
         if not batch:
             return n_emb
         self.stats.steps += 1
+        n = 0
         try:
-            return self._step(batch, owners, outputs)
+            n = self._step(batch, owners, outputs)
+            return n
         finally:
-            self.stats.step_seconds += time.perf_counter() - t0
+            now = time.perf_counter()
+            self.stats.step_seconds += now - t0
+            # the cost rule's measure: what a step of n tokens costs, drafting, sampling and verifying included
+            self.spec.decoded(n, now - tb)
 
     def _step(self, batch: dict, owners: dict, outputs: dict) -> int:
         out = self._decode(batch, owners, outputs)
@@ -540,7 +546,6 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
                 finally:
                     dt = time.perf_counter() - t
                     self.stats.decode_seconds += dt
-                self.spec.decoded(sum(len(t) for t in batch.values()), dt)
                 return out
             except KVCacheFullError as exc:
                 if outputs:   # drafts are the first to go: a draft never preempts anything

@@ -135,7 +135,8 @@ class Speculator:
         return self.policy.allocate(base, generating, rated, room)
 
     def decoded(self, tokens: int, seconds: float) -> None:
-        """A decode of ``tokens`` tokens took ``seconds`` (the cost rule's measure)."""
+        """A step that decoded ``tokens`` tokens took ``seconds``, drafting, sampling and verifying
+        included (the cost rule's measure)."""
         self.policy.cost.observe(tokens, seconds)
 
     def verified(self, state: SeqSpec, accepted: int) -> None:

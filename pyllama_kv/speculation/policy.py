@@ -6,7 +6,9 @@ are each accepted with probability ``a`` (in order: the j-th is kept only if all
 ``a + a^2 + ... + a^k`` more tokens on average, and makes the decode ``B + k`` tokens long. So a step
 takes the draft tokens in order of their expected gain ``a^j`` (over every continuation at once) and
 stops where one more would lower the step's expected tokens per second,
-``(generating + gains) / seconds(B + drafted)``: on this 2-core CPU a token in the batch costs about half
+``(generating + gains) / seconds(B + drafted)``, and takes none unless that beats the step without
+drafts by ``MIN_GAIN`` (the numbers are estimates). A step's seconds are the whole step's (drafting,
+the decode, sampling and verifying every row). On this 2-core CPU a token in the batch costs about half
 a decode step, so only drafts accepted most of the time are worth it; on a GPU, where a step of 8
 tokens costs about one of 1, far more are. Nothing is drafted where it does not pay: a load without
 repetition runs as without speculation.
@@ -45,6 +47,10 @@ EXPLORE_EVERY = 8
 EXPLORE_SIZES = (2, 4, 8, 16, 32)
 #: the weight of the newest decode in a size's mean
 COST_WEIGHT = 0.25
+#: drafts are taken only when the step's expected tokens per second beat the step without them by this
+#: share: the costs and rates are estimates (a busy 2-core CPU's step times swing by 10%), and a draft
+#: taken on an estimate's error is a loss, so a marginal gain is left alone
+MIN_GAIN = 0.05
 
 
 class BatchCost:
@@ -166,7 +172,7 @@ class SpecPolicy:
         heap = [(-rate, i, 1, rate, min(n, self.max_draft)) for i, (_k, rate, n) in enumerate(offers)
                 if n > 0 and rate > 0]
         heapq.heapify(heap)
-        best_m, best_v, gain, m = 0, generating / t0, 0.0, 0
+        best_m, best_v, gain, m = 0, generating / t0 * (1.0 + MIN_GAIN), 0.0, 0
         took: list[Hashable] = []
         while heap and m < room:
             g, i, j, rate, n = heapq.heappop(heap)
