@@ -168,3 +168,8 @@ SPEC_SOURCES = ("ngram", "cache")
 SPEC_MAX_DRAFT = 64
 #: tokens of finished conversations the cache source indexes (the oldest go first; ~50 bytes a token)
 SPEC_INDEX_TOKENS = 1 << 20
+
+# -- KV events (serve --kv-events) --------------------------------------------------------------------
+
+#: the most tokens a KV-event block may hold (``serve --kv-events-block-size``; vLLM's default is 16)
+KV_EVENT_BLOCK_MAX = 4096

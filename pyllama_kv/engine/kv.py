@@ -27,7 +27,7 @@ in pure Python, without a model.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -316,6 +316,11 @@ class ContextKV(PrefixPolicy):
         kv["request_cells"] = int(((seqs >= 0).any(axis=1) & ~by_cache).sum())
         kv.update(self.cache.checkpoint_stats() or {})   # a model whose prefix cache keeps checkpoints
         return kv
+
+    def holdings(self) -> tuple[tuple, Callable[[], dict]]:
+        """The prefix cache's change key and a reader of its holdings, by medium
+        (PrefixCache.holdings_key / holdings: for KV events). Call between steps."""
+        return self.cache.holdings_key(), self.cache.holdings
 
     def tier_stats(self) -> dict:
         """The tiers' counters, host and disk (pyllama_kv.prefixcache.tiers.TierStats, ``enabled``,

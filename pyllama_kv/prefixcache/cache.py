@@ -15,6 +15,7 @@ from ..core.sequence import Sequence
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError
 from ..limits import CHECKPOINT_MIN_TOKENS
 from .checkpoints import Checkpoints
+from .events import Holding
 from .eviction import IdlePrefixes
 from .tiers import SpanTrie, Tiers, TierStats, can_restore, context_layout, shared_prefix
 from .wholestates import WholeStates
@@ -155,6 +156,28 @@ class PrefixCache:
     def tier_stats(self) -> dict:
         """The tiers' counters (TierStats.as_dict(): ``enabled`` and, when off, ``off_reason``)."""
         return self.tier_info.as_dict()
+
+    def holdings(self) -> dict[str, list[Holding]]:
+        """What this cache holds, by medium (:mod:`~pyllama_kv.prefixcache.events`): ``"GPU"`` the
+        idle cached sequences' cells, ``"CPU"`` the host tier's spans (or a hybrid model's whole
+        states), ``"DISK"`` the span files of this model; each ``(tokens, start, end)``: positions
+        [start, end) of ``tokens`` are there. Read between steps (under the context's lock)."""
+        out: dict[str, list[Holding]] = {"GPU": [(s.tokens, 0, len(s)) for s in self.idle]}
+        if self.tiers is not None:
+            out["CPU"] = list(self.tiers.trie.holdings())
+            if self.tiers.disk is not None:
+                out["DISK"] = list(self.tiers.disk.holdings())
+        elif self.states is not None:
+            out["CPU"] = [(t, 0, len(t)) for t in self.states.token_runs()]
+        return out
+
+    def holdings_key(self) -> tuple:
+        """A value that changes whenever :meth:`holdings` may have (cheap: the idle sequences and
+        the tiers' counters), so that a reader skips the unchanged readings."""
+        st = self.tier_info
+        return (tuple((s.id, len(s)) for s in self.idle), st.host_bytes, st.host_nodes, st.host_tokens,
+                st.paged_out_tokens, st.evicted_nodes, st.disk_files, st.disk_tokens, st.disk_writes,
+                st.disk_evicted_files, st.disk_corrupt)
 
     # -- internals ------------------------------------------------------------------------------
 

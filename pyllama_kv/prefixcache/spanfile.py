@@ -462,6 +462,11 @@ class SpanDir:
                 self.stats.disk_evicted_files += 1
         self._scan()
 
+    def holdings(self):
+        """``(tokens, start, end)`` for every file of this model in the index (as last read)."""
+        for node, f in self.index.nodes_and_values():
+            yield self.index.path_tokens(node), f.start, f.end
+
     # -- looking up ---------------------------------------------------------------------------------
 
     def covered(self, tokens: Sequence[int] | np.ndarray, pos: int, touch: bool = True, sync: bool = True) -> int:

@@ -190,6 +190,17 @@ class SpanTrie:
             yield n
             stack.extend(n.children.values())
 
+    def holdings(self):
+        """``(tokens, start, end)`` for every node holding a span: positions [start, end) of its path's
+        tokens are in host memory, ``start`` the start of the run of spans that ends at it."""
+        for n in self._nodes():
+            if n.span is None:
+                continue
+            start, up = n.start, n.parent
+            while up is not None and up is not self.root and up.span is not None:
+                start, up = up.start, up.parent
+            yield self._path_tokens(n), start, n.end
+
     # -- storing --------------------------------------------------------------------------------
 
     def _drop(self, node: _Node) -> None:

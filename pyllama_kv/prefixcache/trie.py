@@ -65,6 +65,19 @@ class TokenTrie(Generic[K, V]):
         for key, node in self._where.items():
             yield node.items[key]
 
+    def nodes_and_values(self) -> Iterator[tuple[Node, V]]:
+        for key, node in self._where.items():
+            yield node, node.items[key]
+
+    def path_tokens(self, node: Node) -> np.ndarray:
+        """The tokens of positions [0, node.end)."""
+        parts = []
+        n: Node | None = node
+        while n is not None:
+            parts.append(n.tokens)
+            n = n.parent
+        return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int32)
+
     def _recount(self, node: Node | None) -> None:
         """``least`` of ``node`` and its ancestors, from their items and children."""
         rank = self._rank

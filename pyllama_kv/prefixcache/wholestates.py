@@ -49,6 +49,10 @@ class WholeStates:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def token_runs(self) -> list:
+        """The tokens of each kept state (what a restore can give back from position 0)."""
+        return [s.tokens for s in self._lru.values()]
+
     def _sync(self) -> None:
         st = self.stats
         st.host_bytes, st.host_nodes = self.nbytes, len(self._lru)

@@ -28,6 +28,7 @@ from .relay import error_response as _error
 
 if TYPE_CHECKING:
     from ..engine import Engine
+    from .kvevents import KVEventPublisher
 
 log = logging.getLogger("pyllama_kv.server")
 
@@ -50,12 +51,13 @@ class ServerBase:
     shutting_down: bool
     _grace: threading.Timer | None
     _key_digest: bytes
+    kv_events: KVEventPublisher | None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app) -> AsyncIterator[None]:
-        self.engine.start()
+        self.engine.start(on_step=self.kv_events.on_step if self.kv_events is not None else None)
         try:
             yield
         finally:
@@ -70,6 +72,8 @@ class ServerBase:
             self._grace.cancel()
             self._grace.join()
         self.engine.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def begin_shutdown(self) -> None:
         """The first SIGINT/SIGTERM: refuse new requests; cancel what still runs after the grace time."""

@@ -72,6 +72,19 @@ class _EngineCollector:
         yield _gauge("requests_running", "requests generating or evaluating their prompt", s.running_requests)
         yield _gauge("sequences_running", "continuations holding a sequence", s.running_sequences)
         yield _gauge("requests_queued", "requests waiting for admission", s.waiting)
+        yield from _router_metrics(s)
+
+
+def _router_metrics(s: Snapshot):
+    """The three gauges a cache-aware router reads (llm-d's, Dynamo's, Ray's), under vLLM's names too."""
+    usage = s.kv["request_cells"] / s.kv["n_cells"] if s.kv and s.kv.get("n_cells") else 0.0
+    yield _gauge("kv_usage", "the share of KV cells running requests hold (idle cached prefixes count as free: "
+                 "they are evicted for a request), 0..1", usage)
+    for name, doc, value in (("num_requests_running", "requests generating or evaluating their prompt",
+                              s.running_requests),
+                             ("num_requests_waiting", "requests waiting for admission", s.waiting),
+                             ("kv_cache_usage_perc", "pyllama_kv_kv_usage, 0..1", usage)):
+        yield GaugeMetricFamily("vllm:" + name, doc + " (vLLM's name, for routers)", value=value)
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:

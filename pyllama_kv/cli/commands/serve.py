@@ -45,6 +45,11 @@ def _flags() -> None:
              "slower ones get HTTP 408 (default {default})", float, metavar="SECONDS"),
         Flag(ServerConfig, "shutdown_grace", ("--shutdown-grace",), "seconds running requests get to finish on "
              "SIGINT/SIGTERM before they are cancelled (default {default})", float, metavar="SECONDS"),
+        Flag(ServerConfig, "kv_events", ("--kv-events",), "publish the prefix cache's changes on this ZeroMQ "
+             "endpoint (tcp://HOST:PORT) in vLLM's KV-event format, for routers that read them (llm-d, Dynamo, "
+             "Ray); needs the events extra (default: off)", str, metavar="ENDPOINT"),
+        Flag(ServerConfig, "kv_events_block_size", ("--kv-events-block-size",), "tokens a KV-event block "
+             "holds (default {default}, as vLLM)", metavar="N"),
     ):
         options.FLAGS.setdefault(f.field, f)
 
@@ -68,7 +73,8 @@ def register(subparsers) -> None:
     options.add(s, "host", "port", "api_key", "n_ctx", "parallel", "max_queue", "max_tokens", "prefix_cache",
                 "cache_ram", "cache_dir", "cache_dir_mib",
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
-                "n_gpu_layers", "rpc", "validate", "pooling", "trust_unverified", "spec", "spec_max", "draft_model",
+                "kv_events", "kv_events_block_size", "n_gpu_layers", "rpc", "validate", "pooling",
+                "trust_unverified", "spec", "spec_max", "draft_model",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
                        "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
@@ -154,7 +160,8 @@ def run(args) -> int:
             shown = f"[{host}]" if ":" in host else host
             log(f"pyllama-kv serve: http://{shown}:{port}/v1  model {server.model_id} "
                 f"(library {server.library or '?'}), ctx {ecfg.n_ctx}, parallel {ecfg.parallel}"
-                + (", API key required" if scfg.api_key else ""))
+                + (", API key required" if scfg.api_key else "")
+                + (f", KV events on {server.kv_events.endpoint}" if server.kv_events is not None else ""))
             set_phase(None)
             if not server_app.run(server, sock, debug=args.debug):
                 raise CLIError("the server did not start (see the messages above)")
