@@ -22,8 +22,9 @@ MAY = {
     "speculation": {"core"},
     "engine": {"core", "prefixcache", "sampling", "chat", "speculation"},
     "server": {"engine", "chat", "sampling", "core"},
+    "replicas": {"prefixcache"},
     "cli": {"_native", "modelfile", "core", "prefixcache", "sampling", "chat", "engine", "server", "harness",
-            "tools", "speculation"},
+            "tools", "speculation", "replicas"},
     "harness": {"_native", "modelfile"},
     "tools": {"_native", "modelfile", "core", "prefixcache", "sampling", "chat", "engine", "speculation"},
 }

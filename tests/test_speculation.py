@@ -141,6 +141,20 @@ def test_a_policy_explores_the_batch_sizes_it_has_not_measured_now_and_then():
         [(i, g) for i, g in enumerate(got) if g and i > 2 * EXPLORE_EVERY]
     # (draft 10 tokens at most: size 16 is out of its reach)
     assert all(not g for g in got[1:EXPLORE_EVERY])
+    # a probe adds at most EXPLORE_MAX tokens (or doubles the batch): a 3B model's step of 32 tokens on
+    # this CPU takes seconds; at 4 generating continuations only size 8 is probed, at 16 size 32
+    p = SpecPolicy(max_draft=64)
+    p.cost.observe(4, 1.0)
+    probes = []
+    for _step in range(4 * EXPLORE_EVERY):
+        g = p.allocate(base=4, generating=4, offers=[("a", 0.9, 60)], room=64)
+        if g:
+            probes.append(4 + g["a"])
+            p.cost.observe(4 + g["a"], 4.0 * (4 + g["a"]) / 4)   # linear: drafts never pay
+    assert probes == [8], probes
+    q = SpecPolicy(max_draft=64)
+    q.cost.observe(16, 1.0)
+    assert q.allocate(base=16, generating=16, offers=[("a", 0.9, 60)], room=64) == {"a": 16}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ eviction): most steps cost one tuple comparison.
 """
 from __future__ import annotations
 
-from ..prefixcache.events import BlockLedger, KVEvent
+from ..prefixcache.events import BlockLedger, KVEvent, from_wire, to_wire
 
-__all__ = ["KVEventSource"]
+__all__ = ["KVEventSource", "from_wire", "to_wire"]
 
 
 class KVEventSource:

@@ -254,6 +254,9 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         if not batch:
             return n_emb
         self.stats.steps += 1
+        # the cost rule's measure: what a step of generation (and drafts) costs, drafting, sampling and
+        # verifying included; a step with a prompt chunk is another kind of batch (cheaper a token)
+        generation_only = not any(owners[seq].prefilling for seq in batch)
         n = 0
         try:
             n = self._step(batch, owners, outputs)
@@ -261,8 +264,8 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         finally:
             now = time.perf_counter()
             self.stats.step_seconds += now - t0
-            # the cost rule's measure: what a step of n tokens costs, drafting, sampling and verifying included
-            self.spec.decoded(n, now - tb)
+            if generation_only:
+                self.spec.decoded(n, now - tb)
 
     def _step(self, batch: dict, owners: dict, outputs: dict) -> int:
         out = self._decode(batch, owners, outputs)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MEDIA", "AllBlocksCleared", "BlockLedger", "BlockRemoved", "BlockStored", "Holding", "block_hashes"]
+__all__ = ["MEDIA", "AllBlocksCleared", "BlockLedger", "BlockRemoved", "BlockStored", "Holding", "block_hashes",
+           "from_wire", "to_wire"]
 
 #: the media, in the order a reading lists them
 MEDIA = ("GPU", "CPU", "DISK")
@@ -63,6 +64,42 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def to_wire(events: Iterable[KVEvent]) -> list[list]:
+    """vLLM's arrays of ``events`` (msgpack-ready; ``msgspec``'s ``array_like`` structs, tagged by the
+    class name first): ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+    medium]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``."""
+    out: list[list] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.append(["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,
+                        e.medium])
+        elif isinstance(e, BlockRemoved):
+            out.append(["BlockRemoved", e.block_hashes, e.medium])
+        else:
+            out.append(["AllBlocksCleared"])
+    return out
+
+
+def from_wire(arrays: Iterable) -> list[KVEvent]:
+    """The events of vLLM's arrays (:func:`to_wire`'s inverse; vLLM's own events too: a medium missing
+    is "GPU"); ValueError for an array that is none of them."""
+    out: list[KVEvent] = []
+    for a in arrays:
+        if not isinstance(a, (list, tuple)) or not a:
+            raise ValueError(f"not a KV event: {a!r}"[:200])
+        tag = a[0].decode() if isinstance(a[0], bytes) else a[0]
+        if tag == "BlockStored" and len(a) >= 5:
+            medium = a[6] if len(a) > 6 and a[6] is not None else "GPU"
+            out.append(BlockStored(list(a[1]), a[2], list(a[3]), int(a[4]), medium, a[5] if len(a) > 5 else None))
+        elif tag == "BlockRemoved" and len(a) >= 2:
+            out.append(BlockRemoved(list(a[1]), a[2] if len(a) > 2 and a[2] is not None else "GPU"))
+        elif tag == "AllBlocksCleared":
+            out.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"not a KV event: {a!r}"[:200])
+    return out
 
 
 def _hash(parent: int, data: bytes) -> int:

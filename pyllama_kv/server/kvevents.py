@@ -22,28 +22,14 @@ import queue
 import threading
 import time
 
-from ..engine.kvevents import KVEventSource
+from ..engine.kvevents import KVEventSource, to_wire
 from ..errors import InvalidInputError
 
-__all__ = ["KVEventPublisher", "encode"]
+__all__ = ["KVEventPublisher"]
 
 log = logging.getLogger("pyllama_kv.server")
 
 TOPIC = b"kv-events"
-
-
-def encode(events) -> list:
-    """The msgpack-ready arrays of ``events`` (see the module docstring)."""
-    out = []
-    for e in events:
-        kind = type(e).__name__
-        if kind == "BlockStored":
-            out.append([kind, e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium])
-        elif kind == "BlockRemoved":
-            out.append([kind, e.block_hashes, e.medium])
-        else:
-            out.append([kind])
-    return out
 
 
 class KVEventPublisher:
@@ -81,7 +67,7 @@ class KVEventPublisher:
             self._source = KVEventSource(engine, self.block_size)
         events = self._source.poll()
         if events:
-            self._queue.put((time.time(), encode(events)))
+            self._queue.put((time.time(), to_wire(events)))
 
     def _send_loop(self) -> None:
         while True:

@@ -45,6 +45,8 @@ OWN_PRIOR = 6.0
 #: 107 ms, 12 took 123 ms, 1 took 16 ms), so the sizes a rule may take are measured, not guessed
 EXPLORE_EVERY = 8
 EXPLORE_SIZES = (2, 4, 8, 16, 32)
+#: a probe adds at most this many draft tokens to the batch, or doubles it if that is more
+EXPLORE_MAX = 8
 #: the weight of the newest decode in a size's mean
 COST_WEIGHT = 0.25
 #: drafts are taken only when the step's expected tokens per second beat the step without them by this
@@ -191,10 +193,14 @@ class SpecPolicy:
 
     def _explore(self, base: int, offers, room: int) -> dict[Hashable, int]:
         """The likeliest draft, cut so that the decode is the smallest size of EXPLORE_SIZES above
-        ``base`` not measured yet ({} when every one it can reach is)."""
+        ``base`` and at most ``max(base, EXPLORE_MAX)`` above it, not measured yet ({} when every one
+        it can reach is)."""
         key, _rate, n = max(offers, key=lambda o: o[1])
         for size in EXPLORE_SIZES:
             k = size - base
-            if 0 < k <= min(n, room, self.max_draft) and size not in self.cost.measured:
+            # at most EXPLORE_MAX more tokens or doubling the batch: a probe costs its step's time, and
+            # a large model on a CPU (a 3B model's step of 32 tokens: ~4 s) must not pay that to learn
+            # that drafts do not pay there
+            if 0 < k <= min(n, room, self.max_draft, max(base, EXPLORE_MAX)) and size not in self.cost.measured:
                 return {key: k}
         return {}
