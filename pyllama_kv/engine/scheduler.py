@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import numpy as np
 
 from ..config import EngineConfig, SamplingParams, spec_sources
+from ..core.context import release_thread_pool
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefixcache.cache import shared_prefix
 from .admission import Limits, admit, drop_range
@@ -304,6 +305,7 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         if self._thread is not None:
             return
         self._stopping = False
+        release_thread_pool()   # this thread's OpenMP workers would slow every decode of the loop's
         self._thread = threading.Thread(target=self._loop, args=(on_step,), name="pyllama-kv-engine", daemon=True)
         self._thread.start()
 
