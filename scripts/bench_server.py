@@ -38,7 +38,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -50,7 +49,7 @@ from pyllama_kv.config import default_threads
 from pyllama_kv.harness import build as _build
 from pyllama_kv.harness.peer import build_peer, find_peer_server
 from pyllama_kv.modelfile import catalogue
-from pyllama_kv.tools.bench import machine
+from pyllama_kv.tools.bench import fan_out, machine
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SERVERS = ("patched", "vanilla", "llama-server", "ours-current", "current")
@@ -260,31 +259,13 @@ def one_request(client: httpx.Client, url: str, model_name: str, messages: list[
 def run_load(url: str, model_name: str, requests: list[list[dict]], clients: int, max_tokens: int,
              label: str) -> tuple[list[dict], float]:
     """``clients`` threads take the requests in order; returns the results (in request order) and wall time."""
-    results: list[dict | None] = [None] * len(requests)
-    lock = threading.Lock()
-    nxt = [0]
+    def progress(done: int) -> None:
+        if done % max(1, len(requests) // 4) == 0 or done == len(requests):
+            print(f"  [{label}] {done}/{len(requests)} requests done", file=sys.stderr)
 
-    def worker() -> None:
-        with httpx.Client() as client:
-            while True:
-                with lock:
-                    i = nxt[0]
-                    nxt[0] += 1
-                if i >= len(requests):
-                    return
-                results[i] = one_request(client, url, model_name, requests[i], max_tokens)
-                with lock:
-                    done = sum(r is not None for r in results)
-                if done % max(1, len(requests) // 4) == 0 or done == len(requests):
-                    print(f"  [{label}] {done}/{len(requests)} requests done", file=sys.stderr)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    results, wall = fan_out(len(requests), clients,
+                            lambda client, i: one_request(client, url, model_name, requests[i], max_tokens),
+                            httpx.Client, progress)
     return [r for r in results if r is not None], wall
 
 

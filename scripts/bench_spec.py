@@ -32,7 +32,6 @@ import json
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from bench_server import Server, free_port, percentile, pyllama_kv_cmd  # noqa: 
 
 from pyllama_kv.config import default_threads  # noqa: E402
 from pyllama_kv.harness.peer import build_peer, find_peer_server  # noqa: E402
-from pyllama_kv.tools.bench import machine  # noqa: E402
+from pyllama_kv.tools.bench import fan_out, machine  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SERVERS = ("ours-off", "ours-ngram", "ours-cache", "peer-off", "peer-simple", "peer-mod")
@@ -126,26 +125,8 @@ def one_request(client: httpx.Client, url: str, model: str, messages: list[dict]
 
 
 def run_load(url: str, model: str, requests: list[list[dict]], clients: int, max_tokens: int) -> dict:
-    results: list[dict | None] = [None] * len(requests)
-    nxt, lock = [0], threading.Lock()
-
-    def worker() -> None:
-        with httpx.Client() as c:
-            while True:
-                with lock:
-                    i = nxt[0]
-                    nxt[0] += 1
-                if i >= len(requests):
-                    return
-                results[i] = one_request(c, url, model, requests[i], max_tokens)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    results, wall = fan_out(len(requests), clients,
+                            lambda c, i: one_request(c, url, model, requests[i], max_tokens), httpx.Client)
     ok = [r for r in results if r is not None and r["error"] is None]
     toks = sum(r["completion_tokens"] for r in ok)
     p95 = percentile([r["latency"] for r in ok], 0.95)

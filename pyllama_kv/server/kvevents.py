@@ -57,7 +57,6 @@ class KVEventPublisher:
         self._source: KVEventSource | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
-        self.published = 0      # events handed to the socket (for /metrics and tests)
         self._thread = threading.Thread(target=self._send_loop, name="pyllama-kv-kv-events", daemon=True)
         self._thread.start()
 
@@ -80,7 +79,6 @@ class KVEventPublisher:
             except Exception as exc:   # the socket closed under us, or a transient error: log, go on
                 log.warning("kv-events: a batch was not sent: %s", exc)
             self._seq += 1
-            self.published += len(item[1])
 
     def close(self) -> None:
         """Send what is queued, then close the socket."""
