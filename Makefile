@@ -31,7 +31,7 @@ $(MODULES): FORCE
 $(STAMP): pyproject.toml CMakeLists.txt $(MODULES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		--config-settings=cmake.define.PYLLAMA_KV_BUILD=OFF -e '.[test,map,server,events]'
+		--config-settings=cmake.define.PYLLAMA_KV_BUILD=OFF -e '.[test,map,server,events,replicas]'
 	@touch $@
 
 venv: $(STAMP)

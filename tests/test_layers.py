@@ -22,7 +22,7 @@ MAY = {
     "speculation": {"core"},
     "engine": {"core", "prefixcache", "sampling", "chat", "speculation"},
     "server": {"engine", "chat", "sampling", "core"},
-    "replicas": {"prefixcache"},
+    "replicas": {"prefixcache", "core", "chat", "engine", "server"},
     "cli": {"_native", "modelfile", "core", "prefixcache", "sampling", "chat", "engine", "server", "harness",
             "tools", "speculation", "replicas"},
     "harness": {"_native", "modelfile"},

@@ -62,6 +62,32 @@ def test_new_prefixes_spread_over_the_replicas_and_stay_together():
                for _ in range(20))
 
 
+def test_reports_replace_the_view_and_assumed_blocks_last_two_reports():
+    """Ray Serve's replicas report every block they hold (CacheRouter.replace); a request just sent
+    counts as held there (assume) until two later reports, so a burst under a new prompt stays on
+    one replica before the first report shows it."""
+    from pyllama_kv.prefixcache.events import block_hashes
+
+    sys_a = list(range(10, 30))
+    r = CacheRouter(block_size=B)
+    r.replace("a", {"GPU": block_hashes(sys_a, B)})
+    assert r.rank(sys_a + [1], ["a", "b"]).order[0] == "a"
+    r.replace("a", {"DISK": block_hashes(sys_a[:8], B)})      # the report is the whole truth: 2 blocks now
+    assert r.rank(sys_a + [1], ["a", "b"]).matched_blocks == 2
+    r.replace("a", {})
+    new = list(range(100, 120))
+    first = r.rank(new, ["a", "b"]).order[0]
+    r.assume(first, new)
+    other = "b" if first == "a" else "a"
+    r.set_load(first, 1)                                     # busier, but it is evaluating that prompt
+    assert r.rank(new + [7], ["a", "b"]).order[0] == first
+    r.replace(first, {})
+    assert r.rank(new + [7], ["a", "b"]).order[0] == first   # one report later: still assumed
+    r.replace(first, {})
+    r.replace(first, {})
+    assert r.rank(new + [7], ["a", "b"]).order[0] == other   # its reports never showed it: forgotten
+
+
 def _conversations(rng: random.Random, n_sys: int = 8, n_conv: int = 16, turns: int = 3):
     systems = [[rng.randrange(3, 600) for _ in range(48)] for _ in range(n_sys)]
     convs = []

@@ -116,13 +116,13 @@ class NativeModel:
 
     @classmethod
     def load(cls, lib: Library, path: bytes, n_gpu_layers: int, use_mmap: bool,
-             devices: Any = None) -> tuple[NativeModel | None, str]:
+             devices: Any = None, vocab_only: bool = False) -> tuple[NativeModel | None, str]:
         """llama_model_load_from_file: (the model, "") or (None, llama.cpp's last error line).
         ``devices``: a NULL-terminated ``ggml_backend_dev_t[]`` (rpc_devices), or None for llama.cpp's
-        default (every registered GPU)."""
+        default (every registered GPU). ``vocab_only``: the vocabulary and metadata, no tensors."""
         L = lib.lib
         params = L.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+        params.n_gpu_layers, params.vocab_only = n_gpu_layers, bool(vocab_only)
         if lib.api == "current":
             params.load_mode = L.LLAMA_LOAD_MODE_MMAP if use_mmap else L.LLAMA_LOAD_MODE_NONE
         else:
@@ -142,16 +142,16 @@ class NativeModel:
         self.L.llama_model_free(self.ptr)
         self.ptr = None
 
-    def info(self) -> ModelInfo:
-        """The llama_model_* size getters and llama_vocab_* constants, in one record."""
-        L, p, v, ffi = self.L, self.ptr, self.vocab, self.ffi
+    def info(self, vocab_only: bool = False) -> ModelInfo:
+        """The llama_model_* getters and llama_vocab_* constants (``vocab_only``: n_head aborts there)."""
+        L, p, v, ffi, vo = self.L, self.ptr, self.vocab, self.ffi, vocab_only
         buf = ffi.new("char[256]")
         L.llama_model_desc(p, buf, 256)
         return ModelInfo(
             n_vocab=int(L.llama_vocab_n_tokens(v)), n_layer=int(L.llama_model_n_layer(p)),
             n_ctx_train=int(L.llama_model_n_ctx_train(p)) & 0xFFFFFFFF,   # a uint32 in the file
-            n_embd=int(L.llama_model_n_embd(p)), n_head=int(L.llama_model_n_head(p)),
-            n_head_kv=int(L.llama_model_n_head_kv(p)), bos=int(L.llama_vocab_bos(v)), eos=int(L.llama_vocab_eos(v)),
+            n_head=0 if vo else int(L.llama_model_n_head(p)), n_head_kv=0 if vo else int(L.llama_model_n_head_kv(p)),
+            n_embd=int(L.llama_model_n_embd(p)), bos=int(L.llama_vocab_bos(v)), eos=int(L.llama_vocab_eos(v)),
             add_bos=bool(L.llama_vocab_get_add_bos(v)), rope_type=int(L.llama_model_rope_type(p)),
             has_encoder=bool(L.llama_model_has_encoder(p)), desc=ffi.string(buf).decode("utf-8", "replace"),
             size=int(L.llama_model_size(p)), n_params=int(L.llama_model_n_params(p)),

@@ -130,6 +130,14 @@ def _check_library_params(lib: _kv.Library, defrag_thold: float | None, n_seq_ma
 _CC = ContextConfig   # the defaults of Context's arguments are ContextConfig's
 
 
+def _check_weights(model: Model) -> None:
+    """InvalidInputError unless ``model`` is open and has its weights (not ``vocab_only``)."""
+    model.check_open()
+    if model.vocab_only:
+        raise InvalidInputError("this model was loaded with vocab_only=True (no weights): it tokenizes and "
+                                "renders chats, it cannot make a context")
+
+
 def _is_model(obj) -> bool:
     """Whether ``obj`` is a pyllama_kv.Model, by the package interface model.py declares for contexts
     (this module does not import model.py, which imports it for Model.context)."""
@@ -174,7 +182,7 @@ class Context(ContextStates):
                  defrag_thold: float | None = _CC.defrag_thold):
         if not _is_model(model):
             raise InvalidInputError("model must be a pyllama_kv.Model")
-        model.check_open()
+        _check_weights(model)
         # what needs no model is ContextConfig's to check (the batch within the context included)
         cfg = ContextConfig(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_ubatch=n_ubatch,
                             flash_attn=flash_attn, type_k=type_k, type_v=type_v, n_threads=n_threads,

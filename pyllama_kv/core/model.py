@@ -201,6 +201,8 @@ class Model(_kv.CResource):
     :attr:`library_choice` and ``library["chosen"]``). Close with :meth:`close` or ``with``; contexts made
     from a model keep it alive until they close. ``trust_unverified``: an offline Hugging Face file the
     hub cannot vouch for is loaded, not refused (:func:`pyllama_kv.modelfile.hub.verify`).
+    ``vocab_only``: the vocabulary and metadata alone, no tensors read (a router's tokenizer): it
+    tokenizes and renders chats; a context of it is an InvalidInputError.
 
     ``n_gpu_layers``: the last N layers (and, past the layer count, the output) go to the GPU;
     -1 for all. The default (None) is all of them on a library built with a GPU backend
@@ -225,7 +227,8 @@ class Model(_kv.CResource):
     # long: the checks in the order loading needs them, then every public attribute a Model has,
     # declared here in one place
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, *, lib=None,
-                 use_mmap: bool = True, validate: bool | str = "full", rpc=None, trust_unverified: bool = False):
+                 use_mmap: bool = True, validate: bool | str = "full", rpc=None, trust_unverified: bool = False,
+                 vocab_only: bool = False):
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"the model path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)
@@ -237,6 +240,10 @@ class Model(_kv.CResource):
         self.path = names.resolve(path, trust_unverified=bool(trust_unverified))
         if not isinstance(use_mmap, bool):
             raise InvalidInputError(f"use_mmap must be a bool, got {type(use_mmap).__name__}")
+        if not isinstance(vocab_only, bool):
+            raise InvalidInputError(f"vocab_only must be a bool, got {type(vocab_only).__name__}")
+        #: the vocabulary and metadata alone (no tensors): it tokenizes and renders chats, no context
+        self.vocab_only = vocab_only
         from ..modelfile.vetting import validate_level
 
         level = validate_level(validate)
@@ -267,7 +274,7 @@ class Model(_kv.CResource):
                 # a vetting child runs on this machine's devices (rpc endpoints serve one client at a time)
                 header = _validate_gguf(self.path, fd, header, level, self._lib, 0 if endpoints else n_gpu_layers,
                                         use_mmap)
-            native = self._load(load_path, n_gpu_layers, use_mmap, endpoints)
+            native = self._load(load_path, n_gpu_layers, use_mmap, endpoints, vocab_only)
             # the identity a saved sequence state is checked against (the file as loaded now)
             from . import state as _state
 
@@ -280,7 +287,7 @@ class Model(_kv.CResource):
         self._tensor_names: frozenset[str] | None = \
             frozenset(t.name for t in header.tensors) if header is not None else None
         self._embedders: dict = {}   # Model.embed's embedders, by pooling
-        info = native.info()
+        info = native.info(vocab_only)
         self.n_vocab: int = info.n_vocab
         self.n_layer: int = info.n_layer
         self.n_ctx_train: int = info.n_ctx_train   # a uint32 in the file
@@ -317,7 +324,8 @@ class Model(_kv.CResource):
         # layers on a GPU of this machine (not only on RPC servers): flash attention's auto turns on
         self.on_gpu: bool = bool(n_gpu_layers) and not endpoints and gpus
 
-    def _load(self, load_path: Path, n_gpu_layers: int, use_mmap: bool, endpoints: list[str]) -> _kv.NativeModel:
+    def _load(self, load_path: Path, n_gpu_layers: int, use_mmap: bool, endpoints: list[str],
+              vocab_only: bool = False) -> _kv.NativeModel:
         """llama_model_load_from_file on ``load_path`` (the checked open file, or the path itself
         with validation off), the RPC devices connected first; sets _native, _lock and the count of
         vocabulary calls."""
@@ -334,7 +342,7 @@ class Model(_kv.CResource):
                         probe_rpc(ep)
             native, err = _kv.NativeModel.load(self._lib, os.fsencode(load_path),
                                                INT32_MAX if n_gpu_layers == -1 else n_gpu_layers, bool(use_mmap),
-                                               devices)
+                                               devices, vocab_only)
             if native is None:
                 raise ModelLoadError(f"llama.cpp could not load {self.path}" + (f": {err}" if err else ""))
             for ep in endpoints:

@@ -20,7 +20,11 @@ from those events alone, and ranks the replicas for a request's tokens:
 
 :meth:`CacheRouter.rank` returns every candidate, best first (the rest by load), so a caller that
 finds the first full tries the next. Pure and thread-unsafe: one owner feeds it events and loads and
-asks it (the Ray Serve request router, or any other front).
+asks it (the Ray Serve request router, :mod:`pyllama_kv.replicas.ray_serve`, or any other front).
+Fed by reports instead of events (:meth:`CacheRouter.replace`: every block a replica holds, as the
+Ray Serve replicas report them), it also counts a request's blocks as held where it was just sent
+(:meth:`CacheRouter.assume`), so that a burst of requests under a new prompt does not spread before
+the first report shows it.
 """
 from __future__ import annotations
 
@@ -34,11 +38,16 @@ __all__ = ["CacheRouter", "ReplicaView", "Route"]
 
 
 class ReplicaView:
-    """What one replica holds, from its KV events alone (applied in the order they were sent)."""
+    """What one replica holds: from its KV events (applied in the order they were sent) or from its
+    latest report of every block it holds (:meth:`replace`); and the blocks the router sent it lately
+    (:meth:`assume`: their prompts are being evaluated there, and its next reports may not show them
+    yet), which count as held until two later reports."""
 
     def __init__(self) -> None:
         self.held: dict[str, set[int]] = {m: set() for m in MEDIA}
         self.events = 0
+        self.reports = 0
+        self.assumed: dict[int, int] = {}   # block hash -> the report count when it was assumed
 
     def apply(self, events: Iterable) -> None:
         for e in events:
@@ -55,14 +64,27 @@ class ReplicaView:
         """Forget everything (the replica restarted, or its events were lost)."""
         for s in self.held.values():
             s.clear()
+        self.assumed.clear()
+
+    def replace(self, held: dict[str, Iterable[int]]) -> None:
+        """The replica's report of every block it holds now, by medium (what it does not list, it
+        does not hold); assumed blocks older than the report before this one are dropped."""
+        self.held = {m: set(held.get(m, ())) for m in set(MEDIA) | set(held)}
+        self.reports += 1
+        self.assumed = {h: n for h, n in self.assumed.items() if n >= self.reports - 1}
+
+    def assume(self, hashes: Iterable[int]) -> None:
+        """Blocks a request just sent here will hold (see the class docstring)."""
+        for h in hashes:
+            self.assumed[h] = self.reports
 
     def matched(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes`` (a request's leading blocks, in order) this replica holds in a row
         from the first, in any medium."""
-        held = self.held
+        held, assumed = self.held, self.assumed
         n = 0
         for h in hashes:
-            if not any(h in s for s in held.values()):
+            if h not in assumed and not any(h in s for s in held.values()):
                 break
             n += 1
         return n
@@ -106,6 +128,15 @@ class CacheRouter:
     def apply(self, replica: Hashable, events: Iterable) -> None:
         """``replica``'s KV events, in the order it sent them."""
         self.view(replica).apply(events)
+
+    def replace(self, replica: Hashable, held: dict[str, Iterable[int]]) -> None:
+        """``replica``'s report of every block it holds, by medium (:meth:`ReplicaView.replace`)."""
+        self.view(replica).replace(held)
+
+    def assume(self, replica: Hashable, tokens: Sequence[int]) -> None:
+        """A request for ``tokens`` was sent to ``replica``: its blocks count as held there until its
+        reports catch up (:meth:`ReplicaView.assume`)."""
+        self.view(replica).assume(block_hashes(tokens, self.block_size))
 
     def forget(self, replica: Hashable) -> None:
         """``replica`` is gone (or restarted: its cache is empty until its events say otherwise)."""

@@ -55,9 +55,14 @@ class ServerBase:
 
     # -- lifecycle --------------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the engine's loop (the app's lifespan does; a host that calls the app without its
+        lifespan, such as a Ray Serve replica, calls this and :meth:`close` itself)."""
+        self.engine.start(on_step=self.kv_events.on_step if self.kv_events is not None else None)
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, app) -> AsyncIterator[None]:
-        self.engine.start(on_step=self.kv_events.on_step if self.kv_events is not None else None)
+        self.start()
         try:
             yield
         finally:

@@ -13,6 +13,7 @@ from .. import options
 from ..common import (
     MODEL_HELP,
     CLIError,
+    UsageError,
     add_lib_flag,
     chat_template,
     context_size,
@@ -31,6 +32,7 @@ API_KEY_ENV = "PYLLAMA_KV_API_KEY"
 def _flags() -> None:
     """The server's own options (ServerConfig), defined on its dataclass fields here so that
     cli/options.py does not import the server package."""
+    from ...replicas.config import ROUTER_NAMES, ReplicasConfig
     from ...server import ServerConfig
 
     Flag = options.Flag
@@ -49,7 +51,19 @@ def _flags() -> None:
              "endpoint (tcp://HOST:PORT) in vLLM's KV-event format, for routers that read them (llm-d, Dynamo, "
              "Ray); needs the events extra (default: off)", str, metavar="ENDPOINT"),
         Flag(ServerConfig, "kv_events_block_size", ("--kv-events-block-size",), "tokens a KV-event block "
-             "holds (default {default}, as vLLM)", metavar="N"),
+             "holds (default {default}, as vLLM); with --replicas, also the routing's block", metavar="N"),
+        Flag(ReplicasConfig, "replicas", ("--replicas",), "run N engine replicas on Ray Serve behind one HTTP "
+             "ingress, each request routed by --router (needs the replicas extra; default: one server in this "
+             "process, no Ray)", metavar="N"),
+        Flag(ReplicasConfig, "router", ("--router",), "with --replicas: prefix (the replica that caches the "
+             "longest run of the prompt's leading blocks, unless its queue is long), round-robin, or pow2 "
+             "(Ray's power of two choices) (default {default})", str, choices=ROUTER_NAMES),
+        Flag(ReplicasConfig, "ray_address", ("--ray-address",), "with --replicas: the Ray cluster to join "
+             "(default: $RAY_ADDRESS, else a local Ray started here)", str, metavar="ADDRESS"),
+        Flag(ReplicasConfig, "replica_cpus", ("--replica-cpus",), "with --replicas: CPUs Ray reserves for each "
+             "replica (default {default})", float, metavar="N"),
+        Flag(ReplicasConfig, "replica_gpus", ("--replica-gpus",), "with --replicas: GPUs Ray reserves for each "
+             "replica (default {default})", float, metavar="N"),
     ):
         options.FLAGS.setdefault(f.field, f)
 
@@ -75,6 +89,7 @@ def register(subparsers) -> None:
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
                 "kv_events", "kv_events_block_size", "n_gpu_layers", "rpc", "validate", "pooling",
                 "trust_unverified", "spec", "spec_max", "draft_model",
+                "replicas", "router", "ray_address", "replica_cpus", "replica_gpus",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
                        "max_queue": "requests waiting for admission; more get HTTP 429 (default {default})"})
@@ -135,6 +150,8 @@ def run(args) -> int:
     except ImportError as exc:
         raise CLIError(f"serve needs the server extra ({exc.name} is missing): pip install 'pyllama-kv[server]'") \
             from None
+    if args.replicas:
+        return _serve_replicas(args, scfg, source)
     set_phase("loading the model")
     path = Path(options.model_path(args.model, args.trust_unverified))
     model = open_model(str(path), args.lib, args.rpc, args.validate, args.n_gpu_layers)
@@ -173,3 +190,72 @@ def run(args) -> int:
         model.close()
     log("pyllama-kv serve: stopped")
     return 0
+
+
+def _serve_replicas(args, scfg, source: str | None) -> int:
+    """``serve --replicas N``: the same server in N Ray Serve replicas behind one ingress
+    (pyllama_kv.replicas.ray_serve), until SIGINT/SIGTERM."""
+    import signal
+    import threading
+    from dataclasses import asdict
+
+    from ...config import EngineConfig
+    from ...replicas.config import ReplicasConfig
+
+    rcfg = options.from_args(ReplicasConfig, args)
+    if args.draft_model is not None or args.rpc is not None:
+        raise UsageError(f"--replicas does not take {'--draft-model' if args.draft_model else '--rpc'} yet: run "
+                         "one server for it")
+    try:
+        from ...replicas import ray_serve
+    except ImportError as exc:
+        raise CLIError(f"--replicas needs the replicas extra ({exc.name} is missing): "
+                       "pip install 'pyllama-kv[replicas]'") from None
+    path = Path(options.model_path(args.model, args.trust_unverified))
+    engine = options.values(EngineConfig, args)   # (n_ctx None: each replica takes the model's default)
+    options.build(EngineConfig, **{**engine, "n_ctx": engine.get("n_ctx") or 4096})   # the flags' errors, now
+    if engine.get("pooling") == "rank":
+        raise UsageError("--replicas serves generating models: run one server for a reranker")
+    scfg_d = asdict(scfg)
+    spec = ray_serve.ReplicaSpec(model=str(path), names=tuple(_model_names(args.model, path)), lib=args.lib,
+                                 engine=engine, server=scfg_d, template=source, template_name=args.template,
+                                 validate=args.validate or "full", trust_unverified=args.trust_unverified,
+                                 n_gpu_layers=args.n_gpu_layers, block_size=scfg.kv_events_block_size)
+    port = scfg.port or _free_port(scfg.host)
+    import ray
+
+    if not args.debug:   # Ray's and Serve's own INFO lines (one per request in Serve's) are for --debug
+        for name in ("ray", "ray.serve"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    started_ray = not ray.is_initialized() and not (rcfg.ray_address or os.environ.get("RAY_ADDRESS"))
+    set_phase(f"starting {rcfg.replicas} replicas on Ray Serve")
+    stop = threading.Event()
+    old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            url = ray_serve.start(spec, replicas=rcfg.replicas, router=rcfg.router, address=rcfg.ray_address,
+                                  host=scfg.host, port=port, replica_cpus=rcfg.replica_cpus,
+                                  replica_gpus=rcfg.replica_gpus, stats_period=rcfg.routing_period)
+        except Exception as exc:   # noqa: BLE001 - Ray's own errors (a replica that cannot start says why)
+            raise CLIError(f"the replicas did not start: {str(exc).strip().splitlines()[-1] if str(exc) else exc}") \
+                from None
+        log(f"pyllama-kv serve: {url}/v1  model {spec.names[0]}, {rcfg.replicas} replicas on Ray Serve "
+            f"(router {rcfg.router}, Ray {rcfg.ray_address or os.environ.get('RAY_ADDRESS') or 'local'})"
+            + (", API key required" if scfg.api_key else ""))
+        set_phase(None)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        ray_serve.stop(started_ray)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    log("pyllama-kv serve: stopped")
+    return 0
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
