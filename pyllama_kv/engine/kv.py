@@ -33,7 +33,13 @@ from typing import Protocol
 import numpy as np
 
 from ..core.context import Context
-from ..limits import CHECKPOINT_INTERVAL, CHECKPOINT_MIN_TOKENS, CHECKPOINT_PERIODIC
+from ..limits import (
+    CHECKPOINT_INTERVAL,
+    CHECKPOINT_MIN_TOKENS,
+    CHECKPOINT_PERIODIC,
+    IDLE_PAGE_OUT_MIN,
+    IDLE_PAGE_OUT_STEPS,
+)
 from ..prefixcache.cache import PrefixCache
 from ..prefixcache.tiers import TierStats
 
@@ -127,6 +133,12 @@ class KVCache(Protocol):
     def checkpoint(self, seq: Hashable) -> None:
         """Keep a checkpoint of live ``seq``'s state after its current tokens (see checkpoints_at)."""
 
+    def page_out_idle(self, step: int) -> int:
+        """Called every ``limits.IDLE_PAGE_OUT_STEPS`` decode steps (``step``: the engine's count): page
+        out the idle cached prefixes not used for that many steps whose cells running sequences do not
+        share (ContextKV: see limits.IDLE_PAGE_OUT_STEPS); how many went. 0 where evicted prefixes
+        would be dropped (no host tier)."""
+
     def kv_stats(self) -> dict:
         """The cache's cells for metrics (``KVStats.as_dict()``, plus ``cached_cells``: held by idle
         cached prefixes, and ``request_cells``: held by live sequences alone; where the prefix cache
@@ -185,6 +197,17 @@ class PrefixPolicy(ABC):
                 return False
         return True
 
+    def page_out_idle(self, step: int) -> int:
+        """See :meth:`KVCache.page_out_idle` (a cache without a host tier: nothing)."""
+        return 0
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
 
 class ContextKV(PrefixPolicy):
     """:class:`KVCache` over a :class:`~pyllama_kv.core.context.Context`: ``parallel`` ids for live
@@ -200,6 +223,8 @@ class ContextKV(PrefixPolicy):
         self.cache = PrefixCache(ctx, max_sequences=prefix_cache, cache_ram=cache_ram, cache_dir=cache_dir,
                                  cache_dir_mib=cache_dir_mib)
         self._live = 0
+        #: idle prefix id -> (its last use, the step it was first seen idle since then): page_out_idle's ages
+        self._idle_seen: dict[int, tuple[int | None, int]] = {}
 
     @property
     def n_cells(self) -> int:
@@ -299,6 +324,30 @@ class ContextKV(PrefixPolicy):
 
     def checkpoint(self, seq) -> None:
         self.cache.checkpoint(seq)
+
+    def page_out_idle(self, step: int) -> int:
+        cache = self.cache
+        if cache.paging is None or not len(cache.idle):
+            return 0
+        idle = list(cache.idle)
+        seen, self._idle_seen = self._idle_seen, {}
+        live = None
+        n = 0
+        for s in idle:
+            used = cache.idle.last_used(s)
+            since = seen.get(s.id, (None, step))
+            since = since if since[0] == used else (used, step)   # used since: its age starts again
+            self._idle_seen[s.id] = since
+            if step - since[1] < IDLE_PAGE_OUT_STEPS:
+                continue
+            if live is None:   # the running sequences' tokens: cells they share with an idle prefix stay
+                live = [np.asarray(q.tokens, dtype=np.int32) for q in self.ctx.sequences if q not in cache.idle]
+            toks = np.asarray(s.tokens, dtype=np.int32)
+            shared = max((_common(toks, q) for q in live), default=0)
+            if toks.size - shared >= IDLE_PAGE_OUT_MIN and cache.page_out_idle(s):
+                self._idle_seen.pop(s.id, None)
+                n += 1
+        return n
 
     def evict(self, keep_for=None) -> bool:
         """Evict one idle cached prefix by the module's rule (for tests and tools: the engine asks

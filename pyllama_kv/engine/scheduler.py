@@ -62,6 +62,7 @@ import numpy as np
 from ..config import EngineConfig, SamplingParams, spec_sources
 from ..core.context import release_thread_pool
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
+from ..limits import IDLE_PAGE_OUT_STEPS
 from ..prefixcache.cache import shared_prefix
 from .admission import Limits, admit, drop_range
 from .continuation import Continuation as _Continuation, EngineStats, default_sampler, token_logprobs
@@ -261,12 +262,14 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         n = 0
         try:
             n = self._step(batch, owners, outputs)
-            return n
         finally:
             now = time.perf_counter()
             self.stats.step_seconds += now - t0
             if generation_only:
                 self.spec.decoded(n, now - tb)
+        if self.stats.steps % IDLE_PAGE_OUT_STEPS == 0:   # idle prefixes cost every decode: see limits
+            self.stats.idle_page_outs += self.kv.page_out_idle(self.stats.steps)
+        return n
 
     def _step(self, batch: dict, owners: dict, outputs: dict) -> int:
         out = self._decode(batch, owners, outputs)

@@ -425,6 +425,18 @@ class PrefixCache:
                 keep = self._source(self.ctx.model.check_tokens(keep_for))
             return self._evict(keep)
 
+    def page_out_idle(self, seq) -> bool:
+        """Page idle cached ``seq`` out now (its cells copied to the host tier, then freed), whatever
+        its rank; False, nothing done, when evicted prefixes would be dropped (no tier) or ``seq`` is
+        not idle here."""
+        with self.ctx.critical():
+            if self.paging is None or seq not in self.idle:
+                return False
+            self.idle.evict_this(seq)
+            self.stats.evictions += 1
+            self._resident_changed()
+            return True
+
     @property
     def last_reused(self) -> int:
         """Deprecated alias of :attr:`last_reused_tokens`."""

@@ -136,11 +136,20 @@ class IdlePrefixes(Generic[S]):
         victim = next((s for s in self._lru.values() if s is not keep), None)
         if victim is None:
             return False
-        if self.page_out is not None:
-            self.page_out(victim)
-        self._forget(victim)
-        victim.close()
+        self.evict_this(victim)
         return True
+
+    def evict_this(self, seq: S) -> None:
+        """Evict idle ``seq`` now, whatever its rank: paged out (``page_out``, when set) and closed
+        (the engine's rule for prefixes idle too long: ContextKV.page_out_idle)."""
+        if self.page_out is not None:
+            self.page_out(seq)
+        self._forget(seq)
+        seq.close()
+
+    def last_used(self, seq: S) -> int:
+        """When ``seq`` was last added or used (a count that grows with every use of any idle sequence)."""
+        return self._used[seq.id]
 
     def trim(self, max_sequences: int) -> int:
         """Evict (:meth:`evict`) down to ``max_sequences`` idle sequences; how many went."""
