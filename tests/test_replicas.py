@@ -42,13 +42,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_pair() -> int:
+    """A port P with P + 1 free too (the two replicas' KV-event endpoints)."""
+    import socket
+
+    for _ in range(50):
+        p = _free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two free ports in a row")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, real_model):
     """A local Ray with Serve's proxy on 127.0.0.1 and the application: 2 replicas of the real model,
     a shared disk tier, routed by cache (reports every 0.25 s)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    port = _free_port()
+    port, events = _free_port(), _free_pair()
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              configure_logging=False)
     try:
@@ -57,9 +72,9 @@ def cluster(tmp_path_factory, real_model):
         spec = ReplicaSpec(model=str(real_model), names=("smol",),
                            engine={"n_ctx": 2048, "parallel": 4, "n_threads": 1, "prefix_cache": 2,
                                    "cache_ram": 1, "cache_dir": str(cache_dir)},
-                           server={"api_key": "k"})
+                           server={"api_key": "k", "kv_events": f"tcp://127.0.0.1:{events}"})
         serve.run(application(spec, replicas=2, stats_period=0.25), name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}", cache_dir
+        yield f"http://127.0.0.1:{port}", cache_dir, events
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -84,7 +99,7 @@ def _replicas() -> dict[str, int]:
 
 
 def test_turns_follow_their_cache(cluster):
-    url, _ = cluster
+    url = cluster[0]
     convs = [[{"role": "system", "content": s}] for s in SYSTEMS for _ in range(2)]
     served: list[list[str]] = [[] for _ in convs]
     held = [0] * len(convs)   # tokens of each conversation so far (its last prompt and answer)
@@ -106,7 +121,7 @@ def test_turns_follow_their_cache(cluster):
 
 
 def test_http_surface_is_the_servers(cluster):
-    url, _ = cluster
+    url = cluster[0]
     with httpx.Client(timeout=BOUND) as c:
         assert c.get(f"{url}/v1/models").status_code == 401   # the API key, checked by the replica
         r = c.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"})
@@ -122,6 +137,74 @@ def test_http_surface_is_the_servers(cluster):
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             text = r.read().decode()
         assert text.rstrip().endswith("data: [DONE]"), text
+        # a stored Responses conversation is continued, read and deleted on the replica that stored it
+        auth = {"Authorization": "Bearer k"}
+        r = c.post(f"{url}/v1/responses", headers=auth, json={"model": "smol", "input": "Name a planet.",
+                                                              "max_output_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        rid, home = r.json()["id"], r.headers[REPLICA_HEADER]
+        for k in range(4):
+            r = c.post(f"{url}/v1/responses", headers=auth, json={"model": "smol", "input": f"And {k}?",
+                                                                  "previous_response_id": rid,
+                                                                  "max_output_tokens": 4, "temperature": 0})
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == home, r.text
+            assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+            rid = r.json()["id"]
+        r = c.get(f"{url}/v1/responses/{rid}", headers=auth)
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER] == home
+        assert c.delete(f"{url}/v1/responses/{rid}", headers=auth).status_code == 200
+        assert c.get(f"{url}/v1/responses/{rid}", headers=auth).status_code == 404
+
+
+def test_each_replica_publishes_its_kv_events(cluster, real_model):
+    """`--kv-events tcp://HOST:PORT` with replicas: replica r publishes on PORT + r; the prompt of a
+    request appears, as BlockStored blocks with the chained hashes, on the endpoint of a replica."""
+    zmq = pytest.importorskip("zmq")
+    msgpack = pytest.importorskip("msgpack")
+    import pyllama_kv as pk
+    from pyllama_kv.prefixcache.events import BlockStored, block_hashes, from_wire
+    from pyllama_kv.replicas.keys import RouteKeys
+
+    url, events = cluster[0], cluster[2]
+    subs = []
+    for p in (events, events + 1):
+        s = zmq.Context.instance().socket(zmq.SUB)
+        s.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{p}")
+        subs.append(s)
+    vocab = pk.Model(real_model, vocab_only=True)
+    try:
+        keys = RouteKeys(vocab)
+        stored: set[int] = set()
+        with httpx.Client(timeout=BOUND) as c:
+            for k in range(5):   # bounded; a SUB socket misses what was sent before it joined
+                msgs = [{"role": "system", "content": f"Events check {k}. " + SYSTEMS[1]},
+                        {"role": "user", "content": "Say yes."}]
+                assert _chat(c, url, msgs, max_tokens=2).status_code == 200
+                want = block_hashes(keys.tokens("/v1/chat/completions",
+                                                json_body({"model": "smol", "messages": msgs})), 16)
+                for _ in range(100):
+                    for s in subs:
+                        while s.poll(0):
+                            _, _, payload = s.recv_multipart()
+                            for e in from_wire(msgpack.unpackb(payload)[1]):
+                                if isinstance(e, BlockStored):
+                                    stored.update(e.block_hashes)
+                    if want[:4] and set(want[:4]) <= stored:
+                        return
+                    time.sleep(0.05)
+        pytest.fail("no replica announced the blocks of a prompt it served")
+    finally:
+        for s in subs:
+            s.close()
+        vocab.close()
+
+
+def json_body(obj) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()
 
 
 def _stream_one(url: str, i: int, out: dict, started: threading.Event, counter: list) -> None:
@@ -146,7 +229,7 @@ def _stream_one(url: str, i: int, out: dict, started: threading.Event, counter: 
 
 
 def test_replica_killed_midload(cluster):
-    url, cache_dir = cluster
+    url = cluster[0]
     before = _replicas()
     assert len(before) == 2, before
     outs: list[dict] = [{} for _ in range(4)]

@@ -44,6 +44,20 @@ class RouteKeys:
             "/v1/responses": responses.ResponsesDialect(bounds, responses.ResponseStore()),
         }
 
+    @staticmethod
+    def stored_response(path: str, body: bytes) -> str | None:
+        """The id of the stored Responses answer a request continues (``previous_response_id``), reads
+        or deletes (``/v1/responses/{id}``); None for any other request."""
+        if path.startswith("/v1/responses/"):
+            return path[len("/v1/responses/"):] or None
+        if path != "/v1/responses" or b"previous_response_id" not in body:
+            return None
+        try:
+            rid = json.loads(body).get("previous_response_id")
+        except (ValueError, AttributeError):
+            return None
+        return rid if isinstance(rid, str) else None
+
     def tokens(self, path: str, body: bytes) -> list[int] | None:
         """The prompt tokens of a POST to ``path`` with ``body``; None for another path, a body that
         does not parse, or a Responses request that continues a stored one (its earlier turns are in

@@ -15,9 +15,10 @@ Two deployments make one application (:func:`application`):
 * :class:`Ingress` (one replica): Ray Serve's HTTP proxy hands it every request. It reads the body
   (at most ``max_body`` bytes), tokenizes its prompt as a replica would (:class:`RouteKeys`, on the
   model's vocabulary alone) and calls the engine replicas' handle with the tokens as the routing
-  key. A replica that dies before its answer starts is a 503 with ``Retry-After`` (OpenAI's error
-  object); one that dies mid-stream ends the stream with an ``error`` event: never a hang, and never
-  a request without an answer.
+  key (a request that continues, reads or deletes a stored Responses answer goes to the replica that
+  stored it: the ingress remembers the last ``OWNERS_MAX`` ids). A replica that dies before its
+  answer starts is a 503 with ``Retry-After`` (OpenAI's error object); one that dies mid-stream ends
+  the stream with an ``error`` event: never a hang, and never a request without an answer.
 
 The handle's request router is :class:`CacheRequestRouter` (``router="prefix"``): the ranking of
 :class:`~pyllama_kv.replicas.routing.CacheRouter` — the longest cached run of the request's leading
@@ -37,6 +38,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -64,6 +67,9 @@ ROUTERS = {"prefix": "pyllama_kv.replicas.ray_serve.CacheRequestRouter",
 APP_NAME = "pyllama-kv"
 #: the response header that names the replica that answered (Ray Serve's replica id)
 REPLICA_HEADER = "x-pyllama-kv-replica"
+#: Responses answers whose replica the ingress remembers (Ingress.owners)
+OWNERS_MAX = 100_000
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,200})"')
 #: seconds a client is told to wait before retrying a request whose replica died
 RETRY_AFTER = 2
 
@@ -255,6 +261,11 @@ class CacheRequestRouter(RequestRouter):
         tokens = None
         if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], dict):
             tokens = pending_request.args[0].get("tokens")
+        want = pending_request.args[0].get("replica") if tokens is None and pending_request is not None \
+            and pending_request.args and isinstance(pending_request.args[0], dict) else None
+        owner = [r for r in candidate_replicas if want is not None and r.replica_id.unique_id == want]
+        if owner:   # a stored Responses conversation: the replica that stored it
+            return [owner] + [[r] for r in candidate_replicas if r is not owner[0]]
         route = self.router.rank(tokens or [], list(by_id))
         if tokens:
             self.router.assume(route.order[0], tokens)
@@ -274,8 +285,27 @@ class Ingress:
         self.config = ServerConfig(**spec.server)
         self.vocab = Model(spec.model, lib=spec.lib, validate=spec.validate, trust_unverified=spec.trust_unverified,
                            vocab_only=True)
+        #: Responses answers by id -> the replica that stored them (the last OWNERS_MAX): a request that
+        #: continues one (previous_response_id), or reads or deletes it, goes there
+        self.owners: OrderedDict[str, str] = OrderedDict()
         self.keys = RouteKeys(self.vocab, spec.template, int(spec.engine.get("parallel", 64)),
                               int(spec.engine.get("max_tokens", 1 << 30)))
+
+    def _route(self, method: str, path: str, body: bytes) -> dict:
+        """The routing key (on a worker thread: tokenizing takes a while): the prompt's tokens, or the
+        replica that stored the Responses answer the request continues, reads or deletes."""
+        stored = self.keys.stored_response(path, body)
+        return {"tokens": self.keys.tokens(path, body) if method == "POST" else None,
+                "replica": self.owners.get(stored) if stored else None}
+
+    def _owned(self, first: bytes, replica: str) -> None:
+        """Remember which replica stored the Responses answer whose first bytes are ``first``."""
+        m = _RESPONSE_ID.search(first[:4096])
+        if m is not None:
+            self.owners[m.group(1).decode()] = replica
+            self.owners.move_to_end(m.group(1).decode())
+            while len(self.owners) > OWNERS_MAX:
+                self.owners.popitem(last=False)
 
     def __del__(self) -> None:
         vocab = getattr(self, "vocab", None)
@@ -299,12 +329,11 @@ class Ingress:
         except asyncio.TimeoutError:
             return _error(408, f"the request body did not arrive within {self.config.body_timeout:g} seconds",
                           "timeout")
-        body = bytes(data)
-        tokens = await run_in_threadpool(self.keys.tokens, request.url.path, body) \
-            if request.method == "POST" else None
-        req = {"method": request.method, "path": request.url.path, "query": request.url.query,
+        body, path = bytes(data), request.url.path
+        route = await run_in_threadpool(self._route, request.method, path, body)
+        req = {"method": request.method, "path": path, "query": request.url.query,
                "headers": [(k, v) for k, v in request.headers.items()], "body": body}
-        stream = self.engines.options(stream=True).handle.remote({"tokens": tokens}, req)
+        stream = self.engines.options(stream=True).handle.remote(route, req)
         try:
             start = await stream.__anext__()
         except Exception as exc:   # noqa: BLE001 - the replica died or could not be reached: retryable
@@ -312,11 +341,15 @@ class Ingress:
             return _error(503, "the replica serving this request failed before answering; retry it",
                           "replica_failed", {"Retry-After": str(RETRY_AFTER)})
         headers = dict(start["headers"])
+        owner = headers.get(REPLICA_HEADER) if path.startswith("/v1/responses") else None
         if headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(_relay(stream), status_code=start["status"], headers=headers)
+            return StreamingResponse(_relay(stream, self._owned if owner else None, owner),
+                                     status_code=start["status"], headers=headers)
         parts: list[bytes] = []
         try:
             async for part in stream:
+                if owner and not parts:
+                    self._owned(part["body"], owner)
                 parts.append(part["body"])
         except Exception as exc:   # noqa: BLE001
             log.warning("a replica failed while answering %s: %s", request.url.path, exc)
@@ -332,10 +365,14 @@ def _error(status: int, message: str, code: str, headers: dict | None = None) ->
     return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
-async def _relay(stream) -> AsyncIterator[bytes]:
-    """A streamed answer's parts; a replica that dies mid-stream ends it with an ``error`` event."""
+async def _relay(stream, owned=None, replica: str | None = None) -> AsyncIterator[bytes]:
+    """A streamed answer's parts; a replica that dies mid-stream ends it with an ``error`` event.
+    ``owned(first part, replica)``: told the first part (a Responses stream names its id there)."""
     try:
         async for part in stream:
+            if owned is not None:
+                owned(part["body"], replica)
+                owned = None
             yield part["body"]
     except Exception as exc:   # noqa: BLE001
         log.warning("a replica failed mid-stream: %s", exc)
