@@ -148,6 +148,8 @@ def ratios(rows: list[dict]) -> list[dict]:
         peers = [by[s] for s in ("peer-off", "peer-simple", "peer-mod") if s in by]
         best = max(ours, key=lambda r: r["tps"], default=None)
         row = {"load": load, "clients": c, "ours_best": best and best["server"]}
+        if "ours-off" in by and "peer-off" in by:   # the engines alone, neither speculating
+            row["off_over_peer_off"] = round(by["ours-off"]["tps"] / by["peer-off"]["tps"], 3)
         if best and "ours-off" in by:
             row["ours_best_over_off"] = round(best["tps"] / by["ours-off"]["tps"], 3)
             row["same_answers"] = sum(a == b for a, b in zip(best["texts"], by["ours-off"]["texts"]))
@@ -213,9 +215,15 @@ def main(argv=None) -> int:
         print(f"  {r['load']:<7}{r['clients']:>3}  {r['server']:<12}{r['tps']!s:>9} tok/s  p95 "
               f"{r['latency_p95_s']!s:>7} s  drafts {acc:<12} errors {r['errors']}")
     for q in out["ratios"]:
-        print(f"  {q['load']:<7}{q['clients']:>3}  best ours {q.get('ours_best')}: "
-              f"{q.get('ours_best_over_off')}x ours-off, {q.get('ours_best_over_peer_best')}x {q.get('peer_best')}; "
-              f"same answers as off: {q.get('same_answers')}/{q.get('answers')}")
+        said = []
+        if q.get("ours_best"):
+            said.append(f"best ours {q['ours_best']}: {q.get('ours_best_over_off')}x ours-off, "
+                        f"{q.get('ours_best_over_peer_best')}x {q.get('peer_best')}; "
+                        f"same answers as off: {q.get('same_answers')}/{q.get('answers')}")
+        if q.get("off_over_peer_off") is not None:
+            said.append(f"ours-off {q['off_over_peer_off']}x peer-off")
+        if said:
+            print(f"  {q['load']:<7}{q['clients']:>3}  " + "; ".join(said))
     return 0
 
 

@@ -337,6 +337,9 @@ class FakeKV:
     def checkpoint(self, seq):
         pass
 
+    def page_out_idle(self, step):
+        return 0
+
     def kv_stats(self):
         return {}
 

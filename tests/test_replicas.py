@@ -5,7 +5,9 @@ ingress on a local Ray (127.0.0.1, a free port, shut down at the end of the modu
   its first turn and reuses the conversation so far there;
 * a replica killed (SIGKILL) mid-load: each of its in-flight requests ends with a clear retryable
   error (a stream's ``error`` event, or a 503 with Retry-After), never a hang; the other replica
-  keeps serving; Ray starts a new replica within 60 s, which serves from the shared disk tier;
+  keeps serving; Ray starts a new replica within 60 s, which takes new prefixes;
+* the replicas share a disk tier (``cache_dir``): a conversation paged out to it is every replica's,
+  and goes on where its blocks are nearer (cells, then host memory);
 * the HTTP surface is the server's: errors, the API key, streaming, /v1/models;
 * the CLI: `serve --replicas` refuses what it does not take, in one line.
 """
@@ -71,7 +73,7 @@ def cluster(tmp_path_factory, real_model):
         cache_dir = tmp_path_factory.mktemp("spans")
         spec = ReplicaSpec(model=str(real_model), names=("smol",),
                            engine={"n_ctx": 2048, "parallel": 4, "n_threads": 1, "prefix_cache": 2,
-                                   "cache_ram": 1, "cache_dir": str(cache_dir)},
+                                   "cache_dir": str(cache_dir)},
                            server={"api_key": "k", "kv_events": f"tcp://127.0.0.1:{events}"})
         serve.run(application(spec, replicas=2, stats_period=0.25), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}", cache_dir, events

@@ -74,7 +74,13 @@ def test_reports_replace_the_view_and_assumed_blocks_last_two_reports():
     assert r.rank(sys_a + [1], ["a", "b"]).order[0] == "a"
     r.replace("a", {"DISK": block_hashes(sys_a[:8], B)})      # the report is the whole truth: 2 blocks now
     assert r.rank(sys_a + [1], ["a", "b"]).matched_blocks == 2
+    r.replace("a", {"DISK": block_hashes(sys_a, B)})           # a shared disk tier: both hold it there,
+    r.replace("b", {"DISK": block_hashes(sys_a, B), "CPU": block_hashes(sys_a[:12], B)})   # b nearer
+    assert r.rank(sys_a + [1], ["a", "b"]).order[0] == "b"
+    r.replace("a", {"GPU": block_hashes(sys_a[:4], B), "DISK": block_hashes(sys_a, B)})
+    assert r.rank(sys_a + [1], ["a", "b"]).order[0] == "a"      # the device's first
     r.replace("a", {})
+    r.replace("b", {})
     new = list(range(100, 120))
     first = r.rank(new, ["a", "b"]).order[0]
     r.assume(first, new)

@@ -1,10 +1,9 @@
 """The generation engine: the one loop that serves many requests over one KV cache.
 
 Each :meth:`Engine.step` is one ``decode``: one token for every continuation that is generating,
-plus chunks of admitted prompts up to ``n_batch`` tokens (so a long prompt delays running streams
-by one chunk at most). The engine samples right after its own decode, streams text deltas, and
-finishes continuations by stop string, end-of-generation token, length, cancellation or a full
-cache.
+plus chunks of admitted prompts up to ``n_batch`` tokens (so a long prompt delays running streams by
+one chunk at most). The engine samples right after its own decode, streams text deltas, and finishes
+continuations by stop string, end-of-generation token, length, cancellation or a full cache.
 
 * **Prefix reuse.** A prompt starts from the longest prefix the KV layer holds: a fork of an idle
   cached sequence (no recompute), or spans paged out to host memory (restored by a copy). Prompts

@@ -6,8 +6,8 @@ chained hashes, per medium). :class:`CacheRouter` keeps one :class:`ReplicaView`
 from those events alone, and ranks the replicas for a request's tokens:
 
 1. **The cache first.** The replica holding the longest run of the request's leading blocks (in any
-   medium: the context's cells, host memory or disk; a restore is a copy, far cheaper than evaluating)
-   comes first, so a conversation's next turn goes where its earlier turns are cached, and requests
+   medium: the context's cells, host memory or disk; a restore is a copy, far cheaper than evaluating;
+   of equal runs, the one holding more of it in its cells, then in host memory) comes first, so a conversation's next turn goes where its earlier turns are cached, and requests
    under one system prompt go where that prompt is.
 2. **Unless its queue is long.** A replica whose load (requests waiting and running) exceeds the
    least loaded one's by more than ``max_imbalance`` is not chosen for its cache: a long queue costs
@@ -78,13 +78,14 @@ class ReplicaView:
         for h in hashes:
             self.assumed[h] = self.reports
 
-    def matched(self, hashes: Sequence[int]) -> int:
+    def matched(self, hashes: Sequence[int], media: Sequence[str] | None = None) -> int:
         """How many of ``hashes`` (a request's leading blocks, in order) this replica holds in a row
-        from the first, in any medium."""
+        from the first, in any medium (or in ``media`` alone; assumed blocks count as the device's)."""
         held, assumed = self.held, self.assumed
+        sets = [held[m] for m in (held if media is None else media) if m in held]
         n = 0
         for h in hashes:
-            if h not in assumed and not any(h in s for s in held.values()):
+            if h not in assumed and not any(h in s for s in sets):
                 break
             n += 1
         return n
@@ -155,10 +156,14 @@ class CacheRouter:
         load = {r: self.loads.get(r, 0) for r in cands}
         hashes = block_hashes(tokens, self.block_size)
         matches = {r: self.view(r).matched(hashes) for r in cands}
+        # of equal matches, the one holding more of it nearer: its cells, then host memory (a shared
+        # disk tier's blocks are every replica's; restoring from it costs more than a fork)
+        near = {r: (self.view(r).matched(hashes, ("GPU",)), self.view(r).matched(hashes, ("GPU", "CPU")))
+                for r in cands if matches[r]}
         least = min(load.values())
         by_load = sorted(cands, key=lambda r: (load[r], -matches[r], repr(r)))
         fit = [r for r in cands if load[r] - least <= self.max_imbalance]
-        best = max(fit, key=lambda r: (matches[r], -load[r], repr(r)))
+        best = max(fit, key=lambda r: (matches[r], near.get(r, (0, 0)), -load[r], repr(r)))
         if matches[best] > 0:
             reason = "cache" if max(matches.values()) == matches[best] else "load"
             first = best
