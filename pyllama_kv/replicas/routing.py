@@ -7,8 +7,9 @@ from those events alone, and ranks the replicas for a request's tokens:
 
 1. **The cache first.** The replica holding the longest run of the request's leading blocks (in any
    medium: the context's cells, host memory or disk; a restore is a copy, far cheaper than evaluating;
-   of equal runs, the one holding more of it in its cells, then in host memory) comes first, so a conversation's next turn goes where its earlier turns are cached, and requests
-   under one system prompt go where that prompt is.
+   of equal runs, the one holding more of it in its cells, then in host memory) comes first, so a
+   conversation's next turn goes where its earlier turns are cached, and requests under one system
+   prompt go where that prompt is.
 2. **Unless its queue is long.** A replica whose load (requests waiting and running) exceeds the
    least loaded one's by more than ``max_imbalance`` is not chosen for its cache: a long queue costs
    more than evaluating a prefix again. Then the two least loaded of the rest compete (power of two
