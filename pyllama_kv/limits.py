@@ -149,12 +149,14 @@ CHECKPOINT_INTERVAL = 256
 CHECKPOINT_PERIODIC = 8
 
 # -- idle prefixes in the cells (engine/kv.py's ContextKV.page_out_idle) ------------------------------
-#: llama.cpp attends every decode over every cell up to the highest one in use, masked or not, so an
-#: idle cached prefix left in the cells costs each decode about a read of its K and V: what copying it
-#: to the host tier once costs. One not used for IDLE_PAGE_OUT_STEPS decodes of running requests is
-#: paged out (where the host tier is on; restored by a copy when a prompt comes back to it).
-#: SmolLM2-135M, one sequence decoding: 16.5 ms a token alone, 32.8 ms beside 3,500 idle cells.
-IDLE_PAGE_OUT_STEPS = 16
+#: llama.cpp attends over every cell up to the highest one in use, masked or not, for every token a
+#: decode evaluates, so an idle cached prefix left in the cells costs the running requests' every
+#: token about a read of its K and V: a copy to the host tier costs that once. One not used while the
+#: engine decoded IDLE_PAGE_OUT_TOKENS tokens (a prompt chunk counts all its tokens) is paged out
+#: (where the host tier is on; restored by a copy when a prompt comes back to it). SmolLM2-135M, one
+#: sequence decoding: 16.5 ms a token alone, 32.8 ms beside 3,500 idle cells; 8 agents prompts after
+#: the code load's conversations: 1.1 s a step against 0.36 s on an empty cache.
+IDLE_PAGE_OUT_TOKENS = 32
 #: an idle prefix whose cells running sequences do not share counts when it holds this many of its own
 IDLE_PAGE_OUT_MIN = 64
 

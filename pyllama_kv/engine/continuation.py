@@ -38,7 +38,7 @@ class EngineStats:
     truncated_tokens: int = 0     # prompt tokens dropped by truncation
     rejected: int = 0             # submits refused with QueueFullError
     queue_peak: int = 0
-    idle_page_outs: int = 0       # idle cached prefixes paged out for being idle too long (limits.IDLE_PAGE_OUT_STEPS)
+    idle_page_outs: int = 0       # idle cached prefixes paged out for being idle too long (limits.IDLE_PAGE_OUT_TOKENS)
     # the KV layer's host tier of paged-out prefixes (live TierStats; None for a KV without one)
     prefix_tier: TierStats | None = None
     # speculation's counters (live SpecStats)

@@ -38,7 +38,7 @@ from ..limits import (
     CHECKPOINT_MIN_TOKENS,
     CHECKPOINT_PERIODIC,
     IDLE_PAGE_OUT_MIN,
-    IDLE_PAGE_OUT_STEPS,
+    IDLE_PAGE_OUT_TOKENS,
 )
 from ..prefixcache.cache import PrefixCache
 from ..prefixcache.tiers import TierStats
@@ -133,11 +133,11 @@ class KVCache(Protocol):
     def checkpoint(self, seq: Hashable) -> None:
         """Keep a checkpoint of live ``seq``'s state after its current tokens (see checkpoints_at)."""
 
-    def page_out_idle(self, step: int) -> int:
-        """Called every ``limits.IDLE_PAGE_OUT_STEPS`` decode steps (``step``: the engine's count): page
-        out the idle cached prefixes not used for that many steps whose cells running sequences do not
-        share (ContextKV: see limits.IDLE_PAGE_OUT_STEPS); how many went. 0 where evicted prefixes
-        would be dropped (no host tier)."""
+    def page_out_idle(self, decoded: int) -> int:
+        """Called after every step with ``decoded``, the tokens the engine has decoded so far: page out
+        the idle cached prefixes not used while ``limits.IDLE_PAGE_OUT_TOKENS`` of them were decoded
+        whose cells running sequences do not share (see limits); how many went. 0 where evicted
+        prefixes would be dropped (no host tier)."""
 
     def kv_stats(self) -> dict:
         """The cache's cells for metrics (``KVStats.as_dict()``, plus ``cached_cells``: held by idle
@@ -197,7 +197,7 @@ class PrefixPolicy(ABC):
                 return False
         return True
 
-    def page_out_idle(self, step: int) -> int:
+    def page_out_idle(self, decoded: int) -> int:
         """See :meth:`KVCache.page_out_idle` (a cache without a host tier: nothing)."""
         return 0
 
@@ -223,8 +223,10 @@ class ContextKV(PrefixPolicy):
         self.cache = PrefixCache(ctx, max_sequences=prefix_cache, cache_ram=cache_ram, cache_dir=cache_dir,
                                  cache_dir_mib=cache_dir_mib)
         self._live = 0
-        #: idle prefix id -> (its last use, the step it was first seen idle since then): page_out_idle's ages
+        #: idle prefix id -> (its last use, the engine's decoded tokens when it was first seen idle since
+        #: then): page_out_idle's ages; and the decoded tokens at its last look
         self._idle_seen: dict[int, tuple[int | None, int]] = {}
+        self._idle_checked = 0
 
     @property
     def n_cells(self) -> int:
@@ -325,10 +327,11 @@ class ContextKV(PrefixPolicy):
     def checkpoint(self, seq) -> None:
         self.cache.checkpoint(seq)
 
-    def page_out_idle(self, step: int) -> int:
+    def page_out_idle(self, decoded: int) -> int:
         cache = self.cache
-        if cache.paging is None or not len(cache.idle):
+        if decoded - self._idle_checked < IDLE_PAGE_OUT_TOKENS // 2 or cache.paging is None or not len(cache.idle):
             return 0
+        self._idle_checked = step = decoded
         idle = list(cache.idle)
         seen, self._idle_seen = self._idle_seen, {}
         live = None
@@ -338,7 +341,7 @@ class ContextKV(PrefixPolicy):
             since = seen.get(s.id, (None, step))
             since = since if since[0] == used else (used, step)   # used since: its age starts again
             self._idle_seen[s.id] = since
-            if step - since[1] < IDLE_PAGE_OUT_STEPS:
+            if step - since[1] < IDLE_PAGE_OUT_TOKENS:
                 continue
             if live is None:   # the running sequences' tokens: cells they share with an idle prefix stay
                 live = [np.asarray(q.tokens, dtype=np.int32) for q in self.ctx.sequences if q not in cache.idle]

@@ -61,7 +61,6 @@ import numpy as np
 from ..config import EngineConfig, SamplingParams, spec_sources
 from ..core.context import release_thread_pool
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
-from ..limits import IDLE_PAGE_OUT_STEPS
 from ..prefixcache.cache import shared_prefix
 from .admission import Limits, admit, drop_range
 from .continuation import Continuation as _Continuation, EngineStats, default_sampler, token_logprobs
@@ -266,8 +265,8 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
             self.stats.step_seconds += now - t0
             if generation_only:
                 self.spec.decoded(n, now - tb)
-        if self.stats.steps % IDLE_PAGE_OUT_STEPS == 0:   # idle prefixes cost every decode: see limits
-            self.stats.idle_page_outs += self.kv.page_out_idle(self.stats.steps)
+        st = self.stats   # idle prefixes cost every token decoded: see limits.IDLE_PAGE_OUT_TOKENS
+        st.idle_page_outs += self.kv.page_out_idle(st.evaluated_tokens + st.generated_tokens)
         return n
 
     def _step(self, batch: dict, owners: dict, outputs: dict) -> int:

@@ -141,8 +141,8 @@ def _engine_metrics(st: dict):
                    st["rejected"])
     yield _counter("preempted", "continuations put back in the queue because the cache was full",
                    st["preempted"])
-    yield _counter("idle_page_outs", "idle cached prefixes paged out to the host tier after 16 decodes of "
-                   "others without them (their cells cost every decode an attention pass)", st["idle_page_outs"])
+    yield _counter("idle_page_outs", "idle cached prefixes paged out to the host tier after 32 tokens decoded "
+                   "without them (their cells cost every token an attention pass)", st["idle_page_outs"])
     yield _counter("prompt_tokens", "prompt tokens of admitted requests", st["prompt_tokens"])
     yield _counter("prompt_tokens_evaluated", "prompt tokens decoded", st["evaluated_tokens"])
     yield _counter("prompt_tokens_reused", "prompt tokens served from cached cells (not evaluated)",
