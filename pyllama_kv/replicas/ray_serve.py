@@ -41,7 +41,7 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, MutableMapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray import serve
@@ -52,6 +52,9 @@ from ray.serve.request_router import RequestRouter
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ..server.base import _Gone, read_body
+from ..server.protocol import APIError
+from ..server.relay import error_response
 from .routing import CacheRouter
 
 log = logging.getLogger("pyllama_kv.replicas")
@@ -155,10 +158,6 @@ class EngineReplica:
         if model is not None:
             model.close()
 
-    def pid(self) -> int:
-        """This replica's process id (the tests' fault injection kills it)."""
-        return os.getpid()
-
     def check_health(self) -> None:
         """Ray Serve's health check: an error when the engine's loop has stopped."""
         if not self.engine.alive:
@@ -258,11 +257,9 @@ class CacheRequestRouter(RequestRouter):
             return []
         self._refresh(candidate_replicas)
         by_id: dict = {r.replica_id: r for r in candidate_replicas}
-        tokens = None
-        if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], dict):
-            tokens = pending_request.args[0].get("tokens")
-        want = pending_request.args[0].get("replica") if tokens is None and pending_request is not None \
-            and pending_request.args and isinstance(pending_request.args[0], dict) else None
+        args = pending_request.args if pending_request is not None else None
+        key = args[0] if args and isinstance(args[0], dict) else {}
+        tokens, want = key.get("tokens"), key.get("replica")
         owner = [r for r in candidate_replicas if want is not None and r.replica_id.unique_id == want]
         if owner:   # a stored Responses conversation: the replica that stored it
             return [owner] + [[r] for r in candidate_replicas if r is not owner[0]]
@@ -295,15 +292,17 @@ class Ingress:
         """The routing key (on a worker thread: tokenizing takes a while): the prompt's tokens, or the
         replica that stored the Responses answer the request continues, reads or deletes."""
         stored = self.keys.stored_response(path, body)
-        return {"tokens": self.keys.tokens(path, body) if method == "POST" else None,
-                "replica": self.owners.get(stored) if stored else None}
+        if stored:   # (its tokens are not in the body: see RouteKeys.tokens)
+            return {"tokens": None, "replica": self.owners.get(stored)}
+        return {"tokens": self.keys.tokens(path, body) if method == "POST" else None, "replica": None}
 
     def _owned(self, first: bytes, replica: str) -> None:
         """Remember which replica stored the Responses answer whose first bytes are ``first``."""
         m = _RESPONSE_ID.search(first[:4096])
         if m is not None:
-            self.owners[m.group(1).decode()] = replica
-            self.owners.move_to_end(m.group(1).decode())
+            rid = m.group(1).decode()
+            self.owners[rid] = replica
+            self.owners.move_to_end(rid)
             while len(self.owners) > OWNERS_MAX:
                 self.owners.popitem(last=False)
 
@@ -315,20 +314,12 @@ class Ingress:
     async def __call__(self, request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
 
-        cap = self.config.max_body
-        data = bytearray()
-        async def read() -> bool:
-            async for part in request.stream():
-                data.extend(part)
-                if len(data) > cap:
-                    return False
-            return True
-        try:
-            if not await asyncio.wait_for(read(), self.config.body_timeout):
-                return _error(413, f"the request body is larger than {cap} bytes", "request_too_large")
-        except asyncio.TimeoutError:
-            return _error(408, f"the request body did not arrive within {self.config.body_timeout:g} seconds",
-                          "timeout")
+        try:   # the server's own reading of a body: its bounds, its errors
+            data = await read_body(request, self.config.max_body, self.config.body_timeout)
+        except APIError as e:
+            return error_response(e)
+        except _Gone:
+            return Response(status_code=499)   # nobody is there to read an answer
         body, path = bytes(data), request.url.path
         route = await run_in_threadpool(self._route, request.method, path, body)
         req = {"method": request.method, "path": path, "query": request.url.query,
@@ -338,8 +329,7 @@ class Ingress:
             start = await stream.__anext__()
         except Exception as exc:   # noqa: BLE001 - the replica died or could not be reached: retryable
             log.warning("a replica failed before answering %s: %s", request.url.path, exc)
-            return _error(503, "the replica serving this request failed before answering; retry it",
-                          "replica_failed", {"Retry-After": str(RETRY_AFTER)})
+            return error_response(_replica_failed("before answering"))
         headers = dict(start["headers"])
         owner = headers.get(REPLICA_HEADER) if path.startswith("/v1/responses") else None
         if headers.get("content-type", "").startswith("text/event-stream"):
@@ -353,16 +343,15 @@ class Ingress:
                 parts.append(part["body"])
         except Exception as exc:   # noqa: BLE001
             log.warning("a replica failed while answering %s: %s", request.url.path, exc)
-            return _error(503, "the replica serving this request failed while answering; retry it",
-                          "replica_failed", {"Retry-After": str(RETRY_AFTER)})
+            return error_response(_replica_failed("while answering"))
         headers.pop("content-length", None)
         return Response(b"".join(parts), status_code=start["status"], headers=headers)
 
 
-def _error(status: int, message: str, code: str, headers: dict | None = None) -> Response:
-    body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                      "param": None, "code": code}}
-    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
+def _replica_failed(when: str) -> APIError:
+    """The retryable error of a request whose replica died ``when`` (before answering, ...)."""
+    return APIError(503, f"the replica serving this request failed {when}; retry it", "server_error",
+                    code="replica_failed", headers={"Retry-After": str(RETRY_AFTER)})
 
 
 async def _relay(stream, owned=None, replica: str | None = None) -> AsyncIterator[bytes]:
@@ -376,9 +365,7 @@ async def _relay(stream, owned=None, replica: str | None = None) -> AsyncIterato
             yield part["body"]
     except Exception as exc:   # noqa: BLE001
         log.warning("a replica failed mid-stream: %s", exc)
-        err = {"error": {"message": "the replica serving this request failed mid-stream; retry it",
-                         "type": "server_error", "param": None, "code": "replica_failed"}}
-        yield f"event: error\ndata: {json.dumps(err)}\n\n".encode()
+        yield f"event: error\ndata: {json.dumps(_replica_failed('mid-stream').body())}\n\n".encode()
 
 
 def application(spec: ReplicaSpec, replicas: int = 2, router: str = "prefix", replica_cpus: float = 1.0,
@@ -407,11 +394,6 @@ def application(spec: ReplicaSpec, replicas: int = 2, router: str = "prefix", re
     ingress = serve.deployment(Ingress, name="Ingress").options(  # type: ignore[attr-defined]
         num_replicas=1, max_ongoing_requests=max(1000, ongoing * replicas), ray_actor_options={"num_cpus": 0})
     return ingress.bind(engines.bind(spec), spec)
-
-
-def spec_dict(spec: ReplicaSpec) -> dict:
-    """``spec`` as a plain dict (JSON-able: for logs and ``--json``)."""
-    return asdict(spec)
 
 
 def start(spec: ReplicaSpec, *, replicas: int, router: str = "prefix", address: str | None = None,

@@ -41,6 +41,33 @@ class _Gone(Exception):
         self.stage = stage
 
 
+async def read_body(request: HTTPRequest, cap: int, timeout: float) -> bytearray:
+    """A request's body, at most ``cap`` bytes (an APIError 413 beyond, from its Content-Length when
+    it says so), sent within ``timeout`` seconds (an APIError 408 after: a client that stops sending,
+    slowloris, must not hold its connection and handler for ever); _Gone("body") when the client
+    closed the connection before it was all sent. The server's, and ``serve --replicas``' ingress's."""
+    too_big = APIError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise too_big
+    data = bytearray()
+
+    async def read() -> None:
+        async for part in request.stream():
+            data.extend(part)
+            if len(data) > cap:
+                raise too_big
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds", code="timeout",
+                       headers={"Connection": "close"}) from None
+    except ClientDisconnect:   # it closed the connection before its Content-Length was sent
+        raise _Gone("body") from None
+    return data
+
+
 class ServerBase:
     """Lifecycle and plumbing of a :class:`~pyllama_kv.server.app.Server`, whose ``__init__`` sets what
     is declared here."""
@@ -142,27 +169,8 @@ class ServerBase:
         return _error(APIError(500, "internal server error (see the server's log)", "server_error"))
 
     async def _body(self, request: HTTPRequest):
-        cap = self.config.max_body
-        too_big = APIError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > cap:
-            raise too_big
-        data = bytearray()
-
-        async def read() -> None:
-            async for part in request.stream():
-                data.extend(part)
-                if len(data) > cap:
-                    raise too_big
-
-        timeout = self.config.body_timeout
-        try:   # a client that stops sending (slowloris) must not hold its connection and handler forever
-            await asyncio.wait_for(read(), timeout)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {timeout:g} seconds", code="timeout",
-                           headers={"Connection": "close"}) from None
-        except ClientDisconnect:   # it closed the connection before its Content-Length was sent
-            raise _Gone("body") from None
+        cfg = self.config
+        data = await read_body(request, cfg.max_body, cfg.body_timeout)
         return await run_in_threadpool(self._json, data)   # (per-item work: never on the event loop)
 
     @staticmethod
