@@ -254,7 +254,9 @@ def test_a_sliding_window_models_checkpoint_keeps_a_shared_system_prompt_forkabl
     cache reuses them when other sequences come and go (and llama.cpp then drops every earlier
     position of that sequence), and the fork is refused (the prompt is then evaluated again). Without
     the turn boundary the first conversation alone holds the system prompt: after that, the second
-    evaluates everything and keeps a checkpoint where it leaves the first, which the third forks.
+    evaluates everything and keeps a checkpoint where it leaves the first, which the third forks (or
+    the second itself, where its cells still hold the window before the branch: the idle page-out
+    moves the first out before the second is placed, so they may).
     With the boundary the first keeps a checkpoint at the end of the system prompt (an idle sequence
     of exactly it, whose window is its own last tokens): every later conversation forks all of it.
     Every answer is the greedy continuation of a fresh evaluation."""
@@ -281,9 +283,10 @@ def test_a_sliding_window_models_checkpoint_keeps_a_shared_system_prompt_forkabl
                 assert [list(s.tokens) for s in cache.cached if len(s) == SYSTEM] == [system]
             else:        # the second evaluates everything, and keeps a checkpoint where it left the first
                 assert reused == [0, 0, SYSTEM]
-            assert cache.stats.checkpoint_forks >= 1
             kv = eng.kv.kv_stats()   # the checkpoints share their cells: no bytes of their own
-            assert kv["checkpoints"] >= 1 and kv["checkpoint_bytes"] == 0 and kv["checkpoint_forks"] >= 1
+            assert kv["checkpoints"] >= 1 and kv["checkpoint_bytes"] == 0
+            if bounds:   # (without, the third may fork the second itself while it holds the window)
+                assert cache.stats.checkpoint_forks >= 1 and kv["checkpoint_forks"] >= 1
             tier = eng.kv.tier_stats()
             assert tier["enabled"] and not tier["off_reason"], tier
 

@@ -337,7 +337,7 @@ class FakeKV:
     def checkpoint(self, seq):
         pass
 
-    def page_out_idle(self, step):
+    def page_out_idle(self, decoded, upcoming=0):
         return 0
 
     def kv_stats(self):

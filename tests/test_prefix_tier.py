@@ -285,3 +285,33 @@ def test_an_idle_prefix_is_paged_out_while_others_decode_and_restored_when_it_co
     finally:
         eng_on.close()
         eng_off.close()
+
+
+def test_an_idle_prefix_goes_before_a_prompt_step_that_would_attend_over_it(model):
+    """The idle page-out runs before the decode that makes a prefix's idle time reach the bound: a
+    prompt of 100 tokens right after a 200-token conversation finished is evaluated with that
+    conversation already paged out, so its cells sit where the conversation's were (from cell 0: the
+    decode neither attends over the idle cells nor places the prompt above them), and the same answer
+    comes back to the conversation restored."""
+    from pyllama_kv.limits import IDLE_PAGE_OUT_TOKENS
+
+    eng = Engine(model, EngineConfig(n_ctx=1024, parallel=2, prefix_cache=4, cache_ram=16, **F32))
+    try:
+        first = toks(200, seed=3)
+        answer, _ = ask(eng, first, max_tokens=4)
+        assert eng.stats.idle_page_outs == 0
+        prompt = toks(100, seed=4)
+        assert len(prompt) >= IDLE_PAGE_OUT_TOKENS
+        h = eng.submit(prompt, GREEDY, max_tokens=2)
+        eng.step()   # the prompt's evaluation: the idle conversation went before it
+        assert eng.stats.idle_page_outs == 1
+        ctx = eng.context
+        if ctx.caps.cell_view:   # the mission pin's cells in cache order: the prompt took the freed low ones
+            used = np.flatnonzero(ctx.kv_cells() != -1)   # (-2: shared with the cache's copy of the prompt)
+            assert used.size == len(prompt) and used.max() < len(prompt), used
+        eng.run_until_idle()
+        h.result()
+        back, evaluated = ask(eng, first + answer + toks(6, seed=5), max_tokens=4)
+        assert evaluated <= 8 and eng.kv.tier_stats()["restored_tokens"] >= 200
+    finally:
+        eng.close()

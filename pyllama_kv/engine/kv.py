@@ -133,11 +133,13 @@ class KVCache(Protocol):
     def checkpoint(self, seq: Hashable) -> None:
         """Keep a checkpoint of live ``seq``'s state after its current tokens (see checkpoints_at)."""
 
-    def page_out_idle(self, decoded: int) -> int:
-        """Called after every step with ``decoded``, the tokens the engine has decoded so far: page out
-        the idle cached prefixes not used while ``limits.IDLE_PAGE_OUT_TOKENS`` of them were decoded
-        whose cells running sequences do not share (see limits); how many went. 0 where evicted
-        prefixes would be dropped (no host tier)."""
+    def page_out_idle(self, decoded: int, upcoming: int = 0) -> int:
+        """Called before every decode with ``decoded``, the tokens the engine has decoded so far, and
+        ``upcoming``, those of the decode about to run: page out the idle cached prefixes that will
+        have gone unused while ``limits.IDLE_PAGE_OUT_TOKENS`` tokens were decoded by the end of it and
+        whose cells running sequences do not share (see limits), so that the decode neither attends
+        over their cells nor places its new tokens above them; how many went. 0 where evicted prefixes
+        would be dropped (no host tier)."""
 
     def kv_stats(self) -> dict:
         """The cache's cells for metrics (``KVStats.as_dict()``, plus ``cached_cells``: held by idle
@@ -197,7 +199,7 @@ class PrefixPolicy(ABC):
                 return False
         return True
 
-    def page_out_idle(self, decoded: int) -> int:
+    def page_out_idle(self, decoded: int, upcoming: int = 0) -> int:
         """See :meth:`KVCache.page_out_idle` (a cache without a host tier: nothing)."""
         return 0
 
@@ -327,21 +329,25 @@ class ContextKV(PrefixPolicy):
     def checkpoint(self, seq) -> None:
         self.cache.checkpoint(seq)
 
-    def page_out_idle(self, decoded: int) -> int:
+    def page_out_idle(self, decoded: int, upcoming: int = 0) -> int:
         cache = self.cache
-        if decoded - self._idle_checked < IDLE_PAGE_OUT_TOKENS // 2 or cache.paging is None or not len(cache.idle):
+        if cache.paging is None or not len(cache.idle):
             return 0
-        self._idle_checked = step = decoded
-        idle = list(cache.idle)
+        # each idle prefix's age counts from the first look that saw it idle since its last use (it went
+        # idle in a decode after the one before this look: ``decoded`` is exact for it)
         seen, self._idle_seen = self._idle_seen, {}
+        for s in cache.idle:
+            used = cache.idle.last_used(s)
+            since = seen.get(s.id, (None, decoded))
+            self._idle_seen[s.id] = since if since[0] == used else (used, decoded)   # used since: anew
+        end = decoded + upcoming   # the decoded tokens once this decode ran
+        if end - self._idle_checked < IDLE_PAGE_OUT_TOKENS // 2:   # (the pages-outs: not every token)
+            return 0
+        self._idle_checked = end
         live = None
         n = 0
-        for s in idle:
-            used = cache.idle.last_used(s)
-            since = seen.get(s.id, (None, step))
-            since = since if since[0] == used else (used, step)   # used since: its age starts again
-            self._idle_seen[s.id] = since
-            if step - since[1] < IDLE_PAGE_OUT_TOKENS:
+        for s in list(cache.idle):
+            if end - self._idle_seen[s.id][1] < IDLE_PAGE_OUT_TOKENS:
                 continue
             if live is None:   # the running sequences' tokens: cells they share with an idle prefix stay
                 live = [np.asarray(q.tokens, dtype=np.int32) for q in self.ctx.sequences if q not in cache.idle]

@@ -253,7 +253,12 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         batch, owners, outputs = self._build_batch()
         if not batch:
             return n_emb
-        self.stats.steps += 1
+        st = self.stats
+        st.steps += 1
+        # idle prefixes cost every token decoded (limits.IDLE_PAGE_OUT_TOKENS): those unused long enough by
+        # the end of this decode go before it, so that neither its attention nor its new cells pay for them
+        st.idle_page_outs += self.kv.page_out_idle(st.evaluated_tokens + st.generated_tokens,
+                                                   sum(len(t) for t in batch.values()))
         # the cost rule's measure: what a step of generation (and drafts) costs, drafting, sampling and
         # verifying included; a step with a prompt chunk is another kind of batch (cheaper a token)
         generation_only = not any(owners[seq].prefilling for seq in batch)
@@ -265,8 +270,6 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
             self.stats.step_seconds += now - t0
             if generation_only:
                 self.spec.decoded(n, now - tb)
-        st = self.stats   # idle prefixes cost every token decoded: see limits.IDLE_PAGE_OUT_TOKENS
-        st.idle_page_outs += self.kv.page_out_idle(st.evaluated_tokens + st.generated_tokens)
         return n
 
     def _step(self, batch: dict, owners: dict, outputs: dict) -> int:
