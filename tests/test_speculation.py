@@ -21,7 +21,7 @@ from conftest import F32, toks
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from pyllama_kv.sampling.grammar import Grammar
 from pyllama_kv.speculation.drafts import Draft, PromptLookup, SuffixIndex
-from pyllama_kv.speculation.policy import EXPLORE_EVERY, EXPLORE_SIZES, Acceptance, BatchCost, SpecPolicy
+from pyllama_kv.speculation.policy import EXPLORE_EVERY, EXPLORE_SIZES, Acceptance, BatchCost, SeqAcceptance, SpecPolicy
 
 # ---------------------------------------------------------------------------------------------
 # the draft sources
@@ -124,6 +124,20 @@ def test_acceptance_learns_per_source_and_match():
         a.observe("cache", 8, drafted=4, accepted=0)
     assert a.rate("ngram", 8) > 0.9 > prior > a.rate("cache", 8)
     assert a.rate("ngram", 2) == pytest.approx(Acceptance().rate("ngram", 2))   # another bucket: untouched
+
+
+def test_a_continuations_record_lowers_a_buckets_rate_and_never_raises_it():
+    """A continuation whose drafts keep failing gets a lower rate than its bucket's; one whose long
+    matches all passed keeps its short matches at their bucket's rate (a copied file's 99% says nothing
+    of a 3-token match in it)."""
+    good, bad, fresh = SeqAcceptance(), SeqAcceptance(), SeqAcceptance()
+    for _ in range(20):
+        good.observe(drafted=6, accepted=6)
+        bad.observe(drafted=4, accepted=0)
+    short = Acceptance().rate("ngram", 3)
+    assert fresh.blend(short) == pytest.approx(short)
+    assert good.blend(short) == pytest.approx(short)
+    assert bad.blend(short) < short / 2
 
 
 def test_a_policy_explores_the_batch_sizes_it_has_not_measured_now_and_then():
