@@ -24,6 +24,7 @@ quantized model a different batch shape may flip a near-tie).
 
   python scripts/bench_spec.py [--quick] [--json] [--model NAME_OR_PATH] [--clients 1,4,8]
                                [--only ours-off,ours-ngram,...] [--loads code,agents,chat] [-t THREADS]
+                               [--kv-type f16|f32]
 """
 from __future__ import annotations
 
@@ -96,11 +97,11 @@ def server_cmd(name: str, model: Path, port: int, args) -> list[str]:
                 "peer-mod": ["--spec-type", "ngram-mod"]}[name]
         return [str(exe), "-m", str(model), *common, "-c", str(args.ctx), "-np", str(args.slots), "-kvu",
                 "-t", str(args.threads), "-tb", str(args.threads), "-b", "512", "-ub", "512", "--metrics",
-                "--no-webui", "-fa", "off", *spec]
+                "--no-webui", "-fa", "off", "-ctk", args.kv_type, "-ctv", args.kv_type, *spec]
     spec = {"ours-off": "none", "ours-ngram": "ngram", "ours-cache": "ngram,cache"}[name]
     return [*pyllama_kv_cmd(), "serve", str(model), *common, "--ctx", str(args.ctx), "--parallel", str(args.slots),
             "--threads", str(args.threads), "--batch", "512", "--flash-attn", "off", "--lib", "current",
-            "--spec", spec]
+            "--spec", spec, "--type-k", args.kv_type, "--type-v", args.kv_type]
 
 
 def one_request(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -154,6 +155,9 @@ def ratios(rows: list[dict]) -> list[dict]:
             row["ours_best_over_off"] = round(best["tps"] / by["ours-off"]["tps"], 3)
             row["same_answers"] = sum(a == b for a, b in zip(best["texts"], by["ours-off"]["texts"]))
             row["answers"] = len(best["texts"])
+            # every speculating server's answers against speculation off (F32: all the same)
+            off = by["ours-off"]["texts"]
+            row["same_answers_by_server"] = {r["server"]: sum(a == b for a, b in zip(r["texts"], off)) for r in ours}
         if best and peers:
             pb = max(peers, key=lambda r: r["tps"])
             row["peer_best"] = pb["server"]
@@ -172,6 +176,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loads", default="code,agents,chat")
     ap.add_argument("-t", "--threads", type=int, default=default_threads())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-type", default="f16", choices=("f16", "f32"),
+                    help="the KV cache's type on every server (default f16; f32 with F32 weights: greedy answers "
+                         "with and without speculation must then be the same)")
     args = ap.parse_args(argv)
     from pyllama_kv.modelfile import names
 
@@ -203,8 +210,9 @@ def main(argv=None) -> int:
                     rows.append({"server": name, "load": load, **r})
                     print(f"  [{name}] {load}, {c} client(s): {r['tps']} tok/s, p95 {r['latency_p95_s']} s, drafts "
                           f"{r['draft_n_accepted']}/{r['draft_n']}, errors {r['errors']}", file=sys.stderr)
-    out = {"benchmark": "spec", "model": Path(model).name, "threads": args.threads, "machine": machine(),
-           "date": time.strftime("%Y-%m-%d"), "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows],
+    out = {"benchmark": "spec", "model": Path(model).name, "kv_type": args.kv_type, "threads": args.threads,
+           "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+           "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows],
            "ratios": ratios(rows)}
     if args.json:
         print(json.dumps(out, indent=1))

@@ -13,7 +13,7 @@ import numpy as np
 from .. import limits
 from ..errors import GGUFFileError, InvalidInputError
 
-__all__ = ["GGUFFileError", "make_f32_copy", "make_timing_model", "make_tiny_model", "tiny_vocab"]
+__all__ = ["GGUFFileError", "TIMING_DTYPES", "make_f32_copy", "make_timing_model", "make_tiny_model", "tiny_vocab"]
 
 # a small SPM-style vocabulary: specials, the 256 byte tokens (without them llama.cpp aborts on text
 # it cannot tokenize), then printable characters and a few words so that text is not all bytes
@@ -399,6 +399,8 @@ TIMING_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "llama3-3b": (28, 3072, 24, 8, 8192, 128256),
     "llama3-1b": (16, 2048, 32, 8, 8192, 128256),
 }
+#: the weights' types make_timing_model writes
+TIMING_DTYPES = ("q4_0", "f16")
 
 
 #: ChatML, which llama-server recognizes without --jinja
@@ -408,17 +410,23 @@ _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\
 
 
 def make_timing_model(path: str | os.PathLike, shape: str = "llama3-8b", *, n_layer: int | None = None,
-                      seed: int = 0) -> Path:
+                      seed: int = 0, dtype: str = "q4_0") -> Path:
     """Write a llama GGUF with the shapes of ``shape`` (:data:`TIMING_SHAPES`; ``n_layer`` overrides
-    its depth) and random Q4_0 weights (every block's f16 scale a small valid number), in seconds.
+    its depth) and random weights of ``dtype`` (:data:`TIMING_DTYPES`): ``q4_0`` (every block's f16
+    scale a small valid number) or ``f16``, in seconds.
 
-    Speed depends on shapes, not values, so this is a fair model for timing the binding, the engine
-    and the server on a GPU with no download; its text is noise. The vocabulary is the tiny SPM one
-    padded with plain tokens to the shape's size. A Llama-3-8B shape is a 4.3 GiB file."""
+    Speed depends on shapes and the weights' type, not values, so this is a fair model for timing the
+    binding, the engine and the server on a GPU with no download; its text is noise. The vocabulary is
+    the tiny SPM one padded with plain tokens to the shape's size. A Llama-3-8B shape is a 4.3 GiB file
+    in Q4_0. On a CPU, F16 weights make a decode memory-bound (each weight is read once for the whole
+    batch and a few more tokens cost little more than one), Q4_0 compute-bound (its dot products
+    cost more than their reads)."""
     import gguf
 
     if shape not in TIMING_SHAPES:
         raise InvalidInputError(f"shape must be one of {', '.join(TIMING_SHAPES)}")
+    if dtype not in TIMING_DTYPES:
+        raise InvalidInputError(f"dtype must be one of {', '.join(TIMING_DTYPES)}")
     layers, n_embd, n_head, n_head_kv, n_ff, n_vocab = TIMING_SHAPES[shape]
     layers = n_layer if n_layer is not None else layers
     path = Path(path)
@@ -434,39 +442,47 @@ def make_timing_model(path: str | os.PathLike, shape: str = "llama3-8b", *, n_la
     vocab_meta["tokenizer.ggml.scores"] = (scores, T.ARRAY, T.FLOAT32)
     vocab_meta["tokenizer.ggml.token_type"] = (types, T.ARRAY, T.INT32)
     vocab_meta["tokenizer.chat_template"] = (_CHATML, T.STRING, None)   # for servers under a chat load
-    meta = _tiny_meta("llama", "f16", vocab_meta, {"general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_0),
+    file_type = gguf.LlamaFileType.MOSTLY_Q4_0 if dtype == "q4_0" else gguf.LlamaFileType.MOSTLY_F16
+    meta = _tiny_meta("llama", "f16", vocab_meta, {"general.file_type": int(file_type),
                                                    "general.name": f"pyllama-kv timing model ({shape} shapes)"},
                       n_ctx_train=131072, n_embd=n_embd, n_layer=layers, n_ff=n_ff, n_head=n_head,
                       n_head_kv=n_head_kv, sliding_window=0)
-    rng = np.random.default_rng(seed)
-    # one random megabyte of Q4_0 blocks (18 bytes: an f16 scale, 16 bytes of 4-bit weights), repeated
+    weights = _random_weights(np.random.default_rng(seed), dtype)
+    n_embd_kv = n_embd // n_head * n_head_kv
+    tensors: dict = {"token_embd.weight": weights(n_vocab, n_embd)}
+    for i in range(layers):
+        tensors[f"blk.{i}.attn_norm.weight"] = np.ones(n_embd, np.float32)
+        tensors[f"blk.{i}.attn_q.weight"] = weights(n_embd, n_embd)
+        tensors[f"blk.{i}.attn_k.weight"] = weights(n_embd_kv, n_embd)
+        tensors[f"blk.{i}.attn_v.weight"] = weights(n_embd_kv, n_embd)
+        tensors[f"blk.{i}.attn_output.weight"] = weights(n_embd, n_embd)
+        tensors[f"blk.{i}.ffn_norm.weight"] = np.ones(n_embd, np.float32)
+        tensors[f"blk.{i}.ffn_gate.weight"] = weights(n_ff, n_embd)
+        tensors[f"blk.{i}.ffn_up.weight"] = weights(n_ff, n_embd)
+        tensors[f"blk.{i}.ffn_down.weight"] = weights(n_embd, n_ff)
+    tensors["output_norm.weight"] = np.ones(n_embd, np.float32)
+    tensors["output.weight"] = weights(n_vocab, n_embd)
+    _write_gguf(path, "llama", meta, tensors)
+    return path
+
+
+def _random_weights(rng: np.random.Generator, dtype: str) -> Callable[[int, int], tuple | np.ndarray]:
+    """A maker of (rows, cols) weight matrices of ``dtype``: one random megabyte repeated (Q4_0 blocks
+    of 18 bytes, an f16 scale that is a small valid number and 16 bytes of 4-bit weights; or f16
+    values), so that a model of billions of weights is written in seconds."""
+    import gguf
+
     blocks = rng.integers(0, 256, (1 << 20) // 18 * 18, dtype=np.uint8).reshape(-1, 18)
     blocks[:, :2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
     block = blocks.reshape(-1)
+    halves = (rng.standard_normal(1 << 19) * 0.02).astype(np.float16)
 
-    def q4(rows: int, cols: int) -> tuple:
+    def weights(rows: int, cols: int) -> tuple | np.ndarray:
+        if dtype == "f16":
+            return np.resize(halves, rows * cols).reshape(rows, cols)
         data = np.resize(block, rows * (cols // 32) * 18).reshape(rows, cols // 32 * 18)
         return data, gguf.GGMLQuantizationType.Q4_0
-
-    def norm(n: int) -> np.ndarray:
-        return np.ones(n, np.float32)
-
-    n_embd_kv = n_embd // n_head * n_head_kv
-    tensors: dict = {"token_embd.weight": q4(n_vocab, n_embd)}
-    for i in range(layers):
-        tensors[f"blk.{i}.attn_norm.weight"] = norm(n_embd)
-        tensors[f"blk.{i}.attn_q.weight"] = q4(n_embd, n_embd)
-        tensors[f"blk.{i}.attn_k.weight"] = q4(n_embd_kv, n_embd)
-        tensors[f"blk.{i}.attn_v.weight"] = q4(n_embd_kv, n_embd)
-        tensors[f"blk.{i}.attn_output.weight"] = q4(n_embd, n_embd)
-        tensors[f"blk.{i}.ffn_norm.weight"] = norm(n_embd)
-        tensors[f"blk.{i}.ffn_gate.weight"] = q4(n_ff, n_embd)
-        tensors[f"blk.{i}.ffn_up.weight"] = q4(n_ff, n_embd)
-        tensors[f"blk.{i}.ffn_down.weight"] = q4(n_embd, n_ff)
-    tensors["output_norm.weight"] = norm(n_embd)
-    tensors["output.weight"] = q4(n_vocab, n_embd)
-    _write_gguf(path, "llama", meta, tensors)
-    return path
+    return weights
 
 
 # ---------------------------------------------------------------------------------------------
