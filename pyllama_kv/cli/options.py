@@ -130,7 +130,7 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "ngram (each answer's own prompt and output) and cache (every conversation this engine finished): drafts "
          "are verified in the same decode as everything else, the output is the same (at any temperature and "
          "seed), and a cost rule measured on this machine drafts only where it pays (off for a model with "
-         "recurrent layers) (default {default})", str, metavar="none|ngram[,cache]"),
+         "recurrent layers or a sliding-window cache) (default {default})", str, metavar="none|ngram[,cache]"),
     Flag(EngineConfig, "spec_max", ("--spec-max",), "the most draft tokens an answer gets in one step "
          "(default {default})", metavar="N"),
     Flag(EngineConfig, "n_keep", ("--keep",), "tokens at the start that a context shift never drops; -1: the whole "
