@@ -253,12 +253,9 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         batch, owners, outputs = self._build_batch()
         if not batch:
             return n_emb
-        st = self.stats
-        st.steps += 1
-        # idle prefixes cost every token decoded (limits.IDLE_PAGE_OUT_TOKENS): those unused long enough by
-        # the end of this decode go before it, so that neither its attention nor its new cells pay for them
-        st.idle_page_outs += self.kv.page_out_idle(st.evaluated_tokens + st.generated_tokens,
-                                                   sum(len(t) for t in batch.values()))
+        st = self.stats   # idle prefixes unused for limits.IDLE_PAGE_OUT_TOKENS by the end of this decode go first
+        st.steps, decoded = st.steps + 1, st.evaluated_tokens + st.generated_tokens
+        st.idle_page_outs += self.kv.page_out_idle(decoded, sum(map(len, batch.values())))
         # the cost rule's measure: what a step of generation (and drafts) costs, drafting, sampling and
         # verifying included; a step with a prompt chunk is another kind of batch (cheaper a token)
         generation_only = not any(owners[seq].prefilling for seq in batch)
