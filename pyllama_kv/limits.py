@@ -154,10 +154,10 @@ CHECKPOINT_PERIODIC = 8
 #: token about a read of its K and V: a copy to the host tier costs that once. One not used while the
 #: engine decoded IDLE_PAGE_OUT_TOKENS tokens (a prompt chunk counts all its tokens) is paged out
 #: (where the host tier is on; restored by a copy when a prompt comes back to it), before the decode
-#: that reaches the bound: a prompt chunk's step then neither attends over its cells nor places the
-#: chunk above them. SmolLM2-135M, one sequence decoding: 16.5 ms a token alone, 32.8 ms beside 3,500
-#: idle cells; 8 agents prompts after the code load's conversations: 1.1 s a step against 0.36 s on an
-#: empty cache.
+#: that reaches the bound (looked at every IDLE_PAGE_OUT_TOKENS // 2 tokens or more): a prompt chunk's
+#: step then neither attends over its cells nor places the chunk above them. SmolLM2-135M, one
+#: sequence decoding: 16.5 ms a token alone, 32.8 ms beside 3,500 idle cells; 8 agents prompts after
+#: the code load's conversations: 1.1 s a step against 0.36 s on an empty cache.
 IDLE_PAGE_OUT_TOKENS = 32
 #: an idle prefix whose cells running sequences do not share counts when it holds this many of its own
 IDLE_PAGE_OUT_MIN = 64

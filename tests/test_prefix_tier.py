@@ -315,3 +315,26 @@ def test_an_idle_prefix_goes_before_a_prompt_step_that_would_attend_over_it(mode
         assert evaluated <= 8 and eng.kv.tier_stats()["restored_tokens"] >= 200
     finally:
         eng.close()
+
+
+def test_a_prefix_forked_for_a_few_tokens_still_goes_before_the_decode(model):
+    """A cached conversation that a new prompt forks at admission for a few of its tokens still goes
+    before the decode when the rest of it has been idle long enough: the fork keeps the cells it shares,
+    the conversation's other 150 cells are paged out (left resident they would cost this decode's
+    attention, and the new prompt's cells would go above them; the agents load after the code load ran
+    39 tok/s with such prefixes kept for another 32 tokens, 48.5 without), and it comes back restored."""
+    eng = Engine(model, EngineConfig(n_ctx=1024, parallel=2, prefix_cache=4, cache_ram=16, **F32))
+    try:
+        first = toks(200, seed=3)
+        answer, _ = ask(eng, first, max_tokens=4)
+        ask(eng, toks(10, seed=6), max_tokens=2)   # a look that sees the conversation idle
+        assert eng.stats.idle_page_outs == 0
+        h = eng.submit(first[:50] + toks(60, seed=7), GREEDY, max_tokens=2)
+        eng.step()   # admission forks the conversation's first 50 tokens; the chunk is decoded
+        assert h.usage.reused_tokens == 50 and eng.stats.idle_page_outs == 1
+        eng.run_until_idle()
+        h.result()
+        back, evaluated = ask(eng, first + answer + toks(6, seed=5), max_tokens=4)
+        assert evaluated <= 8 and eng.kv.tier_stats()["restored_tokens"] >= 150
+    finally:
+        eng.close()

@@ -138,8 +138,9 @@ class KVCache(Protocol):
         ``upcoming``, those of the decode about to run: page out the idle cached prefixes that will
         have gone unused while ``limits.IDLE_PAGE_OUT_TOKENS`` tokens were decoded by the end of it and
         whose cells running sequences do not share (see limits), so that the decode neither attends
-        over their cells nor places its new tokens above them; how many went. 0 where evicted prefixes
-        would be dropped (no host tier)."""
+        over their cells nor places its new tokens above them (looked at once every
+        IDLE_PAGE_OUT_TOKENS // 2 tokens or more); how many went. 0 where evicted prefixes would be
+        dropped (no host tier)."""
 
     def kv_stats(self) -> dict:
         """The cache's cells for metrics (``KVStats.as_dict()``, plus ``cached_cells``: held by idle
@@ -225,8 +226,9 @@ class ContextKV(PrefixPolicy):
         self.cache = PrefixCache(ctx, max_sequences=prefix_cache, cache_ram=cache_ram, cache_dir=cache_dir,
                                  cache_dir_mib=cache_dir_mib)
         self._live = 0
-        #: idle prefix id -> (its last use, the engine's decoded tokens when it was first seen idle since
-        #: then): page_out_idle's ages; and the decoded tokens at its last look
+        #: idle prefix id -> (its last use, the engine's decoded tokens from which its idle age counts):
+        #: page_out_idle's ages; and the decoded tokens at its last page-out look (at most one every
+        #: IDLE_PAGE_OUT_TOKENS // 2 tokens)
         self._idle_seen: dict[int, tuple[int | None, int]] = {}
         self._idle_checked = 0
 
@@ -331,19 +333,19 @@ class ContextKV(PrefixPolicy):
 
     def page_out_idle(self, decoded: int, upcoming: int = 0) -> int:
         cache = self.cache
-        if cache.paging is None or not len(cache.idle):
+        if cache.paging is None:
             return 0
-        # each idle prefix's age counts from the first look that saw it idle since its last use (it went
-        # idle in a decode after the one before this look: ``decoded`` is exact for it)
+        end = decoded + upcoming   # the decoded tokens once this decode ran
         seen, self._idle_seen = self._idle_seen, {}
         for s in cache.idle:
             used = cache.idle.last_used(s)
-            since = seen.get(s.id, (None, decoded))
-            self._idle_seen[s.id] = since if since[0] == used else (used, decoded)   # used since: anew
-        end = decoded + upcoming   # the decoded tokens once this decode ran
-        if end - self._idle_checked < IDLE_PAGE_OUT_TOKENS // 2:   # (the pages-outs: not every token)
+            # not idle at the last look, or used since (forked for this decode, say: the cells the fork
+            # shares stay with it): its age counts from now
+            prev = seen.get(s.id)
+            self._idle_seen[s.id] = prev if prev is not None and prev[0] == used else (used, decoded)
+        if not self._idle_seen or end - self._idle_checked < IDLE_PAGE_OUT_TOKENS // 2:   # (not every token)
             return 0
-        self._idle_checked = end
+        self._idle_checked = decoded   # (drafts in ``upcoming`` that are refused never count as decoded)
         live = None
         n = 0
         for s in list(cache.idle):

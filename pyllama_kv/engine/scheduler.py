@@ -254,8 +254,9 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         if not batch:
             return n_emb
         st = self.stats   # idle prefixes unused for limits.IDLE_PAGE_OUT_TOKENS by the end of this decode go first
-        st.steps, decoded = st.steps + 1, st.evaluated_tokens + st.generated_tokens
+        st.steps, decoded, tp = st.steps + 1, st.evaluated_tokens + st.generated_tokens, time.perf_counter()
         st.idle_page_outs += self.kv.page_out_idle(decoded, sum(map(len, batch.values())))
+        tb += time.perf_counter() - tp   # (their copy is not this batch's cost: the cost rule's measure)
         # the cost rule's measure: what a step of generation (and drafts) costs, drafting, sampling and
         # verifying included; a step with a prompt chunk is another kind of batch (cheaper a token)
         generation_only = not any(owners[seq].prefilling for seq in batch)

@@ -124,7 +124,8 @@ class Acceptance:
 
 
 class SeqAcceptance:
-    """One continuation's own recent record (decayed like Acceptance's), blended with the bucket's."""
+    """One continuation's own recent record (decayed like Acceptance's), which can lower the bucket's
+    rate for it, never raise it (:meth:`blend`)."""
 
     __slots__ = ("acc", "tried")
 
