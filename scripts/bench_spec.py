@@ -153,11 +153,11 @@ def ratios(rows: list[dict]) -> list[dict]:
             row["off_over_peer_off"] = round(by["ours-off"]["tps"] / by["peer-off"]["tps"], 3)
         if best and "ours-off" in by:
             row["ours_best_over_off"] = round(best["tps"] / by["ours-off"]["tps"], 3)
-            row["same_answers"] = sum(a == b for a, b in zip(best["texts"], by["ours-off"]["texts"]))
-            row["answers"] = len(best["texts"])
             # every speculating server's answers against speculation off (F32: all the same)
             off = by["ours-off"]["texts"]
             row["same_answers_by_server"] = {r["server"]: sum(a == b for a, b in zip(r["texts"], off)) for r in ours}
+            row["same_answers"] = row["same_answers_by_server"][best["server"]]
+            row["answers"] = len(best["texts"])
         if best and peers:
             pb = max(peers, key=lambda r: r["tps"])
             row["peer_best"] = pb["server"]

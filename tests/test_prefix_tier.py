@@ -3,6 +3,7 @@ KV cache are paged out as spans to a token trie in host memory, restored (a memc
 evaluated when a prompt comes back, a shared prefix stored once, the bytes within ``cache_ram``."""
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -287,6 +288,25 @@ def test_an_idle_prefix_is_paged_out_while_others_decode_and_restored_when_it_co
         eng_off.close()
 
 
+@contextlib.contextmanager
+def an_idle_conversation(model):
+    """An engine with a host tier after a 200-token conversation finished: (the engine, the
+    conversation's prompt, its answer), the conversation idle and not paged out yet."""
+    eng = Engine(model, EngineConfig(n_ctx=1024, parallel=2, prefix_cache=4, cache_ram=16, **F32))
+    try:
+        first = toks(200, seed=3)
+        answer, _ = ask(eng, first, max_tokens=4)
+        yield eng, first, answer
+    finally:
+        eng.close()
+
+
+def comes_back(eng, first, answer) -> tuple[int, int]:
+    """The conversation's next turn: (prompt tokens it evaluated, the tier's restored tokens so far)."""
+    _, evaluated = ask(eng, first + answer + toks(6, seed=5), max_tokens=4)
+    return evaluated, eng.kv.tier_stats()["restored_tokens"]
+
+
 def test_an_idle_prefix_goes_before_a_prompt_step_that_would_attend_over_it(model):
     """The idle page-out runs before the decode that makes a prefix's idle time reach the bound: a
     prompt of 100 tokens right after a 200-token conversation finished is evaluated with that
@@ -295,10 +315,7 @@ def test_an_idle_prefix_goes_before_a_prompt_step_that_would_attend_over_it(mode
     comes back to the conversation restored."""
     from pyllama_kv.limits import IDLE_PAGE_OUT_TOKENS
 
-    eng = Engine(model, EngineConfig(n_ctx=1024, parallel=2, prefix_cache=4, cache_ram=16, **F32))
-    try:
-        first = toks(200, seed=3)
-        answer, _ = ask(eng, first, max_tokens=4)
+    with an_idle_conversation(model) as (eng, first, answer):
         assert eng.stats.idle_page_outs == 0
         prompt = toks(100, seed=4)
         assert len(prompt) >= IDLE_PAGE_OUT_TOKENS
@@ -311,10 +328,8 @@ def test_an_idle_prefix_goes_before_a_prompt_step_that_would_attend_over_it(mode
             assert used.size == len(prompt) and used.max() < len(prompt), used
         eng.run_until_idle()
         h.result()
-        back, evaluated = ask(eng, first + answer + toks(6, seed=5), max_tokens=4)
-        assert evaluated <= 8 and eng.kv.tier_stats()["restored_tokens"] >= 200
-    finally:
-        eng.close()
+        evaluated, restored = comes_back(eng, first, answer)
+        assert evaluated <= 8 and restored >= 200
 
 
 def test_a_prefix_forked_for_a_few_tokens_still_goes_before_the_decode(model):
@@ -323,10 +338,7 @@ def test_a_prefix_forked_for_a_few_tokens_still_goes_before_the_decode(model):
     the conversation's other 150 cells are paged out (left resident they would cost this decode's
     attention, and the new prompt's cells would go above them; the agents load after the code load ran
     39 tok/s with such prefixes kept for another 32 tokens, 48.5 without), and it comes back restored."""
-    eng = Engine(model, EngineConfig(n_ctx=1024, parallel=2, prefix_cache=4, cache_ram=16, **F32))
-    try:
-        first = toks(200, seed=3)
-        answer, _ = ask(eng, first, max_tokens=4)
+    with an_idle_conversation(model) as (eng, first, answer):
         ask(eng, toks(10, seed=6), max_tokens=2)   # a look that sees the conversation idle
         assert eng.stats.idle_page_outs == 0
         h = eng.submit(first[:50] + toks(60, seed=7), GREEDY, max_tokens=2)
@@ -334,7 +346,5 @@ def test_a_prefix_forked_for_a_few_tokens_still_goes_before_the_decode(model):
         assert h.usage.reused_tokens == 50 and eng.stats.idle_page_outs == 1
         eng.run_until_idle()
         h.result()
-        back, evaluated = ask(eng, first + answer + toks(6, seed=5), max_tokens=4)
-        assert evaluated <= 8 and eng.kv.tier_stats()["restored_tokens"] >= 150
-    finally:
-        eng.close()
+        evaluated, restored = comes_back(eng, first, answer)
+        assert evaluated <= 8 and restored >= 150
