@@ -155,8 +155,8 @@ def main(argv=None) -> int:
     layers, embd = args.layers, args.embd
     if args.quick:
         # small, but past vanilla's one graph of moves ((65536 - 2*64) / (6*64) = 170 moves at 64 layers;
-        # 1024 and 2048 cells need 256 and 512), so that vanilla visibly leaves holes
-        cells, layers, embd = [1024, 2048], 64, 64
+        # 1024 cells need 256), so that vanilla visibly leaves holes, and the per-move path needs 2 graphs
+        cells, layers, embd = [1024], 64, 64
         # one thread: vanilla's defrag graph has ~65k nodes, and on a loaded machine a barrier per node
         # between threads that cannot all run stretched it from 0.5 s to minutes
         args.threads = args.threads or 1
