@@ -53,6 +53,9 @@ if _typing.TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> _typing.Any:
+    if name == "__version__":   # importlib.metadata is slow to import: read on first use
+        value = globals()["__version__"] = _version()
+        return value
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -84,7 +87,8 @@ def _version() -> str:
         return m.group(1) if m else "0+unknown"
 
 
-__version__ = _version()
+if _typing.TYPE_CHECKING:
+    __version__: str
 
 __all__ = [
     "ChatTemplate", "Checkpoint", "Context", "Conversation", "DecodeError", "GGUFFileError", "InvalidInputError",

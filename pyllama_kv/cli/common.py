@@ -64,10 +64,27 @@ def open_model(path: str, lib: str | None, rpc: list[str] | None = None, validat
     """The model at ``path`` on library ``lib``; with ``rpc`` (the --rpc endpoints), every layer runs
     on those rpc-server processes; ``validate`` is the --validate level (None: the default);
     ``n_gpu_layers`` is -ngl (None: pk.Model's default, every layer on a GPU library)."""
-    from .. import Model
     from ..modelfile.vetting import DEFAULT_VALIDATE
 
+    _check_model_file(path, validate or DEFAULT_VALIDATE, rpc, n_gpu_layers)
+    from .. import Model
+
     return Model(path, n_gpu_layers, lib=lib, rpc=rpc, validate=validate or DEFAULT_VALIDATE)
+
+
+def _check_model_file(path: str, validate: str, rpc: list[str] | None, n_gpu_layers: int | None) -> None:
+    """What pk.Model checks first, in its order, before importing it (numpy, the C declarations): a
+    missing or unreadable file is reported without that cost, in the same words. Whatever it does not
+    cover (--rpc, an -ngl out of range, --validate off) is left to pk.Model."""
+    from ..limits import INT32_MAX
+    from ..modelfile.names import resolve
+    from ..modelfile.vetting import open_model_file, validate_level
+
+    if rpc is not None or (n_gpu_layers is not None and not -1 <= n_gpu_layers <= INT32_MAX):
+        return
+    resolved = resolve(path)
+    if validate_level(validate) != "off":
+        os.close(open_model_file(resolved))
 
 
 def open_draft_model(model, draft: str | None, trust_unverified: bool = False, validate: str | None = None):

@@ -20,7 +20,6 @@ import contextlib
 import os
 import re
 import socket
-import stat
 import struct
 import sys
 import threading
@@ -122,23 +121,6 @@ def probe_rpc(endpoint: str, timeout: float | None = None) -> tuple[int, int, in
                              f"speaks {RPC_PROTO[0]}.{RPC_PROTO[1]}: run an rpc-server of the same llama.cpp "
                              "revision (`pyllama-kv build --rpc` builds it)")
     return version[0], version[1], version[2]
-
-
-def _open_model_file(path: Path) -> int:
-    """``path`` opened for reading: the one open file that validation, vetting and llama.cpp's load
-    all read (through :func:`pyllama_kv.modelfile.vetting.fd_path`), so that a file swapped in at the path
-    meanwhile is never what gets loaded. ModelLoadError naming the path."""
-    try:
-        # O_NONBLOCK: a FIFO put at the path after it was checked never blocks the open
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot open: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ModelLoadError(f"{path}: not a file")
-    return fd
 
 
 def _validate_gguf(path: Path, fd: int, header: GGUFHeader, level: str, lib: _kv.Library, n_gpu_layers: int,
@@ -254,9 +236,9 @@ class Model(_kv.CResource):
         fd = None
         load_path: Path = self.path
         if level != "off":
-            from ..modelfile.vetting import fd_path
+            from ..modelfile.vetting import fd_path, open_model_file
 
-            fd = _open_model_file(self.path)
+            fd = open_model_file(self.path)
             load_path = Path(fd_path(fd))
         try:
             header = None

@@ -20,8 +20,6 @@ import struct
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from ..errors import GGUFFileError
 
 __all__ = ["GGML_TYPES", "GGUFFileError", "GGUFHeader", "GGUF_TYPE_NAMES", "KV", "TensorInfo", "ggml_type_name",
@@ -204,6 +202,8 @@ class _Reader:
                 nb = n * _SCALAR[et][1]
                 if nb > self.size - self.off:
                     raise self.trunc(f"the {n} values of {key}", self.off, nb)
+                import numpy as np  # here: naming a model file (the CLI's start) loads no numpy
+
                 arr = np.frombuffer(self.mm, dtype=_NUMPY[et], count=n, offset=self.off).copy()
                 self.off += nb
                 return KV(key, ARRAY, et, arr)

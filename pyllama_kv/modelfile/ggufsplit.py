@@ -23,8 +23,6 @@ import struct
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from .. import _paths
 from ..errors import GGUFFileError, ModelLoadError
 from .filehash import file_sha256
@@ -70,6 +68,8 @@ def _kv_bytes(kv: KV) -> bytes:
         if kv.elem_type == STRING:
             out.extend(_str(v) for v in kv.value)
         else:
+            import numpy as np  # here: naming a model file (the CLI's start) loads no numpy
+
             out.append(np.asarray(kv.value, dtype=_NUMPY[kv.elem_type]).tobytes())
     else:
         out.append(struct.pack(_SCALAR[kv.type][0], int(kv.value) if kv.type == BOOL else kv.value))
@@ -168,6 +168,8 @@ def split(path: Path, n: int, out_dir: Path, prefix: str | None = None) -> list[
     if not 1 <= n <= len(h.tensors):
         raise SplitError(f"cannot split {len(h.tensors)} tensors into {n} parts")
     prefix = prefix or path.name[:-len(".gguf")]
+    import numpy as np
+
     runs = [list(r) for r in np.array_split(np.arange(len(h.tensors)), n)]
     out = []
     for i, run in enumerate(runs):

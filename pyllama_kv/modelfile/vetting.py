@@ -56,6 +56,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -162,6 +163,24 @@ def _store(vp: Path, verdict: Verdict) -> None:
 def fd_path(fd: int) -> str:
     """A path that opens the file open as ``fd`` in this process (and in a child it is passed to)."""
     return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+def open_model_file(path: Path) -> int:
+    """``path`` opened for reading: the one open file that validation, vetting and llama.cpp's load
+    all read (through :func:`fd_path`), so that a file swapped in at the path
+    meanwhile is never what gets loaded. ModelLoadError naming the path. (Standard library only: the
+    CLI calls it before it imports the model's modules, so that a missing file is reported fast.)"""
+    try:
+        # O_NONBLOCK: a FIFO put at the path after it was checked never blocks the open
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot open: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ModelLoadError(f"{path}: not a file")
+    return fd
 
 
 def vet(path: str | os.PathLike, lib_path: str | os.PathLike, n_gpu_layers: int = 0, use_mmap: bool = True,
