@@ -27,21 +27,29 @@ from pyllama_kv.speculation.policy import EXPLORE_EVERY, EXPLORE_SIZES, Acceptan
 # the draft sources
 
 
-def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_suffix():
-    pl = PromptLookup(n_min=2, n_max=4)
+def test_prompt_lookup_proposes_what_followed_the_match_that_extends_furthest_back():
+    pl = PromptLookup(n_min=2)
     t = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]
-    # "5 1 2 3" never occurred before; "1 2 3" did, last followed by 8 5 1
+    # "2 3" occurred twice; both matches extend to "1 2 3" (3 tokens): the most recent, followed by 8 5 1
     assert pl.propose(t, 3) == Draft([8, 5, 1], "ngram", 3)
-    t += [8]                          # grown: now "1 2 3 8" occurred before, followed by 5 1
+    t += [8]                          # grown: "3 8" occurred once, its match extends to "1 2 3 8"
     assert pl.propose(t, 2) == Draft([5, 1], "ngram", 4)
     assert pl.propose([4, 4, 7], 3) is None   # shorter than what was indexed: indexed again
     assert pl.propose([6, 7, 6, 7], 5) == Draft([6, 7], "ngram", 2)
-    assert PromptLookup(3, 5).propose([1, 2, 1, 2], 4) is None   # no 3-gram repeats
+    assert PromptLookup(3).propose([1, 2, 1, 2], 4) is None   # no 3-gram repeats
     assert pl.propose([6, 7, 6, 7], 0) is None
+    # a line repeated with other names: the older occurrence's match extends 6 tokens back, the newer's 3
+    # (the most recent occurrence, llama.cpp's ngram-simple, would propose 77)
+    line = [40, 41, 42, 43, 10, 11, 12]
+    t = [*line, 50, 51, 90, 91, 92, 10, 11, 12, 77, 78, 41, 42, 43, 10, 11, 12]
+    assert PromptLookup(3).propose(t, 2) == Draft([50, 51], "ngram", 6)
+    assert PromptLookup(3, candidates=1).propose(t, 2) == Draft([77, 78], "ngram", 3)
+    with pytest.raises(ValueError):
+        PromptLookup(0)
 
 
 def test_prompt_lookup_after_a_cut_is_rebuilt():
-    pl = PromptLookup(n_min=2, n_max=3)
+    pl = PromptLookup(n_min=2)
     t = list(range(50)) + [10, 11]
     assert pl.propose(t, 2).tokens == [12, 13]
     del t[20:40]                           # a context shift cut the middle (10..19 stay)

@@ -1,8 +1,9 @@
 """Speculative decoding: where drafts come from and how long they may be.
 
 * ``drafts``: draft sources without a second model: :class:`~.drafts.PromptLookup` (a continuation's own
-  prompt and output: the longest suffix seen before) and :class:`~.drafts.SuffixIndex` (every
-  conversation and answer the engine cached: a continuation seen before in any of them).
+  prompt and output: what followed the earlier occurrence whose match extends furthest back) and
+  :class:`~.drafts.SuffixIndex` (every conversation and answer the engine cached: a continuation seen
+  before in any of them).
 * ``policy``: the cost rule, :class:`~.policy.SpecPolicy`: what a decode of B tokens costs here
   (measured as the engine runs), how often each source's drafts are accepted, and from both how many
   draft tokens each continuation gets this step (none when speculation would not pay).
