@@ -15,7 +15,7 @@ The loads (seeded, greedy, non-streaming chat requests; C clients take them in o
   * agents: a JSON record given in the prompt written back with one field changed (the arguments of a
             tool call that echo a record);
   * chat:   short open questions about a made-up town (nothing to repeat: speculation must not lose).
-Each load sends max(2, C) requests at C clients. Reported per server, load and client count:
+Each load sends max(2, C) requests at C clients (`--requests N`: N). Reported per server, load and client count:
 completion tokens/s (all completion tokens over the wall
 time), p95 latency, errors, the drafted and accepted tokens (timings.draft_n / draft_n_accepted, as
 llama-server names them); then ours-best / ours-off and ours-best / peer-best per load and clients, and
@@ -24,7 +24,7 @@ quantized model a different batch shape may flip a near-tie).
 
   python scripts/bench_spec.py [--quick] [--json] [--model NAME_OR_PATH] [--clients 1,4,8]
                                [--only ours-off,ours-ngram,...] [--loads code,agents,chat] [-t THREADS]
-                               [--kv-type f16|f32]
+                               [--kv-type f16|f32] [--requests N]
 """
 from __future__ import annotations
 
@@ -179,7 +179,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-type", default="f16", choices=("f16", "f32"),
                     help="the KV cache's type on every server (default f16; f32 with F32 weights: greedy answers "
                          "with and without speculation must then be the same)")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests a load sends at each client count (default max(2, clients): a cell of 2 requests "
+                         "swings by ~15%% here)")
     args = ap.parse_args(argv)
+    if args.requests < 0:
+        ap.error("--requests must be positive")
     from pyllama_kv.modelfile import names
 
     model = names.resolve(args.model)
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
         ap.error(f"--only: unknown servers {bad}; choose from {', '.join(SERVERS)}")
     args.slots = max(clients)
     args.ctx = 1024 * args.slots
-    per = 2 if args.quick else None
+    per = 2 if args.quick else args.requests or None
     max_tokens = ({"code": 96, "agents": 64, "chat": 32} if args.quick else
                   {"code": 300, "agents": 128, "chat": 96})
     wanted = args.loads.split(",")
