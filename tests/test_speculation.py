@@ -44,6 +44,10 @@ def test_prompt_lookup_proposes_what_followed_the_match_that_extends_furthest_ba
     t = [*line, 50, 51, 90, 91, 92, 10, 11, 12, 77, 78, 41, 42, 43, 10, 11, 12]
     assert PromptLookup(3).propose(t, 2) == Draft([50, 51], "ngram", 6)
     assert PromptLookup(3, candidates=1).propose(t, 2) == Draft([77, 78], "ngram", 3)
+    # only the `candidates` most recent occurrences are compared: the oldest here matches furthest back
+    t = [7, 8, 1, 2, 3, 60] + [9, 1, 2, 3, 61] * 5 + [7, 8, 1, 2, 3]
+    assert PromptLookup(3).propose(t, 1) == Draft([60], "ngram", 5)
+    assert PromptLookup(3, candidates=2).propose(t, 1) == Draft([61], "ngram", 3)
     with pytest.raises(ValueError):
         PromptLookup(0)
 

@@ -10,7 +10,8 @@
 
 A draft is a :class:`Draft`: its tokens, its source and how many tokens of context matched (the
 policy trusts a longer match more). Both sources are pure Python over token ids, run on the engine's
-loop thread, and cost a few dict lookups a step.
+loop thread, and cost a few dict lookups a step and at most a few hundred token comparisons (their
+candidates' matches, extended backwards).
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ NGRAM_MIN = 3
 #: earlier occurrences of an n-gram compared by how far their match extends back (the most recent kept):
 #: a line of a file repeated with other names (``for x in records[:limit]:``) is found at its own place,
 #: not at the most recent line that ends the same (measured offline on the code load's F32 answers, 8
-#: tokens a draft: 2.49 tokens a step against 2.44 with the most recent occurrence)
-CANDIDATES = 8
+#: tokens a draft: 2.51 tokens a step with 16, 2.49 with 8, 2.52 with 32, 2.44 with the most recent
+#: occurrence alone); a common n-gram (indentation) costs at most this many comparisons a step
+CANDIDATES = 16
 #: the last tokens indexed, compared before each search: a list changed behind the index is indexed anew
 SEEN = 8
 #: context tokens compared to measure a match (how far it extends back before the n-gram)
@@ -42,8 +44,9 @@ class Draft(NamedTuple):
 
 class PromptLookup:
     """Drafts from one token list that grows at its end (a continuation's ``tokens``): the ``n_min``-grams
-    ending at every position but the last are indexed as the list grows (the ``candidates`` most recent
-    occurrences of each kept); :meth:`reset` after the list changed otherwise (a context shift cut it)."""
+    ending at every position but the last are indexed as the list grows (of each, its position, or the
+    positions of its ``candidates`` most recent occurrences once it repeats); :meth:`reset` after the list
+    changed otherwise (a context shift cut it)."""
 
     __slots__ = ("n_min", "candidates", "_index", "_done", "_seen")
 
@@ -51,7 +54,8 @@ class PromptLookup:
         if n_min < 1 or candidates < 1:
             raise ValueError(f"need n_min >= 1 and candidates >= 1, got {n_min}, {candidates}")
         self.n_min, self.candidates = n_min, candidates
-        self._index: dict[tuple, deque] = {}
+        # an n-gram seen once holds its position (most do: no list for them), a repeated one its positions
+        self._index: dict[tuple, int | list[int]] = {}
         self._done = 0   # positions indexed: the n-grams ending at 0 .. _done - 1
         self._seen: tuple = ()   # the last tokens indexed (a list changed behind our back is indexed anew)
 
@@ -64,34 +68,41 @@ class PromptLookup:
         end = len(tokens) - 1   # the last position is the suffix searched for, not indexed yet
         if end < self._done or tuple(tokens[self._done - len(self._seen):self._done]) != self._seen:
             self.reset()
-        n, index = self.n_min, self._index
+        n, index, keep = self.n_min, self._index, self.candidates
         for j in range(max(self._done, n - 1), end):
             key = tuple(tokens[j + 1 - n:j + 1])
-            q = index.get(key)
-            if q is None:
-                q = index[key] = deque(maxlen=self.candidates)
-            q.appendleft(j)
+            at = index.get(key)
+            if at is None:
+                index[key] = j
+            elif isinstance(at, int):
+                index[key] = [at, j]
+            else:
+                at.append(j)
+                if len(at) > 2 * keep:   # trimmed now and then, not at every occurrence
+                    del at[:-keep]
         self._done = max(self._done, end)
-        self._seen = tuple(tokens[max(0, self._done - SEEN):self._done])
+        self._seen = tuple(tokens[max(0, self._done - max(SEEN, n)):self._done])
 
     def propose(self, tokens: Sequence[int], k: int) -> Draft | None:
         """Up to ``k`` tokens that followed the earlier occurrence of the last ``n_min`` tokens whose match
-        extends furthest back (at most MAX_MATCH tokens compared; the most recent among equals). None: the
-        last ``n_min`` tokens did not occur before."""
+        extends furthest back (of the ``candidates`` most recent; at most MAX_MATCH tokens compared; the
+        most recent among equals). None: the last ``n_min`` tokens did not occur before."""
         if k <= 0 or len(tokens) <= self.n_min:
             return None
         self._catch_up(tokens)
         end = len(tokens) - 1
-        q = self._index.get(tuple(tokens[end + 1 - self.n_min:]))
-        if not q:
+        at = self._index.get(tuple(tokens[end + 1 - self.n_min:]))
+        if at is None:
             return None
         best_m, best_j = 0, -1
-        for j in q:   # most recent first
+        for j in ((at,) if isinstance(at, int) else reversed(at[-self.candidates:])):   # most recent first
             m = self.n_min   # the match's length, extended backwards (the policy trusts a longer one more)
             while m < MAX_MATCH and m <= j and tokens[j - m] == tokens[end - m]:
                 m += 1
             if m > best_m:
                 best_m, best_j = m, j
+                if m >= MAX_MATCH:   # none can match further back
+                    break
         out = list(tokens[best_j + 1:best_j + 1 + k])
         return Draft(out, "ngram", best_m) if out else None
 
