@@ -36,6 +36,14 @@ SEEN = 8
 MAX_MATCH = 64
 
 
+def _match_back(seq: Sequence[int], j: int, context: Sequence[int], end: int, m: int, limit: int) -> int:
+    """How far the match of ``seq`` ending at ``j`` with ``context`` ending at ``end`` extends back, from the
+    ``m`` tokens known to match, at most ``limit`` (which must keep ``end - m`` at 0 or more)."""
+    while m < limit and m <= j and seq[j - m] == context[end - m]:
+        m += 1
+    return m
+
+
 class Draft(NamedTuple):
     tokens: list[int]   # what is proposed to follow the context, in order
     source: str         # "ngram" (the continuation's own tokens), "cache" (the suffix index)
@@ -96,9 +104,8 @@ class PromptLookup:
             return None
         best_m, best_j = 0, -1
         for j in ((at,) if isinstance(at, int) else reversed(at[-self.candidates:])):   # most recent first
-            m = self.n_min   # the match's length, extended backwards (the policy trusts a longer one more)
-            while m < MAX_MATCH and m <= j and tokens[j - m] == tokens[end - m]:
-                m += 1
+            # the match's length, extended backwards (the policy trusts a longer one more)
+            m = _match_back(tokens, j, tokens, end, self.n_min, MAX_MATCH)
             if m > best_m:
                 best_m, best_j = m, j
                 if m >= MAX_MATCH:   # none can match further back
@@ -174,9 +181,7 @@ class SuffixIndex:
             doc = self._docs.get(did)
             if doc is None:
                 continue
-            m = self.key
-            while m < limit and m <= j and doc[j - m] == context[len(context) - 1 - m]:
-                m += 1
+            m = _match_back(doc, j, context, len(context) - 1, self.key, limit)
             if best is None or m > best[0]:
                 best = (m, did, j)
         if best is None:
