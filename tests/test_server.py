@@ -464,7 +464,7 @@ def test_full_queue_gets_429_and_sigterm_exits_0(small):
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(c.completions.create, **count)
         until("the first request admitted", lambda m: m["pyllama_kv_requests_submitted_total"] >= base + 1)
-        waiting = pool.submit(c.completions.create, **count)
+        waiting = pool.submit(c.completions.create, **{**count, "max_tokens": 8})   # (queued: its length is not needed)
         until("the second request queued or admitted",
               lambda m: m["pyllama_kv_requests_submitted_total"] >= base + 2)
         until("the second request queued", lambda m: m["pyllama_kv_requests_queued"] == 1)
@@ -485,6 +485,24 @@ def test_full_queue_gets_429_and_sigterm_exits_0(small):
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
     assert s.stop() == 0, s.log()
     assert "Traceback" not in s.log()
+
+
+def test_sigterm_repeated_during_the_shutdown_still_exits_0(tiny_model):
+    """A supervisor that repeats SIGTERM until the process is gone: exit code 0 whenever the repeats
+    arrive (the default handler was put back before the engine closed, and a repeat then ended the
+    process by the signal: -15, seen once in the suite)."""
+    s = ServerProc(tiny_model, "--ctx", "256", "--parallel", "1", key=None)
+    try:
+        sent, deadline = 0, time.monotonic() + 60   # bounds the loop only
+        while s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+            sent += 1
+            assert time.monotonic() < deadline, "the server did not stop"
+            time.sleep(0.002)
+        assert s.proc.returncode == 0 and sent > 1, (sent, s.log())
+        assert "Traceback" not in s.log()
+    finally:
+        s.stop()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -722,7 +722,9 @@ class Server(ServerBase):
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server, except that the first SIGINT/SIGTERM also starts the engine's grace period,
     and that the signal is not raised again after the graceful shutdown (uvicorn does, which would
-    end the process by the signal instead of with exit code 0)."""
+    end the process by the signal instead of with exit code 0). Nor are the former handlers put back:
+    the process is ending (see :func:`run`), and a second SIGTERM while the engine closed (a
+    supervisor that repeats it) found the default handler back and ended the process by the signal."""
 
     def __init__(self, config: uvicorn.Config, server: Server):
         super().__init__(config)
@@ -730,15 +732,10 @@ class _Uvicorn(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self.handle_exit)
+        yield
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -764,7 +761,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(server: Server, sock: socket.socket, debug: bool = False) -> bool:
-    """Serve on ``sock`` until SIGINT/SIGTERM; whether the server started (False: see its log)."""
+    """Serve on ``sock`` until SIGINT/SIGTERM; whether the server started (False: see its log). For a
+    process that ends after it (the CLI): SIGINT and SIGTERM stay handled by the server, and SIGTERM
+    is ignored once it has closed, so that one repeated during the shutdown changes nothing and the
+    exit code stays 0."""
     grace = server.config.shutdown_grace
     cfg = uvicorn.Config(server.app, log_level="info" if debug else "warning", access_log=debug, lifespan="on",
                          timeout_graceful_shutdown=int(grace) + 5, server_header=False)
@@ -774,4 +774,8 @@ def run(server: Server, sock: socket.socket, debug: bool = False) -> bool:
     finally:
         server.shutting_down = True
         server.close()
+        if threading.current_thread() is threading.main_thread():
+            # the process ends now; Python's finalization would put back SIGTERM's default action
+            # (ending it by the signal), but leaves an ignored signal ignored
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return bool(us.started)
