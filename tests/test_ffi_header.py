@@ -134,14 +134,14 @@ def test_current_declarations_match_the_current_header(tmp_path):
     and every function signature, compiled against vendor/llama.cpp-current."""
     vdir = _current_tree()
     funcs = _ffi.CURRENT_FUNCS_CDEF + _ffi.CURRENT_PATCHED_FUNCS_CDEF
-    src = generate_checks(_ffi.CURRENT_TYPES_CDEF, funcs, _ffi.ffi_current)
+    src = generate_checks(_ffi.CURRENT_TYPES_CDEF, funcs, _ffi.current_ffi())
     assert src.count("_Static_assert") > 100
     names = declared_functions(_ffi.CURRENT_TYPES_CDEF, funcs)
     patched = {"llama_state_seq_add_data", "llama_memory_update",   # patches/current/0001, 0002
                "llama_state_seq_get_size_range", "llama_state_seq_get_data_range"}   # 0003
     assert set(names) == set(_ffi.CURRENT_REQUIRED_FUNCS) | patched and "llama_memory_seq_rm" in names
     assert not [n for n in names if n.startswith("llama_kv_")]
-    for r in _check(tmp_path, _ffi.CURRENT_TYPES_CDEF, funcs, _ffi.ffi_current, vdir):
+    for r in _check(tmp_path, _ffi.CURRENT_TYPES_CDEF, funcs, _ffi.current_ffi(), vdir):
         assert r.returncode == 0, r.stderr[-3000:]
 
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 import _thread
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import re
 import threading
 from pathlib import Path
+from typing import Callable
 
 import cffi
 
@@ -70,10 +72,18 @@ CURRENT_FUNCS_CDEF = _decl("current/llama_funcs.h") + _decl("current/ggml_backen
 # functions only the current pin's series exports (patches/current/0001-state-seq-add-data.patch)
 CURRENT_PATCHED_FUNCS_CDEF = _decl("current/llama_patched.h")
 
-ffi_current = cffi.FFI()
-ffi_current.cdef(CURRENT_TYPES_CDEF)
-ffi_current.cdef(CURRENT_FUNCS_CDEF)
-ffi_current.cdef(CURRENT_PATCHED_FUNCS_CDEF)
+
+@functools.cache
+def current_ffi() -> cffi.FFI:
+    """The current generation's FFI, parsed on first use (a library of it loaded, or a test): the
+    mission generation's ``ffi`` serves every process, this one only those that load the current pin
+    (parsing it costs ~60 ms of every start-up otherwise)."""
+    f = cffi.FFI()
+    f.cdef(CURRENT_TYPES_CDEF)
+    f.cdef(CURRENT_FUNCS_CDEF)
+    f.cdef(CURRENT_PATCHED_FUNCS_CDEF)
+    return f
+
 
 # a function only the current generation exports: what Library looks at before binding a
 # generation's declarations
@@ -100,7 +110,8 @@ REQUIRED_FUNCS: tuple[str, ...] = _func_names(FUNCS_CDEF)
 CURRENT_REQUIRED_FUNCS: tuple[str, ...] = _func_names(CURRENT_FUNCS_CDEF)
 
 # per API generation: its FFI and the functions a library of it must export
-_GENERATIONS = {"mission": (ffi, REQUIRED_FUNCS), "current": (ffi_current, CURRENT_REQUIRED_FUNCS)}
+_GENERATIONS: dict[str, tuple[Callable[[], cffi.FFI], tuple[str, ...]]] = {
+    "mission": (lambda: ffi, REQUIRED_FUNCS), "current": (current_ffi, CURRENT_REQUIRED_FUNCS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +195,8 @@ class Library:
         self.info = info
         try:
             self.api = _api_of(path)
-            self.ffi, required = _GENERATIONS[self.api]
+            make_ffi, required = _GENERATIONS[self.api]
+            self.ffi = make_ffi()
             self.lib = self.ffi.dlopen(str(path))
         except (OSError, ValueError) as exc:
             # cffi's message: "cannot load library 'P': P: REASON.  Additionally, ctypes.util...": keep REASON
