@@ -136,6 +136,7 @@ class Caps:
     recurrent_checkpoints: bool    # a sequence's recurrent state read and written alone
                                    # (llama_state_seq_*_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
     flash_attn_auto: bool          # flash attention "auto" (on where the backend has it)
+    backend_sampling: bool = False  # a sequence's sampler chain runs in the graph (llama_set_sampler: current)
     # head sizes the GPU backend has flash-attention kernels for, where the library has no "auto" of
     # its own (the mission pin: patch 0015 makes CUDA claim exactly these; others run on the CPU)
     gpu_flash_attn_head_sizes: frozenset = frozenset()
@@ -158,7 +159,8 @@ def _caps(api: str, has) -> Caps:
                     state_io=has("llama_memory_update"),
                     kv_shift=True, slot_retry=True,
                     scattered_cells=True, recurrent_checkpoints=True,
-                    partial_remove_may_fail=True, flash_attn_auto=True, architectures=archs.CURRENT)
+                    partial_remove_may_fail=True, flash_attn_auto=True, architectures=archs.CURRENT,
+                    backend_sampling=has("llama_set_sampler"))
     patched = has("llama_kv_self_stats")
     return Caps(api="mission", defrag=True, safe_defrag=patched, stats=patched, cell_view=True,
                 span_restore=has("llama_state_seq_add_data"),

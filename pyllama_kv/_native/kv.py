@@ -549,6 +549,18 @@ class CurrentContext(NativeContext):
         """llama_memory_can_shift."""
         return bool(self.L.llama_memory_can_shift(self.mem))
 
+    def set_sampler(self, seq_id: int, sampler: NativeSampler | None) -> bool:
+        """llama_set_sampler: ``sampler``'s chain (None: none) samples ``seq_id``'s outputs in the graph
+        from the next decode on (a graph reservation then: not a per-request switch). Whether it runs
+        there. While every output of a decode has one, llama.cpp copies no logits: read
+        :meth:`sampled_token`, not the logits, for those rows. The chain must outlive the setting."""
+        return bool(self.L.llama_set_sampler(self.ptr, seq_id, self.ffi.NULL if sampler is None else sampler.ptr))
+
+    def sampled_token(self, i: int) -> int:
+        """llama_get_sampled_token_ith: the token the backend sampler chose for output row ``i`` (-1:
+        the last row) of the last decode; -1 when none was sampled there."""
+        return int(self.L.llama_get_sampled_token_ith(self.ptr, i))
+
     def decode(self, batch: NativeBatch, n_tokens: int) -> int:
         """llama_decode; on success the shadow learns the new cells (one per token)."""
         rc = super().decode(batch, n_tokens)

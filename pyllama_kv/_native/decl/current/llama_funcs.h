@@ -82,6 +82,10 @@ int32_t llama_n_threads(struct llama_context * ctx);
 void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
 float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+/* backend sampling (llama.h: [EXPERIMENTAL]): a sampler chain of a sequence run in the graph, the chosen
+ * token read back instead of its logits (issue 49; docs/gpu.md) */
+bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);
+llama_token llama_get_sampled_token_ith(struct llama_context * ctx, int32_t i);
 
 struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
 void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
