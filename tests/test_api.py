@@ -684,12 +684,12 @@ def test_api_rollback_removes_a_batch_aborted_after_a_mid_batch_retry(model, ref
 def test_sampler_top_k_prefilter_draws_what_the_full_chain_draws(model, ctx):
     """Sampler passes the chain only the top_k largest logits; with distinct logits the seeded draws are
     exactly those of the chain over all n_vocab candidates (top-k then keeps the same tokens)."""
-    from pyllama_kv._native import kv as native_kv
+    from pyllama_kv._native import sampler as native_sampler
 
     rng = np.random.default_rng(0)
     for top_k in (1, 5, 40):
         smp = pk.Sampler(ctx, temp=0.9, top_k=top_k, top_p=0.9, min_p=0.02, seed=7)
-        full = native_kv.NativeSampler(model._lib, model.n_vocab)
+        full = native_sampler.NativeSampler(model._lib, model.n_vocab)
         full.add_top_k(top_k)
         full.add_top_p(0.9, 1)
         full.add_min_p(0.02, 1)

@@ -9,7 +9,7 @@ import pytest
 
 import pyllama_kv as pk
 from conftest import F32, toks
-from pyllama_kv._native.kv import NativeSampler
+from pyllama_kv._native.sampler import NativeSampler
 
 
 @pytest.fixture(scope="module")

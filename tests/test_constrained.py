@@ -252,10 +252,10 @@ def test_logprobs_match_a_fresh_evaluation(model):
 def test_masked_draws_are_those_of_the_chain_over_every_candidate(model):
     """NativeSampler.apply leaves -inf (masked) candidates out (argpartition over tens of thousands of
     tied -inf is ten times slower): the seeded draws equal the chain's over all n_vocab candidates."""
-    from pyllama_kv._native import kv as native_kv
+    from pyllama_kv._native import sampler as native_sampler
 
     def chain(top_k):
-        s = native_kv.NativeSampler(model._lib, model.n_vocab)
+        s = native_sampler.NativeSampler(model._lib, model.n_vocab)
         if top_k:
             s.add_top_k(top_k)
         s.add_top_p(0.9, 1)

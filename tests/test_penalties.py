@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from pyllama_kv._native import kv as _kv
+from pyllama_kv._native import sampler as _sampler
 from pyllama_kv.config import SamplingParams
 from pyllama_kv.engine import GREEDY, Engine, EngineConfig
 from pyllama_kv.errors import InvalidInputError
@@ -30,7 +30,7 @@ def _engine_tokens(model, params: SamplingParams, n: int) -> list[int]:
 
 def _chain_tokens(model, n: int, bias: dict, last_n: int, repeat: float, freq: float, present: float) -> list[int]:
     """The chain built with the llama_sampler_* calls directly, over a context's own logits."""
-    native = _kv.NativeSampler(model._lib, model.n_vocab)
+    native = _sampler.NativeSampler(model._lib, model.n_vocab)
     if bias:
         native.add_logit_bias(bias)
     native.add_penalties(last_n, repeat, freq, present)

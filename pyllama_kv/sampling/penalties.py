@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._native import kv as _kv
+from .._native.sampler import NativeSampler
 from ..config import SamplingParams
 from ..errors import InvalidInputError
 from .sampler import Sampler, add_sampling_stages
 
 
-def build_chain(lib, n_vocab: int, p: SamplingParams, seed: int, last_n: int) -> _kv.NativeSampler:
+def build_chain(lib, n_vocab: int, p: SamplingParams, seed: int, last_n: int) -> NativeSampler:
     """logit bias -> penalties -> (greedy | top-k -> top-p -> min-p -> temp -> dist)."""
-    native = _kv.NativeSampler(lib, n_vocab)
+    native = NativeSampler(lib, n_vocab)
     if p.logit_bias:
         bias: dict[int, float] = {}
         for tok, b in p.logit_bias:

@@ -4,12 +4,13 @@ from __future__ import annotations
 import numpy as np
 
 from .._native import kv as _kv
+from .._native.sampler import NativeSampler
 from ..config import SamplingParams
 from ..core.context import Context
 from ..errors import InvalidInputError
 
 
-def add_sampling_stages(native: _kv.NativeSampler, p: SamplingParams, seed: int) -> None:
+def add_sampling_stages(native: NativeSampler, p: SamplingParams, seed: int) -> None:
     """The drawing end of a llama.cpp sampler chain for ``p`` (after any logit bias and penalties):
     greedy, or top-k, top-p, min-p, temperature and a draw seeded with ``seed`` (taken modulo 2**32)."""
     if p.greedy:
@@ -61,12 +62,12 @@ class Sampler(_kv.CResource):
         self._n_vocab = ctx.model.n_vocab
         p = self.params
         self.temp, self.top_k, self.top_p, self.min_p, self.seed = p.temperature, p.top_k, p.top_p, p.min_p, p.seed
-        native = _kv.NativeSampler(ctx.model.native_library, self._n_vocab)
+        native = NativeSampler(ctx.model.native_library, self._n_vocab)
         assert p.seed is not None   # always set above
         add_sampling_stages(native, p, p.seed)
         self._native = native
 
-    _native: _kv.NativeSampler | None = None   # until built, and once closed
+    _native: NativeSampler | None = None   # until built, and once closed
 
     @property
     def closed(self) -> bool:
