@@ -26,7 +26,7 @@ def test_the_caps_say_which_library_samples_in_the_graph(model, patched_lib, tin
 
 def test_a_greedy_chain_in_the_graph_picks_the_argmax_of_a_sequence_without_one(model):
     prompt = toks(12)
-    with model.context(n_ctx=256, n_seq_max=3, **F32) as ctx:
+    with model.context(n_ctx=256, n_seq_max=2, **F32) as ctx:
         a = ctx.new_sequence()
         logits = a.extend(prompt)
         want = []
@@ -46,6 +46,7 @@ def test_a_greedy_chain_in_the_graph_picks_the_argmax_of_a_sequence_without_one(
             got.append(t)
             b.extend([t])
         assert got == want
-        assert nat.set_sampler(b.id, None)   # removed: the next decode copies logits again
-        c = ctx.new_sequence()
-        assert int(np.argmax(c.extend(prompt))) == want[0]
+        # removed: the next decode copies b's logits again (b and a hold the same tokens)
+        assert nat.set_sampler(b.id, None)
+        x = int(np.argmax(logits))
+        np.testing.assert_allclose(b.extend([x]), a.extend([x]), rtol=0, atol=1e-4)

@@ -1,10 +1,9 @@
 """The one thin layer that calls llama.cpp: every ``llama_*`` function the API uses, one method each.
 
-The classes here own the C pointers (a model, a context, the batch arrays; a sampler chain's are in
-sampler.py) and
-convert between cffi and Python/numpy. They validate nothing and decide nothing: the API modules
-(model.py, context.py, sequence.py, sampling.py, state.py) check every argument before calling in,
-and map return codes to exceptions. Nothing outside ``_native`` touches ``ffi`` or a ``llama_*``
+The classes here own the C pointers (a model, a context, the batch arrays; a sampler chain's are
+in sampler.py) and convert between cffi and Python/numpy. They validate nothing and decide nothing:
+the API modules (model.py, context.py, sequence.py, sampling.py, state.py) check every argument
+before calling in, and map return codes to exceptions. Nothing outside ``_native`` touches ``ffi`` or a ``llama_*``
 function.
 
 ``NativeContext.L`` is the cffi library its calls go through; a benchmark may replace it with a
