@@ -293,6 +293,9 @@ class EngineConfig(CacheConfig):
     pooling: str | None = None   # embeddings: llama.cpp's pooling (limits.POOLING_TYPES; None: the model's)
     spec: str = "none"           # speculative decoding's draft sources: "none", or a comma list of ngram, cache
     spec_max: int = 32           # the most draft tokens a continuation gets in one step
+    # greedy answers' tokens chosen in the graph (llama.cpp's backend sampling: only the token comes back,
+    # not a logits row): True, False, None auto (where the library can and the model's layers are on a GPU)
+    backend_sampling: bool | None = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -317,6 +320,8 @@ class EngineConfig(CacheConfig):
         object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
         object.__setattr__(self, "spec_max", _int("spec_max", self.spec_max, 1, SPEC_MAX_DRAFT))
         object.__setattr__(self, "spec", ",".join(spec_sources(self.spec)) or "none")
+        if self.backend_sampling is not None:
+            object.__setattr__(self, "backend_sampling", _bool("backend_sampling", self.backend_sampling))
         self.context()  # validates the context's own fields (its sequence ids)
 
     def context(self) -> ContextConfig:

@@ -106,7 +106,7 @@ class _TimedLib:
 
     # the calls that read a decode's outputs, and where their context argument is
     _READS = {"llama_get_logits": 0, "llama_get_logits_ith": 0, "llama_get_embeddings_ith": 0,
-              "llama_get_embeddings_seq": 0, "llama_sampler_sample": 1}
+              "llama_get_embeddings_seq": 0, "llama_sampler_sample": 1, "llama_get_sampled_token_ith": 0}
 
     def __init__(self, lib):
         self._lib = lib
@@ -167,9 +167,10 @@ def run_py(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg
 
 
 def run_engine(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
-               threads: int, flash_attn: bool = False) -> dict[int, dict]:
+               threads: int, flash_attn: bool = False, backend_sampling: bool = False) -> dict[int, dict]:
     """The same work through the generation engine: pl requests of a pp-token prompt, tg greedy tokens
-    each (EOS ignored). Generation tokens/s is timed from the step after the last prompt went in."""
+    each (EOS ignored). Generation tokens/s is timed from the step after the last prompt went in.
+    ``backend_sampling``: the tokens are chosen in the graph (EngineConfig.backend_sampling)."""
     from pyllama_kv.engine import Engine, EngineConfig, SamplingParams
 
     rows = {}
@@ -179,7 +180,7 @@ def run_engine(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int
             continue
         cfg = EngineConfig(n_ctx=n_ctx, parallel=pl, prefix_cache=0, n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads, output_reserve=tg, max_tokens=max(tg, 1),
-                           flash_attn=flash_attn)
+                           flash_attn=flash_attn, backend_sampling=backend_sampling)
         with Engine(model, cfg) as eng:
             ctx = eng.context
             assert ctx is not None
@@ -253,6 +254,9 @@ def main(argv=None) -> int:
                          "patched; current: ours on the current llama.cpp against its own llama-batched-bench)")
     ap.add_argument("--current-batched-bench", default=None, metavar="PATH",
                     help="the current llama.cpp's llama-batched-bench (default: the peer build's)")
+    ap.add_argument("--backend-sampling", action="store_true",
+                    help="on a library that can (current), also the engine with its greedy tokens chosen in the "
+                         "graph, in the same run (engine_bs_* in each row)")
     ap.add_argument("--quick", action="store_true", help="a small model and sizes, for the test suite")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
@@ -277,7 +281,7 @@ def main(argv=None) -> int:
                      "threads": args.threads, "flash_attn": fa, "repeat": repeat, "libs": libs},
         # the first library's, as before --lib; every library's under "libraries"
         "library": str(exes[libs[0]].parent / "libllama.so"), "libraries": {}, "rows": []}
-    best: dict[tuple[str, str], dict[int, dict]] = {(lib, k): {} for lib in libs for k in ("cpp", "py", "eng")}
+    best: dict[tuple[str, str], dict[int, dict]] = {(lib, k): {} for lib in libs for k in ("cpp", "py", "eng", "bs")}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         if args.model:
             mp = Path(catalogue.resolve(args.model))
@@ -317,10 +321,14 @@ def main(argv=None) -> int:
                         b["speed_pp"] = max(b["speed_pp"], d["speed_pp"])
                         b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
                         b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])
-                    for pl, d in run_engine(m, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads, fa).items():
-                        b = best[lib, "eng"].setdefault(pl, d)
-                        b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
-                        b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])
+                    bs_too = args.backend_sampling and m.native_library.caps.backend_sampling
+                    kinds = ("eng", "bs") if bs_too else ("eng",)
+                    for kind in kinds:
+                        for pl, d in run_engine(m, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads, fa,
+                                                backend_sampling=kind == "bs").items():
+                            b = best[lib, kind].setdefault(pl, d)
+                            b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
+                            b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])
     for lib, pl in ((lib, pl) for lib in libs for pl in npl):
         c, p, e = best[lib, "cpp"].get(pl), best[lib, "py"].get(pl), best[lib, "eng"].get(pl)
         if not c or not p or not e:
@@ -338,6 +346,14 @@ def main(argv=None) -> int:
                # runs): the engine's loop outside llama_decode against the raw ctx.decode loop's
                "engine_tg_overhead": round(e["tg_outside_decode"], 4),
                "engine_vs_decode_in_run": round((1 - e["tg_outside_decode"]) / (1 - p["tg_outside_decode"]), 3)}
+        bs = best[lib, "bs"].get(pl)
+        if bs:   # the engine with backend sampling, beside the engine without
+            row.update(engine_bs_tg_tps=round(bs["speed_tg"], 1),
+                       engine_bs_vs_engine=round(bs["speed_tg"] / e["speed_tg"], 3),
+                       engine_bs_tg_overhead=round(bs["tg_outside_decode"], 4))
+            print(f"  {lib} npl {pl}: engine with backend sampling tg {row['engine_bs_tg_tps']:8.1f} "
+                  f"({row['engine_bs_vs_engine']:.3f} of the engine; overhead {row['engine_bs_tg_overhead']:.2%})",
+                  file=sys.stderr)
         out["rows"].append(row)
         print(f"  {lib} npl {pl}: pp C++ {row['cpp_pp_tps']:8.1f} py {row['py_pp_tps']:8.1f} ({row['pp_ratio']:.3f})   "
               f"tg C++ {row['cpp_tg_tps']:8.1f} py {row['py_tg_tps']:8.1f} ({row['tg_ratio']:.3f}), "

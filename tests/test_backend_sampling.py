@@ -1,7 +1,9 @@
-"""The current pin's backend sampling at the binding (issue 49, item 2; docs/gpu.md): a sequence's
-sampler chain run in the graph, its token read back instead of its logits. On the CPU backend too,
-so its exactness is tested here; the engine does not use it yet. Tiny F32 model with an F32 cache:
-greedy in the graph is numpy's argmax of the same logits."""
+"""The current pin's backend sampling (issue 49, item 2; docs/gpu.md): a sequence's sampler chain
+run in the graph, its token read back instead of its logits. On the CPU backend too, so its
+exactness is tested here: at the binding, in ``Context.decode(greedy=...)`` (both pins: the mission
+pin's answer is numpy's argmax of the logits), and in the engine (``backend_sampling``), whose output
+must not change. Tiny F32 model with an F32 cache: greedy in the graph is numpy's argmax of the same
+logits."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 import pyllama_kv as pk
 from conftest import F32, toks
 from pyllama_kv._native.sampler import NativeSampler
+from pyllama_kv.engine import GREEDY, Engine, EngineConfig, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +37,121 @@ def test_a_greedy_chain_in_the_graph_picks_the_argmax_of_a_sequence_without_one(
             t = int(np.argmax(logits))
             want.append(t)
             logits = a.extend([t])
+        b = ctx.new_sequence()
+        t = ctx.decode({b: prompt}, greedy=[b])[b]
+        assert ctx._native.sampled_ids() == {b.id}   # (in the graph, not numpy's)
+        got = [t]
+        for _ in range(15):
+            got.append(ctx.decode({b: [got[-1]]}, greedy=[b])[b])
+        assert got == want
+        # not greedy: the chain comes off and the next decode copies b's logits again (b and a hold
+        # the same tokens)
+        np.testing.assert_allclose(ctx.decode({b: [want[-1]]})[b], logits, rtol=0, atol=1e-4)
+        assert ctx._native.sampled_ids() == frozenset()
+
+
+def test_a_chain_goes_into_a_graph_once(model):
+    """llama.cpp aborts the process when a chain is initialised for a graph twice (to any sequence):
+    the binding refuses before the C call, and the chain stays the context's to free."""
+    with model.context(n_ctx=256, n_seq_max=3, **F32) as ctx:
+        nat = ctx._native
         chain = NativeSampler(model.native_library, model.n_vocab)
         chain.add_greedy()
-        nat = ctx._native
-        b = ctx.new_sequence()
-        assert nat.set_sampler(b.id, chain)
-        got = []
-        b.extend(prompt)
-        for _ in range(16):
-            t = nat.sampled_token(-1)
-            got.append(t)
-            b.extend([t])
-        assert got == want
-        # removed: the next decode copies b's logits again (b and a hold the same tokens)
-        assert nat.set_sampler(b.id, None)
-        x = int(np.argmax(logits))
-        np.testing.assert_allclose(b.extend([x]), a.extend([x]), rtol=0, atol=1e-4)
+        assert nat.set_sampler(0, chain)
+        for sid in (0, 1):
+            with pytest.raises(pk.InvalidInputError, match="once"):
+                nat.set_sampler(sid, chain)
+        chain.free()   # a no-op: attached, the context frees it
+        assert chain.ptr is not None and nat.sampled_ids() == {0}
+        a = ctx.new_sequence()
+        assert a.id == 0
+        logits = a.extend(toks(8))   # (not greedy: the chain comes off, the logits are real)
+        assert nat.sampled_ids() == frozenset() and chain.ptr is None
+        assert np.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.fixture(params=["patched", "current"])
+def any_pin_model(request, tiny_model, patched_lib, current_lib):
+    with pk.Model(tiny_model, lib=patched_lib if request.param == "patched" else current_lib) as m:
+        yield m
+
+
+def test_decode_greedy_gives_the_argmax_tokens_on_both_pins(any_pin_model):
+    """``greedy`` sequences get their argmax token (ints; a list with ``outputs``), the others their
+    logits, in one decode; a sequence keeps its kind or changes it between decodes freely."""
+    m = any_pin_model
+    with m.context(n_ctx=512, n_seq_max=4, **F32) as ctx:
+        a, b, c = ctx.new_sequence(), ctx.new_sequence(), ctx.new_sequence()
+        p = toks(20, seed=3)
+        out = ctx.decode({a: p, b: p, c: p}, greedy=[b, c])
+        assert type(out[b]) is int and out[b] == out[c] == int(np.argmax(out[a]))
+        nxt = out[b]
+        for i in range(12):
+            greedy = [b] if i % 3 else [b, c]   # c changes kind every few steps
+            out = ctx.decode({a: [nxt], b: [nxt], c: [nxt]}, greedy=greedy, copy=False)
+            want = int(np.argmax(out[a]))
+            got_c = out[c] if c in greedy else int(np.argmax(out[c]))
+            assert out[b] == want == got_c
+            nxt = want
+        drafted = [nxt, 7, 8, 9]
+        out = ctx.decode({a: drafted, b: drafted}, greedy=[b], outputs={a: 4, b: 4})
+        assert out[b] == [int(np.argmax(r)) for r in out[a]]
+        # b's logits were never read: asked for, they are evaluated again (and exact)
+        np.testing.assert_allclose(b.logits(), a.logits(), rtol=0, atol=1e-4)
+
+
+def test_decode_greedy_is_checked_before_anything_changes(any_pin_model):
+    with any_pin_model.context(n_ctx=256, n_seq_max=3, **F32) as ctx:
+        a, b = ctx.new_sequence(), ctx.new_sequence()
+        a.extend(toks(5))
+        for bad in ([b], 5, [object()]):
+            with pytest.raises(pk.InvalidInputError, match="greedy"):
+                ctx.decode({a: [3]}, greedy=bad)
+        assert len(a) == 5 and len(b) == 0
+
+
+def mixed_run(model, backend: bool, spec: str = "none", oracle=None):
+    """Greedy, greedy n=2, seeded, penalised and logprobs requests in one engine (their rows share
+    batches); each continuation's tokens, text and finish reason, and the contexts."""
+    from test_speculation import oracle_drafts
+
+    cfg = EngineConfig(n_ctx=1024, parallel=8, spec=spec, backend_sampling=backend, **F32)
+    cases = [(GREEDY, 1, {}), (GREEDY, 2, {}), (SamplingParams(temperature=0.9, top_k=20, seed=5), 1, {}),
+             (SamplingParams(temperature=0.0, repeat_penalty=1.3), 1, {}), (GREEDY, 1, {"logprobs": 2}),
+             (GREEDY, 1, {"stop": ["e"]})]
+    with Engine(model, cfg) as e:
+        if oracle is not None:
+            oracle_drafts(e, oracle, wrong=0.1)
+        hs = [e.submit(toks(20 + 5 * i, seed=i), p, max_tokens=30, n=n, **kw) for i, (p, n, kw) in enumerate(cases)]
+        e.run_until_idle()
+        in_graph = e.context._native.sampled_ids()
+        done = [h.result() for h in hs]
+    got = [[(c.tokens, c.text, c.finish_reason, c.logprobs is None) for c in r] for r in done]
+    return got, [c.context_tokens for r in done for c in r], in_graph, e
+
+
+def test_the_engine_s_output_is_the_same_with_backend_sampling(model):
+    want, contexts, none, _ = mixed_run(model, False)
+    got, contexts2, in_graph, _ = mixed_run(model, True)
+    assert got == want and contexts2 == contexts
+    assert none == frozenset() and in_graph   # (the argmax requests' sequences had greedy chains)
+
+
+def test_drafts_of_an_argmax_request_are_verified_from_the_graph_s_tokens(model):
+    want, contexts, _, _ = mixed_run(model, False)
+    got, _, in_graph, e = mixed_run(model, True, spec="ngram", oracle=contexts)
+    assert got == want and in_graph
+    st = e.stats.spec
+    assert st.accepted > 0 and st.drafted > st.accepted
+
+
+def test_backend_sampling_on_needs_a_library_that_can(tiny_model, patched_lib, model):
+    with pk.Model(tiny_model, lib=patched_lib) as m:
+        with pytest.raises(pk.InvalidInputError, match="backend_sampling"):
+            Engine(m, EngineConfig(n_ctx=256, parallel=2, backend_sampling=True))
+        with Engine(m, EngineConfig(n_ctx=256, parallel=2, backend_sampling=None)) as e:   # auto: off here
+            assert e._in_graph is False
+    with Engine(model, EngineConfig(n_ctx=256, parallel=2, backend_sampling=None)) as e:   # CPU layers: off
+        assert e._in_graph is False
+    with pytest.raises(pk.InvalidInputError, match="backend_sampling"):
+        EngineConfig(backend_sampling="yes")

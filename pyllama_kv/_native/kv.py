@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from ..errors import LibraryError
+from ..errors import InvalidInputError, LibraryError
 from .cells import CellShadow
 from .ffi import Caps, CResource, Library, _callback_error, ffi, library_info, load
 from .sampler import NativeSampler
@@ -276,6 +276,9 @@ class NativeContext:
             # n_outputs_max (default n_batch): more sequences than n_batch aborted the process at the
             # first decode (llama-context.cpp, output_reserve)
             p.n_outputs_max = max(n_batch, n_seq_max)
+            # a sequence whose outputs are sampled in the graph may have a row for each of its batch's
+            # tokens (a draft's verification), not llama.cpp's default of one
+            p.n_outputs_max_per_seq = 0
             p.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
                                  L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         else:
@@ -476,6 +479,22 @@ class NativeContext:
     def recurrent_state_set(self, data: bytes, seq_id: int) -> bool:
         raise LibraryError(f"{self.lib.path}: a sequence's recurrent state alone is written by the current API only")
 
+    def _no_backend_sampling(self) -> LibraryError:
+        return LibraryError(f"{self.lib.path}: sampling in the graph (llama_set_sampler) is the current API's only")
+
+    def set_sampler(self, seq_id: int, sampler: NativeSampler | None) -> bool:
+        raise self._no_backend_sampling()
+
+    def attach_greedy(self, seq_id: int, n_vocab: int) -> bool:
+        raise self._no_backend_sampling()
+
+    def sampled_ids(self) -> frozenset[int]:
+        """The sequence ids with a sampler chain in the graph (none: this API has no backend sampling)."""
+        return frozenset()
+
+    def sampled_token(self, i: int) -> int:
+        raise self._no_backend_sampling()
+
     def state_seq_add(self, data: bytes | memoryview, seq_id: int) -> int | None:
         """llama_state_seq_add_data (patch 0014): the bytes read (0 on failure); None when the library
         lacks it (the vanilla build)."""
@@ -540,11 +559,15 @@ class CurrentContext(NativeContext):
         self.mem = self.L.llama_get_memory(ptr)
         self._abort_cb = None
         self.cells = CellShadow(int(self.L.llama_n_ctx(ptr)), view_seq_max)
+        self._chains: dict[int, NativeSampler] = {}   # the chains attached by set_sampler, by sequence id
 
     def free(self) -> None:
-        """llama_free."""
+        """llama_free, then the sampler chains attached to its sequences."""
         self.L.llama_free(self.ptr)
         self.ptr = None
+        for chain in self._chains.values():
+            chain.release()
+        self._chains.clear()
 
     def can_shift(self) -> bool:
         """llama_memory_can_shift."""
@@ -554,8 +577,37 @@ class CurrentContext(NativeContext):
         """llama_set_sampler: ``sampler``'s chain (None: none) samples ``seq_id``'s outputs in the graph
         from the next decode on (a graph reservation then: not a per-request switch). Whether it runs
         there. While every output of a decode has one, llama.cpp copies no logits: read
-        :meth:`sampled_token`, not the logits, for those rows. The chain must outlive the setting."""
-        return bool(self.L.llama_set_sampler(self.ptr, seq_id, self.ffi.NULL if sampler is None else sampler.ptr))
+        :meth:`sampled_token`, not the logits, for those rows.
+
+        The context owns an attached chain from then on: it frees the one a later call replaces or
+        removes, and those still attached when it is freed. A chain goes into one graph once
+        (llama.cpp aborts the process on a second attachment, to any sequence): InvalidInputError
+        then, before the C call."""
+        if sampler is not None:
+            if sampler.in_graph:
+                raise InvalidInputError("this sampler chain was attached to a sequence before: llama.cpp "
+                                        "takes a chain into a graph once, make a new one")
+            sampler.in_graph = True   # (llama.cpp initialised it for its backend, whatever it answers)
+        ok = bool(self.L.llama_set_sampler(self.ptr, seq_id, self.ffi.NULL if sampler is None else sampler.ptr))
+        old = self._chains.pop(seq_id, None)
+        if ok and sampler is not None:
+            self._chains[seq_id] = sampler
+        elif sampler is not None:
+            sampler.release()   # refused: llama.cpp keeps no pointer to it
+        if old is not None and old is not sampler:
+            old.release()
+        return ok
+
+    def attach_greedy(self, seq_id: int, n_vocab: int) -> bool:
+        """A new greedy chain on ``seq_id`` (:meth:`set_sampler`): its outputs' tokens are the argmax,
+        chosen in the graph. Whether the library took it."""
+        chain = NativeSampler(self.lib, n_vocab)
+        chain.add_greedy()
+        return self.set_sampler(seq_id, chain)
+
+    def sampled_ids(self) -> frozenset[int]:
+        """The sequence ids with a chain attached."""
+        return frozenset(self._chains)
 
     def sampled_token(self, i: int) -> int:
         """llama_get_sampled_token_ith: the token the backend sampler chose for output row ``i`` (-1:

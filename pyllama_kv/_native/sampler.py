@@ -24,6 +24,7 @@ class NativeSampler:
         self._cand_np = np.frombuffer(ffi.buffer(self._cand), dtype=self._CAND)
         self._arr = ffi.new("llama_token_data_array *")
         self._ids = np.arange(n_vocab, dtype=np.int32)
+        self.in_graph = False   # attached to a context's sequence once (CurrentContext.set_sampler): never again
 
     def add_greedy(self) -> None:
         """llama_sampler_init_greedy, added to the chain."""
@@ -110,6 +111,13 @@ class NativeSampler:
         self.L.llama_sampler_accept(self.ptr, token)
 
     def free(self) -> None:
-        """llama_sampler_free."""
-        self.L.llama_sampler_free(self.ptr)
-        self.ptr = None
+        """llama_sampler_free, once; nothing for a chain that was attached to a sequence (``in_graph``):
+        the context it went to frees it (:meth:`release`), since llama.cpp may still hold it."""
+        if not self.in_graph:
+            self.release()
+
+    def release(self) -> None:
+        """llama_sampler_free, once, whoever attached it: for the context that owns the chain."""
+        if self.ptr is not None:
+            self.L.llama_sampler_free(self.ptr)
+            self.ptr = None

@@ -133,6 +133,10 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "recurrent layers or a sliding-window cache) (default {default})", str, metavar="none|ngram[,cache]"),
     Flag(EngineConfig, "spec_max", ("--spec-max",), "the most draft tokens an answer gets in one step "
          "(default {default})", metavar="N"),
+    Flag(EngineConfig, "backend_sampling", ("--backend-sampling",), "greedy answers (no penalties, grammar or "
+         "logprobs) take their tokens from an argmax in llama.cpp's graph (its backend sampling: on a GPU no "
+         "logits row comes back): on, off, or auto (on where the library can, the current one, and the model's "
+         "layers are on a GPU); the output does not change (default: off)", on_off_auto, metavar="on|off|auto"),
     Flag(EngineConfig, "n_keep", ("--keep",), "tokens at the start that a context shift never drops; -1: the whole "
          "prompt (default {default})", metavar="N"),
     # the model: how its file is checked (pk.Model(..., validate=...)) and where its layers run

@@ -482,7 +482,8 @@ class Context(ContextStates):
             self._abort_fn = fn
 
     def decode(self, batch: Mapping[_Sequence, Iterable[int]], *, copy: bool = True,
-               outputs: Mapping[_Sequence, int] | None = None) -> dict[_Sequence, np.ndarray]:
+               outputs: Mapping[_Sequence, int] | None = None,
+               greedy: Iterable[_Sequence] = ()) -> dict[_Sequence, np.ndarray | int | list[int]]:
         """Append tokens to several sequences at once: ``{seq: tokens}`` -> ``{seq: logits}``.
 
         One ``llama_decode`` call for the whole batch (more only when it holds more than ``n_batch``
@@ -499,24 +500,52 @@ class Context(ContextStates):
         that decodes; the sequences do not keep them (their ``logits()`` evaluates the last token
         again). This saves a copy of n_sequences x n_vocab floats per step (16 MiB for 32 sequences
         of a 128k vocabulary: a tenth of a GPU's step). The arrays of ``outputs`` are copies.
+
+        ``greedy`` (sequences of ``batch``): their result is the argmax token itself, an int (with
+        ``outputs``: a list of one per row), not logits. Where the library samples in the graph
+        (``caps.backend_sampling``: the current pin) the argmax is taken there and only the token comes
+        back, on a GPU no logits row at all; else it is numpy's argmax of the logits. In the graph a
+        sequence id keeps its greedy chain until a decode of it is not greedy (each change costs a graph
+        reservation: keep a sequence's kind for its life). The sequence stores no logits then (its
+        ``logits()`` evaluates its last token again).
         """
         with self.critical():
             self.check_open()
             wanted = self._outputs_of(outputs)   # the caller's code runs before _plan's checks
+            try:
+                picked = list(greedy)
+            except TypeError:
+                raise InvalidInputError("greedy must be an iterable of sequences of the batch") from None
             plan, entries = self._plan(batch)
             n_outs = self._outputs(wanted, entries, plan) if wanted else None
+            argmax = self._greedy(picked, entries) if picked else None
             clock = self.eval_cost.clock
             t0 = clock()
-            results = self._raw_decode(plan, copy, n_outs)
+            results = self._raw_decode(plan, copy, n_outs, argmax)
             self.eval_cost.observe(sum(len(p[1]) for p in plan), clock() - t0)
-            out: dict[_Sequence, np.ndarray] = {}
+            out: dict[_Sequence, np.ndarray | int | list[int]] = {}
             for e, (_sid, new, _), logits in zip(entries, plan, results):
                 assert logits is not None   # every entry ends in the batch: it has an output
                 e.tokens.extend(new)
-                last = logits if logits.ndim == 1 else logits[-1]
-                e.logits = last if copy or logits.ndim == 2 else None
+                if not isinstance(logits, np.ndarray):   # a greedy token (or tokens)
+                    e.logits = None
+                else:
+                    last = logits if logits.ndim == 1 else logits[-1]
+                    e.logits = last if copy or logits.ndim == 2 else None
                 out[e.seq] = logits
             return out
+
+    @staticmethod
+    def _greedy(picked: list, entries: list[_SeqEntry]) -> list[bool]:
+        """decode's ``greedy`` as a flag per plan entry (checked: sequences of the batch)."""
+        index = {id(e.seq): i for i, e in enumerate(entries)}
+        flags = [False] * len(entries)
+        for seq in picked:
+            i = index.get(id(seq))
+            if i is None:
+                raise InvalidInputError("greedy names a sequence that is not in the batch")
+            flags[i] = True
+        return flags
 
     @staticmethod
     def _outputs_of(outputs) -> list[tuple]:

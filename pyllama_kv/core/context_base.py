@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from .._native import kv as _kv
-from ..errors import InvalidInputError, LibraryError, LlamaError
+from ..errors import DecodeError, InvalidInputError, LibraryError, LlamaError
 from . import _signals, state as _state
 from .batching import POLL_TOKENS as _POLL_TOKENS, chunk_plan as _chunk_plan, fill_batch as _fill_batch
 from .checkpoint import Checkpoint
@@ -349,40 +349,90 @@ class ContextBase(_kv.CResource):
         if self._shift_pending:
             self._c_update()
 
-    def _raw_decode(self, plan: _Plan, copy: bool = True, n_outs: list[int] | None = None) -> list[np.ndarray | None]:
+    def _raw_decode(self, plan: _Plan, copy: bool = True, n_outs: list[int] | None = None,
+                    greedy: list[bool] | None = None) -> list:
         """Decode ``plan`` = [(seq_id, tokens, first_pos)] (validated) in as few llama_decode calls as
         n_batch allows, with one output (the last token) per entry, or the last ``n_outs[e]`` of entry
         ``e`` (validated: 1..its tokens), whose result is then an (n, n_vocab) array in position order.
         On failure every entry's new positions are removed and the mapped exception is raised.
         ``copy=False``: the one-row results of the last llama_decode are read-only views of llama.cpp's
-        output buffer (see :meth:`decode`)."""
+        output buffer (see :meth:`decode`). ``greedy[e]``: entry ``e``'s result is its argmax token
+        instead (an int; a list of them with ``n_outs``), chosen in the graph where the library can
+        (:meth:`_sample_in_graph`), else here from its logits."""
         native = self._native
         assert native is not None
         b = self._batch
-        rows_of: list[list[np.ndarray]] = [[] for _ in plan]
+        rows_of: list[list] = [[] for _ in plan]
         n_vocab = self.model.n_vocab
         chunks = _chunk_plan(plan, b.cap)
         self._apply_shifts()
+        in_graph = self._sample_in_graph(plan, greedy)
         try:
             for k, chunk in enumerate(chunks):
                 n, outs = _fill_batch(b, plan, chunk, n_outs)
                 rc = self._c_decode(b, n)
                 if rc != 0:
                     raise self._decode_error(rc)
-                if outs:
+                raw = outs if in_graph is None else [o for o in outs if not in_graph[o[0]]]
+                if in_graph is not None and len(raw) < len(outs):
+                    for e, bidx in outs:
+                        if in_graph[e]:
+                            rows_of[e].append(self._sampled_token(bidx))
+                if raw:
                     # one copy for all rows of this call (a view for the last call's, when asked);
-                    # each output gets a row of it
+                    # each output gets a row of it (llama.cpp keeps a row for every output when one of
+                    # a micro-batch's outputs has no sampler in the graph)
                     view = not copy and k == len(chunks) - 1
                     rows = native.logits_view(len(outs), n_vocab) if view else native.logits(len(outs), n_vocab)
                     for i, (e, _bidx) in enumerate(outs):
-                        rows_of[e].append(rows[i])
+                        if in_graph is None or not in_graph[e]:
+                            rows_of[e].append(rows[i])
         except BaseException:
             # llama_decode restored its own partial cells; remove what earlier chunks added
             for sid, _toks, pos0 in plan:
                 native.seq_rm(sid, pos0, -1)
             raise
-        return [(r[0] if len(r) == 1 and (n_outs is None or n_outs[e] == 1) else np.stack(r)) if r else None
-                for e, r in enumerate(rows_of)]
+        out: list = []
+        for e, r in enumerate(rows_of):
+            many = n_outs is not None and n_outs[e] > 1
+            if greedy is not None and greedy[e]:
+                toks = r if in_graph is not None and in_graph[e] else [int(np.argmax(x)) for x in r]
+                out.append(toks if many else toks[0])
+            else:
+                out.append((r[0] if len(r) == 1 and not many else np.stack(r)) if r else None)
+        return out
+
+    def _sample_in_graph(self, plan: _Plan, greedy: list[bool] | None) -> list[bool] | None:
+        """Which entries of ``plan`` get their greedy token from the graph (None: none): a greedy chain
+        is attached to the sequence ids of the ``greedy`` entries and removed from the others' (they
+        need their logits), each id keeping its chain until a decode wants otherwise, since every change
+        costs a graph reservation. Only where the library samples in the graph (``caps.backend_sampling``)."""
+        if not self.caps.backend_sampling:
+            return None
+        native = self._native
+        assert native is not None
+        has = native.sampled_ids()
+        if not has and not greedy:
+            return None
+        n_vocab = self.model.n_vocab
+        res = []
+        for e, (sid, _t, _p) in enumerate(plan):
+            want = greedy is not None and greedy[e]
+            on = sid in has
+            if want != on:
+                on = native.attach_greedy(sid, n_vocab) if want else not native.set_sampler(sid, None)
+            res.append(want and on)
+        return res if any(res) else None
+
+    def _sampled_token(self, bidx: int) -> int:
+        """The token the graph chose for batch row ``bidx`` (DecodeError where it chose none: a backend
+        whose argmax the chain could not take, which llama.cpp accepts all the same)."""
+        assert self._native is not None
+        tok = self._native.sampled_token(bidx)
+        if not 0 <= tok < self.model.n_vocab:
+            raise DecodeError(f"the greedy sampler in the graph chose no token (got {tok}): this backend cannot "
+                              "sample in the graph; turn backend sampling off")
+        return tok
 
     def _decode_error(self, rc: int) -> BaseException:
         """The exception for llama_decode's return code ``rc`` (see :mod:`.returncodes`)."""

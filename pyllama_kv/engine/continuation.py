@@ -66,7 +66,7 @@ class Continuation:
         self.generated = 0
         self.stream = TextStream(req.stop)
         self.sampler, self.close_sampler = sampler
-        self.logits: np.ndarray | None = None
+        self.logits: np.ndarray | int | None = None   # (an int: the token, chosen in the graph)
         self.reserve = reserve
         self.forked = index > 0 or req.n == 1
         self.admit_order = admit_order

@@ -177,3 +177,10 @@ class Request:
     admitted: bool = False
     cancelled: bool = False
     skipped: int = 0          # times a later request was admitted before this one
+
+    @property
+    def argmax(self) -> bool:
+        """Whether its tokens are the argmax of the model's logits alone (greedy; no penalties, logit
+        bias, grammar or log-probabilities): what a greedy chain in the graph can choose."""
+        p = self.params
+        return p.greedy and not p.penalized and self.grammar is None and self.logprobs is None

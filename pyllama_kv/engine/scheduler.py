@@ -62,11 +62,12 @@ from ..config import EngineConfig, SamplingParams, spec_sources
 from ..core.context import release_thread_pool
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefixcache.cache import shared_prefix
-from .admission import Limits, admit, drop_range
+from .admission import Limits, admit
 from .continuation import Continuation as _Continuation, EngineStats, default_sampler, token_logprobs
 from .embeddings import EmbeddingQueue, EmbeddingRequests
 from .kv import KVCache, context_kv
 from .request import GRAMMAR_ERROR, Event, Request, RequestHandle
+from .shift import ContextShifts
 from .speculate import SpeculativeSteps, Speculator
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ _MAX_OVERTAKES = 8     # times the head of the queue may be overtaken before eve
 _MIN_SHARED = 16       # prompt tokens shared with a prompt being evaluated that are worth waiting for
 
 
-class Engine(SpeculativeSteps, EmbeddingRequests):
+class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
     """Serve requests over one context (see the module docstring).
 
     >>> eng = Engine(model, EngineConfig(n_ctx=4096, parallel=8))
@@ -92,6 +93,7 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
                  is_eog: Callable[[int], bool] | None = None, sampler_factory=None, draft_model=None):
         self.config = config = config or EngineConfig()
         self.model = model
+        self._in_graph = _sample_in_graph(model, config, kv)   # argmax requests' tokens chosen in the graph
         self._own_ctx = None
         if kv is None:
             ctx = model.context(**config.context().context_kwargs())
@@ -285,8 +287,8 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
                     self._keep_checkpoint(cont)
             if cont.pending:
                 continue   # a prompt chunk: more to come
-            if logits.ndim == 2:   # a drafted continuation: one row per position from its next token on
-                self._verify(cont, logits)
+            if isinstance(logits, list) or (not isinstance(logits, int) and logits.ndim == 2):
+                self._verify(cont, logits)   # a drafted continuation: a row per position from its next token on
                 continue
             cont.logits = logits
             self._after_decode(cont)
@@ -549,7 +551,10 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
                 self.stats.decode_calls += 1
                 t = time.perf_counter()
                 try:
-                    out = self.kv.decode(batch, outputs) if outputs else self.kv.decode(batch)
+                    kw: dict = {"outputs": outputs} if outputs else {}
+                    if self._in_graph:   # (a sequence's kind is its request's: the graph changes rarely)
+                        kw["greedy"] = [seq for seq in batch if owners[seq].req.argmax]
+                    out = self.kv.decode(batch, **kw)
                 finally:
                     dt = time.perf_counter() - t
                     self.stats.decode_seconds += dt
@@ -639,10 +644,13 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         raw = cont.logits
         assert raw is not None
         cont.logits = None
-        logits = self._masked(cont, raw)
-        if logits is None:
-            return   # (the grammar allowed no token: finished)
-        tok = cont.sampler(logits)
+        if isinstance(raw, int):   # the token itself: the argmax, chosen in the graph (Request.argmax)
+            tok = raw
+        else:
+            logits = self._masked(cont, raw)
+            if logits is None:
+                return   # (the grammar allowed no token: finished)
+            tok = cont.sampler(logits)
         if req.handle.ttft is None:
             req.handle.ttft = time.perf_counter() - req.handle.submitted_at
         if not req.params.ignore_eos and self._is_eog(tok):
@@ -681,7 +689,7 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
             self._finish(cont, "error" if err else "stop", error=GRAMMAR_ERROR + err if err else None)
         return logits
 
-    def _take(self, cont: _Continuation, tok: int, raw: np.ndarray) -> bool:
+    def _take(self, cont: _Continuation, tok: int, raw: np.ndarray | int) -> bool:
         """Count ``tok`` as generated and stream its text (with its log-probabilities when asked);
         whether a stop string ended the text."""
         req = cont.req
@@ -690,7 +698,9 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         req.handle.usage.completion_tokens += 1
         text, stopped = cont.stream.feed(self._piece(tok))
         cont.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
-        lps = (token_logprobs(raw, tok, req.logprobs),) if req.logprobs is not None else None
+        lps = None
+        if req.logprobs is not None and not isinstance(raw, int):   # (an argmax request asks none)
+            lps = (token_logprobs(raw, tok, req.logprobs),)
         self._emit(req, cont.index, text, (tok,), None, logprobs=lps)
         return stopped
 
@@ -706,45 +716,6 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
         # the end of the context: the sequence would hold n_ctx positions after this token
         if len(cont.tokens) >= self.n_ctx and not (req.context_shift and self._shift(cont)):
             self._finish(cont, "length")
-
-    def _shift(self, cont: _Continuation) -> bool:
-        """Context shift of a full continuation: keep ``n_keep`` tokens, drop half of the rest (the
-        oldest), by a K-shift of the kept tail where the cache can, else by cutting the sequence after
-        ``n_keep`` (after nothing, where its memory cannot go back there) and re-evaluating the rest
-        in the next batches. False when nothing can be dropped."""
-        req = cont.req
-        held = len(cont.tokens) - len(cont.pending)       # positions the sequence holds
-        n_keep = min(req.n_keep, held)
-        discard = (held - n_keep) // 2
-        if discard < 1:
-            return False
-        end = n_keep + discard
-        if not self.kv.shift(cont.seq, n_keep, discard):
-            # re-evaluate: the sequence keeps [0, n_keep); the kept tail (with the pending token) is
-            # decoded again at its new positions, chunked and batched like a prompt
-            kept = n_keep
-            try:
-                self.kv.truncate(cont.seq, n_keep)
-            except InvalidInputError:
-                # a memory that cannot go back to n_keep (recurrent layers; a sliding-window cache
-                # that reused the cells of older positions): the kept start is decoded again too
-                self.kv.truncate(cont.seq, 0)
-                kept = 0
-            cont.pending = cont.tokens[kept:n_keep] + cont.tokens[end:]
-            self.stats.shifts_reevaluated += 1
-            self.stats.reevaluated_tokens += len(cont.pending) - 1
-        # (K-shift: positions [end, held) are now [n_keep, held - discard), nothing to decode)
-        del cont.tokens[n_keep:end]
-        if cont.spec is not None:   # its own tokens' index is of the list before the cut
-            cont.spec.lookup.reset()
-        cont.boundaries = drop_range(cont.boundaries, n_keep, end)
-        cont.checkpoints = []
-        self.stats.context_shifts += 1
-        self.stats.dropped_tokens += discard
-        usage = req.handle.usage
-        usage.context_shifts += 1
-        usage.dropped_tokens += discard
-        return True
 
     def _emit(self, req: Request, index: int, text: str, tokens: tuple, reason: str | None,
               error: str | None = None, logprobs: tuple | None = None) -> None:
@@ -798,3 +769,19 @@ class Engine(SpeculativeSteps, EmbeddingRequests):
 
     def _default_sampler(self, req: Request, index: int):
         return default_sampler(req, index, self.context, self._seed)
+
+
+def _sample_in_graph(model, config: EngineConfig, kv: KVCache | None) -> bool:
+    """Whether argmax requests' tokens are chosen in the graph (``config.backend_sampling``; auto: where
+    the library can and the model's layers are on a GPU). InvalidInputError for on where it cannot."""
+    want = config.backend_sampling
+    if want is False:
+        return False
+    lib = getattr(model, "native_library", None)
+    can = lib is not None and lib.caps.backend_sampling and (kv is None or kv.context is not None)
+    if want is None:
+        return bool(can and getattr(model, "on_device", False))
+    if not can:
+        raise InvalidInputError("backend_sampling needs a llama.cpp library that samples in the graph "
+                                "(llama_set_sampler: the current pin, --lib current) and the engine's own context")
+    return True

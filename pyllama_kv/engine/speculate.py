@@ -215,8 +215,9 @@ class SpeculativeSteps:
             st.draft = []
         outputs.clear()
 
-    def _verify(self, cont: Continuation, rows: np.ndarray) -> None:
-        """``rows``: the logits after ``cont``'s next token and after each of its draft's tokens. Each is
+    def _verify(self, cont: Continuation, rows: np.ndarray | list[int]) -> None:
+        """``rows``: the logits after ``cont``'s next token and after each of its draft's tokens (or the
+        argmax tokens themselves, chosen in the graph: an argmax request's). Each is
         sampled in order as a step without speculation would (the same sampler, grammar, stop strings
         and stream), and the draft is kept up to the first token the sampler did not draw; that token
         (or, all kept, the one after the draft) is the next to decode. The cells of the rest go."""
