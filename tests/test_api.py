@@ -153,6 +153,21 @@ def test_model_properties_and_tokens(model):
         model.token_to_piece(-1)
 
 
+def test_token_pieces_are_kept_and_still_checked(tiny_model):
+    """token_to_piece keeps what it read (an engine streams every token through it): the same bytes
+    again, the special form apart, bad ids and a closed model refused as before."""
+    with pk.Model(tiny_model) as m:
+        t = m.tokenize("the cache", add_bos=False)[0]
+        first = m.token_to_piece(t)
+        assert m.token_to_piece(t) == first == b" the" and m._pieces[t] == first
+        assert m.token_to_piece(m.eos, special=True) != m.token_to_piece(m.eos) == b""
+        for bad in (True, -1, m.n_vocab, 1.0):
+            with pytest.raises(pk.InvalidInputError):
+                m.token_to_piece(bad)
+    with pytest.raises(pk.InvalidInputError, match="closed"):
+        m.token_to_piece(t)
+
+
 def test_model_load_errors(tmp_path, tiny_model):
     with pytest.raises(pk.ModelLoadError, match="no such file"):
         pk.Model(tmp_path / "missing.gguf")

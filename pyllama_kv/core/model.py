@@ -335,6 +335,7 @@ class Model(_kv.CResource):
         # vocabulary calls running (they take no model lock), per thread: close() waits until none is
         self._vocab_calls: dict[int, int] = {}
         self._vocab_idle = threading.Condition(threading.Lock())
+        self._pieces: dict[int, bytes] = {}   # token_to_piece's answers (special=False): a vocabulary never changes
         return native
 
     def _head_dim(self, key: str) -> int:
@@ -553,7 +554,12 @@ class Model(_kv.CResource):
         return arr.astype(np.int32, copy=False)
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
-        """The bytes of one token (may be part of a UTF-8 character)."""
+        """The bytes of one token (may be part of a UTF-8 character). Kept once asked (not ``special``):
+        an engine streams every token it generates through here."""
+        if type(token) is int and not special and self._native is not None:
+            known = self._pieces.get(token)   # (only ids that passed the checks below are keys)
+            if known is not None:
+                return known
         t = self._token_id(token)
         with self._vocab() as native:
             n, piece = native.token_to_piece(t, 64, bool(special))
@@ -561,7 +567,9 @@ class Model(_kv.CResource):
                 n, piece = native.token_to_piece(t, -n, bool(special))
             if n < 0:
                 raise LlamaError(f"llama_token_to_piece failed for token {t}: {self._lib.last_error()}")
-            return piece
+        if not special:
+            self._pieces[t] = piece
+        return piece
 
     def detokenize(self, tokens: _Seq[int], special: bool = False) -> str:
         """Text of ``tokens`` (invalid UTF-8 is replaced). Ids are validated first."""
