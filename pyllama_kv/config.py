@@ -296,6 +296,9 @@ class EngineConfig(CacheConfig):
     # greedy answers' tokens chosen in the graph (llama.cpp's backend sampling: only the token comes back,
     # not a logits row): True, False, None auto (where the library can and the model's layers are on a GPU)
     backend_sampling: bool | None = False
+    # stream a step's tokens while the next step's graph runs on the device: True, False, None auto
+    # (where the model's layers are on a GPU; on the CPU it would delay the stream by a step)
+    pipeline: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -320,8 +323,9 @@ class EngineConfig(CacheConfig):
         object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
         object.__setattr__(self, "spec_max", _int("spec_max", self.spec_max, 1, SPEC_MAX_DRAFT))
         object.__setattr__(self, "spec", ",".join(spec_sources(self.spec)) or "none")
-        if self.backend_sampling is not None:
-            object.__setattr__(self, "backend_sampling", _bool("backend_sampling", self.backend_sampling))
+        for name in ("backend_sampling", "pipeline"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _bool(name, getattr(self, name)))
         self.context()  # validates the context's own fields (its sequence ids)
 
     def context(self) -> ContextConfig:

@@ -167,7 +167,8 @@ def run_py(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg
 
 
 def run_engine(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int, tg: int, npl: list[int],
-               threads: int, flash_attn: bool = False, backend_sampling: bool = False) -> dict[int, dict]:
+               threads: int, flash_attn: bool = False, backend_sampling: bool = False,
+               pipeline: bool | None = None) -> dict[int, dict]:
     """The same work through the generation engine: pl requests of a pp-token prompt, tg greedy tokens
     each (EOS ignored). Generation tokens/s is timed from the step after the last prompt went in.
     ``backend_sampling``: the tokens are chosen in the graph (EngineConfig.backend_sampling)."""
@@ -180,7 +181,7 @@ def run_engine(model: pk.Model, n_ctx: int, n_batch: int, n_ubatch: int, pp: int
             continue
         cfg = EngineConfig(n_ctx=n_ctx, parallel=pl, prefix_cache=0, n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads, output_reserve=tg, max_tokens=max(tg, 1),
-                           flash_attn=flash_attn, backend_sampling=backend_sampling)
+                           flash_attn=flash_attn, backend_sampling=backend_sampling, pipeline=pipeline)
         with Engine(model, cfg) as eng:
             ctx = eng.context
             assert ctx is not None
@@ -257,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend-sampling", action="store_true",
                     help="on a library that can (current), also the engine with its greedy tokens chosen in the "
                          "graph, in the same run (engine_bs_* in each row)")
+    ap.add_argument("--pipeline", choices=("on", "off", "auto"), default="auto",
+                    help="the engine's pipelined loop (EngineConfig.pipeline; auto: on where the layers are on a GPU)")
     ap.add_argument("--quick", action="store_true", help="a small model and sizes, for the test suite")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
@@ -325,7 +328,8 @@ def main(argv=None) -> int:
                     kinds = ("eng", "bs") if bs_too else ("eng",)
                     for kind in kinds:
                         for pl, d in run_engine(m, n_ctx, n_batch, n_ubatch, pp, tg, [one], args.threads, fa,
-                                                backend_sampling=kind == "bs").items():
+                                                backend_sampling=kind == "bs",
+                                                pipeline={"on": True, "off": False}.get(args.pipeline)).items():
                             b = best[lib, kind].setdefault(pl, d)
                             b["speed_tg"] = max(b["speed_tg"], d["speed_tg"])
                             b["tg_outside_decode"] = min(b["tg_outside_decode"], d["tg_outside_decode"])

@@ -155,3 +155,7 @@ def test_backend_sampling_on_needs_a_library_that_can(tiny_model, patched_lib, m
         assert e._in_graph is False
     with pytest.raises(pk.InvalidInputError, match="backend_sampling"):
         EngineConfig(backend_sampling="yes")
+    # the caller's own sampler draws every token: never in the graph
+    with pytest.raises(pk.InvalidInputError, match="sampler_factory"):
+        Engine(model, EngineConfig(n_ctx=256, parallel=2, backend_sampling=True),
+               sampler_factory=lambda req, i: ((lambda logits: 6), None))

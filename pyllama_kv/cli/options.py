@@ -133,6 +133,10 @@ FLAGS: dict[str, Flag] = {f.field: f for f in (
          "recurrent layers or a sliding-window cache) (default {default})", str, metavar="none|ngram[,cache]"),
     Flag(EngineConfig, "spec_max", ("--spec-max",), "the most draft tokens an answer gets in one step "
          "(default {default})", metavar="N"),
+    Flag(EngineConfig, "pipeline", ("--pipeline",), "stream each step's tokens while the next step runs on the "
+         "device (llama_decode returns before a GPU has run the graph): on, off, or auto (on where the model's "
+         "layers are on a GPU; on the CPU it would delay the stream by a step); the output does not change "
+         "(default: auto)", on_off_auto, metavar="on|off|auto"),
     Flag(EngineConfig, "backend_sampling", ("--backend-sampling",), "greedy answers (no penalties, grammar or "
          "logprobs) take their tokens from an argmax in llama.cpp's graph (its backend sampling: on a GPU no "
          "logits row comes back): on, off, or auto (on where the library can, the current one, and the model's "

@@ -483,7 +483,8 @@ class Context(ContextStates):
 
     def decode(self, batch: Mapping[_Sequence, Iterable[int]], *, copy: bool = True,
                outputs: Mapping[_Sequence, int] | None = None,
-               greedy: Iterable[_Sequence] = ()) -> dict[_Sequence, np.ndarray | int | list[int]]:
+               greedy: Iterable[_Sequence] = (),
+               between: Callable[[], None] | None = None) -> dict[_Sequence, np.ndarray | int | list[int]]:
         """Append tokens to several sequences at once: ``{seq: tokens}`` -> ``{seq: logits}``.
 
         One ``llama_decode`` call for the whole batch (more only when it holds more than ``n_batch``
@@ -508,20 +509,24 @@ class Context(ContextStates):
         sequence id keeps its greedy chain until a decode of it is not greedy (each change costs a graph
         reservation: keep a sequence's kind for its life). The sequence stores no logits then (its
         ``logits()`` evaluates its last token again).
+
+        ``between()`` is called once, after the (last) ``llama_decode`` returned and before any output is
+        read. On a GPU the graph is then still running (llama.cpp waits for the device when an output is
+        read), so host work done there overlaps the device's (the engine's pipelined loop streams the
+        last step's text there); on the CPU the decode has run already. It must not use the context
+        (InvalidInputError, as from the abort callback); if it raises, the decode is undone and its
+        exception raised.
         """
         with self.critical():
             self.check_open()
             wanted = self._outputs_of(outputs)   # the caller's code runs before _plan's checks
-            try:
-                picked = list(greedy)
-            except TypeError:
-                raise InvalidInputError("greedy must be an iterable of sequences of the batch") from None
+            picked = self._greedy_of(greedy, between)
             plan, entries = self._plan(batch)
             n_outs = self._outputs(wanted, entries, plan) if wanted else None
             argmax = self._greedy(picked, entries) if picked else None
             clock = self.eval_cost.clock
             t0 = clock()
-            results = self._raw_decode(plan, copy, n_outs, argmax)
+            results = self._raw_decode(plan, copy, n_outs, argmax, between)
             self.eval_cost.observe(sum(len(p[1]) for p in plan), clock() - t0)
             out: dict[_Sequence, np.ndarray | int | list[int]] = {}
             for e, (_sid, new, _), logits in zip(entries, plan, results):
@@ -534,6 +539,17 @@ class Context(ContextStates):
                     e.logits = last if copy or logits.ndim == 2 else None
                 out[e.seq] = logits
             return out
+
+    @staticmethod
+    def _greedy_of(greedy, between) -> list:
+        """decode's ``greedy`` as a list, and ``between`` checked (before _plan's checks)."""
+        try:
+            picked = list(greedy)
+        except TypeError:
+            raise InvalidInputError("greedy must be an iterable of sequences of the batch") from None
+        if between is not None and not callable(between):
+            raise InvalidInputError("between must be a callable (or None)")
+        return picked
 
     @staticmethod
     def _greedy(picked: list, entries: list[_SeqEntry]) -> list[bool]:

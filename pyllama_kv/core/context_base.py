@@ -350,7 +350,7 @@ class ContextBase(_kv.CResource):
             self._c_update()
 
     def _raw_decode(self, plan: _Plan, copy: bool = True, n_outs: list[int] | None = None,
-                    greedy: list[bool] | None = None) -> list:
+                    greedy: list[bool] | None = None, between: Callable[[], None] | None = None) -> list:
         """Decode ``plan`` = [(seq_id, tokens, first_pos)] (validated) in as few llama_decode calls as
         n_batch allows, with one output (the last token) per entry, or the last ``n_outs[e]`` of entry
         ``e`` (validated: 1..its tokens), whose result is then an (n, n_vocab) array in position order.
@@ -358,7 +358,9 @@ class ContextBase(_kv.CResource):
         ``copy=False``: the one-row results of the last llama_decode are read-only views of llama.cpp's
         output buffer (see :meth:`decode`). ``greedy[e]``: entry ``e``'s result is its argmax token
         instead (an int; a list of them with ``n_outs``), chosen in the graph where the library can
-        (:meth:`_sample_in_graph`), else here from its logits."""
+        (:meth:`_sample_in_graph`), else here from its logits. ``between()`` runs after the last
+        llama_decode returned and before an output is read, the context refusing every call meanwhile
+        (as from its abort callback); what it raises is raised after the rollback."""
         native = self._native
         assert native is not None
         b = self._batch
@@ -373,6 +375,12 @@ class ContextBase(_kv.CResource):
                 rc = self._c_decode(b, n)
                 if rc != 0:
                     raise self._decode_error(rc)
+                if between is not None and k == len(chunks) - 1:
+                    self._guard.busy = True   # (on a GPU the graph is still running: only the host works)
+                    try:
+                        between()
+                    finally:
+                        self._guard.busy = False
                 raw = outs if in_graph is None else [o for o in outs if not in_graph[o[0]]]
                 if in_graph is not None and len(raw) < len(outs):
                     for e, bidx in outs:

@@ -43,7 +43,7 @@ class Critical:
             st.lock.release()
             raise InvalidInputError(
                 "the context is inside llama_decode: it cannot be used from its own abort callback "
-                "(or log handler) on the decoding thread")
+                "(or log handler, or decode's between) on the decoding thread")
         st.depth += 1
         if st.depth > 1:   # nested on this thread: the outer section holds Ctrl-C back already
             self.sig = None

@@ -94,14 +94,16 @@ class KVCache(Protocol):
         was counted in reserve()'s ``n_ids``; an idle prefix remembered since may hold it, and is then
         evicted. LlamaError when no id can be had."""
 
-    def decode(self, batch: dict, outputs: dict | None = None, greedy: Sequence[Hashable] = ()) -> dict:
+    def decode(self, batch: dict, outputs: dict | None = None, greedy: Sequence[Hashable] = (),
+               between: Callable[[], None] | None = None) -> dict:
         """Append ``{seq: tokens}`` in one continuous-batching step; ``{seq: logits}`` (float32,
         n_vocab) after each sequence's last token, read-only and valid only until the next decode
         (sample them first); for a sequence of ``outputs`` ``{seq: n}``, an (n, n_vocab) array: the
         logits after each of its last n tokens (a draft's verification). For a sequence of ``greedy``
         the argmax token instead (an int; with ``outputs``, a list): chosen in the graph where the
-        library can (Context.decode). Atomic: KVCacheFullError (no room, nothing changed) or another
-        LlamaError."""
+        library can (Context.decode). ``between`` is called once the decode is under way, before its
+        outputs are read (Context.decode: the engine's pipelined loop); it touches no sequence. Atomic:
+        KVCacheFullError (no room, nothing changed) or another LlamaError."""
 
     def shift(self, seq: Hashable, n_keep: int, n_discard: int) -> bool:
         """Context shift without a decode: drop positions [n_keep, n_keep + n_discard) of ``seq`` and
@@ -282,9 +284,11 @@ class ContextKV(PrefixPolicy):
         self._live += 1
         return child
 
-    def decode(self, batch: dict, outputs: dict | None = None, greedy: Sequence[Hashable] = ()) -> dict:
+    def decode(self, batch: dict, outputs: dict | None = None, greedy: Sequence[Hashable] = (),
+               between: Callable[[], None] | None = None) -> dict:
         # views of llama.cpp's output rows: the engine samples every row before its next decode
-        return self.ctx.decode(batch, copy=False, outputs=outputs, greedy=greedy)   # type: ignore[arg-type]
+        return self.ctx.decode(batch, copy=False, outputs=outputs, greedy=greedy,   # type: ignore[arg-type]
+                               between=between)
 
     @property
     def can_shift(self) -> bool:

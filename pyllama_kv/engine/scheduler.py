@@ -63,12 +63,13 @@ from ..core.context import release_thread_pool
 from ..errors import InvalidInputError, KVCacheFullError, LlamaError, QueueFullError
 from ..prefixcache.cache import shared_prefix
 from .admission import Limits, admit
-from .continuation import Continuation as _Continuation, EngineStats, default_sampler, token_logprobs
+from .continuation import Continuation as _Continuation, EngineStats, default_sampler
 from .embeddings import EmbeddingQueue, EmbeddingRequests
-from .kv import KVCache, context_kv
+from .kv import ContextKV, KVCache, context_kv
 from .request import GRAMMAR_ERROR, Event, Request, RequestHandle
 from .shift import ContextShifts
 from .speculate import SpeculativeSteps, Speculator
+from .stream import Streaming
 
 if TYPE_CHECKING:
     from ..core.context import Context
@@ -80,7 +81,7 @@ _MAX_OVERTAKES = 8     # times the head of the queue may be overtaken before eve
 _MIN_SHARED = 16       # prompt tokens shared with a prompt being evaluated that are worth waiting for
 
 
-class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
+class Engine(SpeculativeSteps, ContextShifts, Streaming, EmbeddingRequests):
     """Serve requests over one context (see the module docstring).
 
     >>> eng = Engine(model, EngineConfig(n_ctx=4096, parallel=8))
@@ -93,13 +94,19 @@ class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
                  is_eog: Callable[[int], bool] | None = None, sampler_factory=None, draft_model=None):
         self.config = config = config or EngineConfig()
         self.model = model
-        self._in_graph = _sample_in_graph(model, config, kv)   # argmax requests' tokens chosen in the graph
+        # argmax requests' tokens chosen in the graph (not when the caller draws every token itself)
+        self._in_graph = _sample_in_graph(model, config, kv, own_sampler=sampler_factory is not None)
+        # stream a step's tokens while the next step's graph runs (engine/stream.py)
+        self._pipelined = bool(getattr(model, "on_device", False)) if config.pipeline is None else config.pipeline
+        self._unsent: list = []
         self._own_ctx = None
         if kv is None:
             ctx = model.context(**config.context().context_kwargs())
             self._own_ctx = ctx
             kv = context_kv(ctx, config)
         self.kv = kv
+        # (a KV layer of the caller's own, not a context's, streams serially: its decode has no between)
+        self._pipelined = self._pipelined and isinstance(kv, ContextKV)
         self.n_ctx = kv.n_cells
         # the batch within the context: a small context shrinks the batch to fit
         self.n_batch = max(1, min(config.n_batch, self.n_ctx))
@@ -239,7 +246,7 @@ class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
 
     def has_work(self) -> bool:
         emb = self._embeddings
-        return bool(self._continuations or self._waiting or self._resume or self._inbox
+        return bool(self._continuations or self._waiting or self._resume or self._inbox or self._unsent
                     or (emb is not None and emb.has_work()))
 
     # -- the loop ------------------------------------------------------------------------------
@@ -254,6 +261,7 @@ class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
         tb = time.perf_counter()
         batch, owners, outputs = self._build_batch()
         if not batch:
+            self._send_unsent()
             return n_emb
         st = self.stats   # idle prefixes unused for limits.IDLE_PAGE_OUT_TOKENS by the end of this decode go first
         st.steps, decoded, tp = st.steps + 1, st.evaluated_tokens + st.generated_tokens, time.perf_counter()
@@ -390,6 +398,7 @@ class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
         if cancel:
             self._drain_inbox()
             self._cancel_everything(now=True)
+        self._send_unsent()
 
     def close(self) -> None:
         """Stop, cancel everything, and close the context the engine made."""
@@ -554,6 +563,8 @@ class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
                     kw: dict = {"outputs": outputs} if outputs else {}
                     if self._in_graph:   # (a sequence's kind is its request's: the graph changes rarely)
                         kw["greedy"] = [seq for seq in batch if owners[seq].req.argmax]
+                    if self._unsent:   # pipelined: streamed while the device computes (engine/stream.py)
+                        kw["between"] = self._send_unsent
                     out = self.kv.decode(batch, **kw)
                 finally:
                     dt = time.perf_counter() - t
@@ -689,21 +700,6 @@ class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
             self._finish(cont, "error" if err else "stop", error=GRAMMAR_ERROR + err if err else None)
         return logits
 
-    def _take(self, cont: _Continuation, tok: int, raw: np.ndarray | int) -> bool:
-        """Count ``tok`` as generated and stream its text (with its log-probabilities when asked);
-        whether a stop string ended the text."""
-        req = cont.req
-        cont.generated += 1
-        self.stats.generated_tokens += 1
-        req.handle.usage.completion_tokens += 1
-        text, stopped = cont.stream.feed(self._piece(tok))
-        cont.tokens.append(tok)   # (not decoded yet: pending, or the end of a finished answer)
-        lps = None
-        if req.logprobs is not None and not isinstance(raw, int):   # (an argmax request asks none)
-            lps = (token_logprobs(raw, tok, req.logprobs),)
-        self._emit(req, cont.index, text, (tok,), None, logprobs=lps)
-        return stopped
-
     def _continue(self, cont: _Continuation, tok: int) -> None:
         """``tok`` is decoded next, unless the answer reached max_tokens or the context is full and
         cannot shift ("length")."""
@@ -717,14 +713,9 @@ class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
         if len(cont.tokens) >= self.n_ctx and not (req.context_shift and self._shift(cont)):
             self._finish(cont, "length")
 
-    def _emit(self, req: Request, index: int, text: str, tokens: tuple, reason: str | None,
-              error: str | None = None, logprobs: tuple | None = None) -> None:
-        if reason is not None:
-            self.stats.finished[reason] += 1
-        req.handle.deliver(Event(req.handle.id, index, text, tuple(tokens), reason, error, logprobs))
-
     def _finish(self, cont: _Continuation, reason: str, error: str | None = None, keep: bool | None = None,
                 release: bool = True) -> None:
+        self._send_unsent()   # (what this continuation drew goes before its end)
         req = cont.req
         tail = cont.stream.flush() if reason in ("eos", "length") else ""
         comp = req.handle.completions[cont.index]
@@ -771,12 +762,15 @@ class Engine(SpeculativeSteps, ContextShifts, EmbeddingRequests):
         return default_sampler(req, index, self.context, self._seed)
 
 
-def _sample_in_graph(model, config: EngineConfig, kv: KVCache | None) -> bool:
+def _sample_in_graph(model, config: EngineConfig, kv: KVCache | None, own_sampler: bool) -> bool:
     """Whether argmax requests' tokens are chosen in the graph (``config.backend_sampling``; auto: where
-    the library can and the model's layers are on a GPU). InvalidInputError for on where it cannot."""
+    the library can and the model's layers are on a GPU; never with the caller's own sampler_factory).
+    InvalidInputError for on where it cannot."""
     want = config.backend_sampling
-    if want is False:
+    if want is False or (want is None and own_sampler):
         return False
+    if own_sampler:
+        raise InvalidInputError("backend_sampling chooses greedy tokens in the graph: not with a sampler_factory")
     lib = getattr(model, "native_library", None)
     can = lib is not None and lib.caps.backend_sampling and (kv is None or kv.context is not None)
     if want is None:

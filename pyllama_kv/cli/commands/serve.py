@@ -88,7 +88,7 @@ def register(subparsers) -> None:
                 "cache_ram", "cache_dir", "cache_dir_mib",
                 "n_batch", "type_k", "type_v", "flash_attn", "n_threads", "max_body", "body_timeout", "shutdown_grace",
                 "kv_events", "kv_events_block_size", "n_gpu_layers", "rpc", "validate", "pooling",
-                "trust_unverified", "spec", "spec_max", "draft_model", "backend_sampling",
+                "trust_unverified", "spec", "spec_max", "draft_model", "backend_sampling", "pipeline",
                 "replicas", "router", "ray_address", "replica_cpus", "replica_gpus",
                 defaults={"n_ctx": None},
                 helps={"n_ctx": "KV cache cells, shared by every request " + options.CTX_DEFAULT_HELP,
