@@ -159,3 +159,44 @@ def test_backend_sampling_on_needs_a_library_that_can(tiny_model, patched_lib, m
     with pytest.raises(pk.InvalidInputError, match="sampler_factory"):
         Engine(model, EngineConfig(n_ctx=256, parallel=2, backend_sampling=True),
                sampler_factory=lambda req, i: ((lambda logits: 6), None))
+
+
+_RESERVE_CHILD = r"""
+import resource, sys
+import numpy as np
+import pyllama_kv as pk
+
+with pk.Model(sys.argv[1], lib=sys.argv[2]) as m:
+    with m.context(n_ctx=1024, n_seq_max=4, n_batch=512, n_ubatch=512, type_k="f32", type_v="f32") as c:
+        a, b = c.new_sequence(), c.new_sequence()
+        c.decode({a: list(range(10, 18)), b: list(range(10, 18))})
+        c.decode({a: [5], b: [5]})
+        vm = [int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmSize")][0] * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (60 << 20), resource.RLIM_INFINITY))
+        c.decode({a: [6], b: [6]})   # a plain decode fits
+        try:
+            c.decode({a: [7], b: [7]}, greedy=[a])
+            print("no error")
+        except pk.DecodeError as e:
+            print("DecodeError:", e)
+        print("held", len(a), len(b))
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        logits = c.decode({a: [7], b: [7]})
+        out = c.decode({a: [8], b: [8]}, greedy=[a])   # (a and b hold the same tokens)
+        print("after", int(np.argmax(logits[a])) == int(np.argmax(logits[b])), out[a] == int(np.argmax(out[b])))
+"""
+
+
+def test_a_graph_reservation_that_cannot_allocate_fails_the_decode_only(real_model, current_lib):
+    """A greedy chain makes the next decode reserve larger graphs (a padded copy of the logits). When
+    that allocation fails, the decode fails (patches/current/0005: llama.cpp threw out of llama_decode,
+    std::terminate), nothing changed, and the context decodes again once there is memory. In a
+    subprocess: it limits its own address space just above what a plain decode needs."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _RESERVE_CHILD, str(real_model), current_lib],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "DecodeError: llama_decode failed with code -2" in r.stdout, r.stdout
+    assert "held 10 10" in r.stdout and "after True True" in r.stdout, r.stdout
