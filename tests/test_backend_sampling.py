@@ -200,3 +200,28 @@ def test_a_graph_reservation_that_cannot_allocate_fails_the_decode_only(real_mod
     assert r.returncode == 0, r.stderr[-2000:]
     assert "DecodeError: llama_decode failed with code -2" in r.stdout, r.stdout
     assert "held 10 10" in r.stdout and "after True True" in r.stdout, r.stdout
+
+
+def test_greedy_from_the_logits_keeps_them_and_a_backend_that_chooses_none_falls_back(any_pin_model):
+    """Where the logits were read (a library without sampling in the graph), the sequence keeps them;
+    where the graph chose no token (a backend without its argmax: llama.cpp accepts the chain all the
+    same), the decode fails with nothing changed and the context takes numpy's argmax from then on."""
+    m = any_pin_model
+    with m.context(n_ctx=256, n_seq_max=3, **F32) as ctx:
+        a, b = ctx.new_sequence(), ctx.new_sequence()
+        p = toks(9, seed=4)
+        out = ctx.decode({a: p, b: p}, greedy=[a])
+        if not m.native_library.caps.backend_sampling:
+            assert out[a] == int(np.argmax(out[b]))
+            assert ctx._table[a.id].logits is not None   # kept: logits() evaluates nothing again
+            np.testing.assert_allclose(a.logits(), out[b], rtol=0, atol=1e-4)
+            return
+        nat = ctx._native
+        real = nat.sampled_token
+        nat.sampled_token = lambda i: -1
+        with pytest.raises(pk.DecodeError, match="chose no token"):
+            ctx.decode({a: [7], b: [7]}, greedy=[a])
+        assert len(a) == len(b) == 9
+        nat.sampled_token = real
+        out = ctx.decode({a: [7], b: [7]}, greedy=[a])
+        assert out[a] == int(np.argmax(out[b])) and nat.sampled_ids() == frozenset()

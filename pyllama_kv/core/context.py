@@ -235,6 +235,7 @@ class Context(ContextStates):
         native.set_abort_poll(self._on_abort_poll)
         self._abort_installed = False
         self.eval_cost = EvalCost()   # what a token costs to evaluate, from the decodes (decode alone writes it)
+        self._graph_argmax = True   # greedy tokens may be chosen in the graph (false once a backend chose none)
     # -- the sequence channel: the operations behind Sequence's methods -------------------------
     # A Sequence is a handle that forwards here; each method checks the handle (InvalidInputError for
     # one closed or of another context) and the context writes cells and table together.
@@ -529,15 +530,19 @@ class Context(ContextStates):
             results = self._raw_decode(plan, copy, n_outs, argmax, between)
             self.eval_cost.observe(sum(len(p[1]) for p in plan), clock() - t0)
             out: dict[_Sequence, np.ndarray | int | list[int]] = {}
-            for e, (_sid, new, _), logits in zip(entries, plan, results):
+            for i, (e, (_sid, new, _), logits) in enumerate(zip(entries, plan, results)):
                 assert logits is not None   # every entry ends in the batch: it has an output
                 e.tokens.extend(new)
-                if not isinstance(logits, np.ndarray):   # a greedy token (or tokens)
+                if not isinstance(logits, np.ndarray):   # greedy tokens the graph chose: no logits read
                     e.logits = None
+                    out[e.seq] = logits
+                    continue
+                last = logits if logits.ndim == 1 else logits[-1]
+                e.logits = last if copy or logits.ndim == 2 else None
+                if argmax is not None and argmax[i]:   # greedy, from the logits (a library without it)
+                    out[e.seq] = int(np.argmax(last)) if logits.ndim == 1 else [int(np.argmax(r)) for r in logits]
                 else:
-                    last = logits if logits.ndim == 1 else logits[-1]
-                    e.logits = last if copy or logits.ndim == 2 else None
-                out[e.seq] = logits
+                    out[e.seq] = logits
             return out
 
     @staticmethod

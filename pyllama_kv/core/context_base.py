@@ -357,8 +357,8 @@ class ContextBase(_kv.CResource):
         On failure every entry's new positions are removed and the mapped exception is raised.
         ``copy=False``: the one-row results of the last llama_decode are read-only views of llama.cpp's
         output buffer (see :meth:`decode`). ``greedy[e]``: entry ``e``'s result is its argmax token
-        instead (an int; a list of them with ``n_outs``), chosen in the graph where the library can
-        (:meth:`_sample_in_graph`), else here from its logits. ``between()`` runs after the last
+        instead (an int; a list of them with ``n_outs``) where the graph chose it
+        (:meth:`_sample_in_graph`), else its logits as usual. ``between()`` runs after the last
         llama_decode returned and before an output is read, the context refusing every call meanwhile
         (as from its abort callback); what it raises is raised after the rollback."""
         native = self._native
@@ -403,9 +403,8 @@ class ContextBase(_kv.CResource):
         out: list = []
         for e, r in enumerate(rows_of):
             many = n_outs is not None and n_outs[e] > 1
-            if greedy is not None and greedy[e]:
-                toks = r if in_graph is not None and in_graph[e] else [int(np.argmax(x)) for x in r]
-                out.append(toks if many else toks[0])
+            if in_graph is not None and in_graph[e]:
+                out.append(r if many else r[0])
             else:
                 out.append((r[0] if len(r) == 1 and not many else np.stack(r)) if r else None)
         return out
@@ -420,6 +419,10 @@ class ContextBase(_kv.CResource):
         native = self._native
         assert native is not None
         has = native.sampled_ids()
+        if not self._graph_argmax:   # this backend chose no token once: its chains come off, numpy decides
+            for sid in has:
+                native.set_sampler(sid, None)
+            return None
         if not has and not greedy:
             return None
         n_vocab = self.model.n_vocab
@@ -438,8 +441,9 @@ class ContextBase(_kv.CResource):
         assert self._native is not None
         tok = self._native.sampled_token(bidx)
         if not 0 <= tok < self.model.n_vocab:
+            self._graph_argmax = False   # (later decodes take numpy's argmax)
             raise DecodeError(f"the greedy sampler in the graph chose no token (got {tok}): this backend cannot "
-                              "sample in the graph; turn backend sampling off")
+                              "sample in the graph, so this context no longer tries; nothing was changed")
         return tok
 
     def _decode_error(self, rc: int) -> BaseException:
