@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import socket
 import subprocess
 import sys
@@ -330,6 +331,9 @@ def main(argv=None) -> int:
                     help="the llama-server (default: the patched build's)")
     ap.add_argument("--flash-attn", default="auto", choices=("on", "off", "auto"),
                     help="flash attention for every server (default auto: on where the model's layers are on a GPU)")
+    ap.add_argument("--serve-args", default="", metavar="FLAGS",
+                    help="more flags for our servers (patched, vanilla, ours-current), e.g. "
+                         "\"--backend-sampling on --pipeline on\"")
     ap.add_argument("--json", action="store_true", help="compact JSON")
     args = ap.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -372,6 +376,8 @@ def main(argv=None) -> int:
         for name in only:
             port = free_port()
             cmd = server_cmd(name, model_path, port, n_ctx, clients, args.threads, n_batch, ngl, libs, fa)
+            if name in ("patched", "vanilla", "ours-current"):   # our servers' extra flags
+                cmd += shlex.split(args.serve_args)
             print(f"{name}: starting {' '.join(cmd)}", file=sys.stderr)
             t0 = time.perf_counter()
             srv = Server(name, cmd, port, Path(tmp))
