@@ -529,21 +529,27 @@ class Context(ContextStates):
             t0 = clock()
             results = self._raw_decode(plan, copy, n_outs, argmax, between)
             self.eval_cost.observe(sum(len(p[1]) for p in plan), clock() - t0)
-            out: dict[_Sequence, np.ndarray | int | list[int]] = {}
-            for i, (e, (_sid, new, _), logits) in enumerate(zip(entries, plan, results)):
-                assert logits is not None   # every entry ends in the batch: it has an output
-                e.tokens.extend(new)
-                if not isinstance(logits, np.ndarray):   # greedy tokens the graph chose: no logits read
-                    e.logits = None
-                    out[e.seq] = logits
-                    continue
-                last = logits if logits.ndim == 1 else logits[-1]
-                e.logits = last if copy or logits.ndim == 2 else None
-                if argmax is not None and argmax[i]:   # greedy, from the logits (a library without it)
-                    out[e.seq] = int(np.argmax(last)) if logits.ndim == 1 else [int(np.argmax(r)) for r in logits]
-                else:
-                    out[e.seq] = logits
-            return out
+            return self._decoded(entries, plan, results, copy, argmax)
+
+    @staticmethod
+    def _decoded(entries: list[_SeqEntry], plan: _Plan, results: list, copy: bool,
+                 argmax: list[bool] | None) -> dict[_Sequence, np.ndarray | int | list[int]]:
+        """decode's table update (each entry's tokens and stored logits) and its result."""
+        out: dict[_Sequence, np.ndarray | int | list[int]] = {}
+        for i, (e, (_sid, new, _), logits) in enumerate(zip(entries, plan, results)):
+            assert logits is not None   # every entry ends in the batch: it has an output
+            e.tokens.extend(new)
+            if not isinstance(logits, np.ndarray):   # greedy tokens the graph chose: no logits read
+                e.logits = None
+                out[e.seq] = logits
+                continue
+            last = logits if logits.ndim == 1 else logits[-1]
+            e.logits = last if copy or logits.ndim == 2 else None
+            if argmax is not None and argmax[i]:   # greedy, from the logits (a library without it)
+                out[e.seq] = int(np.argmax(last)) if logits.ndim == 1 else [int(np.argmax(r)) for r in logits]
+            else:
+                out[e.seq] = logits
+        return out
 
     @staticmethod
     def _greedy_of(greedy, between) -> list:
