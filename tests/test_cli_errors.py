@@ -58,6 +58,8 @@ def test_user_errors_exit_1_with_one_line(capsys, tiny_model, tmp_path):
         (["run", str(tiny_model), "-p", "x", "--ctx", "100000"], "larger than the model supports"),  # CLIError
         (["run", str(tiny_model), "-p", "x", "--lib", str(tmp_path / "nope.so")], "does not exist"),  # LibraryError
         (["run", str(tiny_model), "-p", "x", "-ngl", "-2"], "n_gpu_layers must be an int >= -1"),  # InvalidInputError
+        # the mission pin cannot sample in the graph: said at start, naming the flag
+        (["serve", str(tiny_model), "--port", "0", "--backend-sampling", "on"], "--backend-sampling: backend_"),
     ]
     for argv, msg in cases:
         rc, lines, _ = _run(capsys, argv)

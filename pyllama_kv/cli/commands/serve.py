@@ -106,10 +106,11 @@ def _open_engine(model, ecfg, args):
     set_phase("creating the context")
     try:
         return Engine(model, ecfg, draft_model=draft), draft
-    except InvalidInputError as exc:   # a draft model of another vocabulary
+    except InvalidInputError as exc:   # a draft model of another vocabulary; sampling in the graph refused
         if draft is not None:
             draft.close()
-        raise CLIError(f"--draft-model: {exc}") from None
+        flag = "--backend-sampling" if "backend_sampling" in str(exc) else "--draft-model"
+        raise CLIError(f"{flag}: {exc}") from None
 
 
 def _model_names(spec: str, path: Path) -> list[str]:
