@@ -52,7 +52,7 @@ tests/test_tier_exactness.py tests/test_prefix_tier.py tests/test_engine.py test
 tests/test_admission.py tests/test_api.py tests/test_server.py tests/test_context_shift.py tests/test_hardening.py
 tests/test_penalties.py tests/test_prefix_rule.py tests/test_disk_tier.py tests/test_grammar_hardening.py
 tests/test_constrained.py tests/test_conversation.py tests/test_tool_calls.py tests/test_utility_endpoints.py
-tests/test_openai_surface.py tests/test_gguf_validation.py tests/test_page_out_rule.py"
+tests/test_openai_surface.py tests/test_gguf_validation.py tests/test_page_out_rule.py tests/test_pipeline.py"
 while [ $# -gt 0 ]; do
     case "$1" in
         --src) SRC=${2:?}; shift 2 ;;
