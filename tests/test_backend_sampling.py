@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_pipeline import run
+from test_speculation import same
 
 import pyllama_kv as pk
 from conftest import F32, toks
 from pyllama_kv._native.sampler import NativeSampler
-from pyllama_kv.engine import GREEDY, Engine, EngineConfig, SamplingParams
+from pyllama_kv.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -110,38 +112,20 @@ def test_decode_greedy_is_checked_before_anything_changes(any_pin_model):
         assert len(a) == 5 and len(b) == 0
 
 
-def mixed_run(model, backend: bool, spec: str = "none", oracle=None):
-    """Greedy, greedy n=2, seeded, penalised and logprobs requests in one engine (their rows share
-    batches); each continuation's tokens, text and finish reason, and the contexts."""
-    from test_speculation import oracle_drafts
-
-    cfg = EngineConfig(n_ctx=1024, parallel=8, spec=spec, backend_sampling=backend, **F32)
-    cases = [(GREEDY, 1, {}), (GREEDY, 2, {}), (SamplingParams(temperature=0.9, top_k=20, seed=5), 1, {}),
-             (SamplingParams(temperature=0.0, repeat_penalty=1.3), 1, {}), (GREEDY, 1, {"logprobs": 2}),
-             (GREEDY, 1, {"stop": ["e"]})]
-    with Engine(model, cfg) as e:
-        if oracle is not None:
-            oracle_drafts(e, oracle, wrong=0.1)
-        hs = [e.submit(toks(20 + 5 * i, seed=i), p, max_tokens=30, n=n, **kw) for i, (p, n, kw) in enumerate(cases)]
-        e.run_until_idle()
-        in_graph = e.context._native.sampled_ids()
-        done = [h.result() for h in hs]
-    got = [[(c.tokens, c.text, c.finish_reason, c.logprobs is None) for c in r] for r in done]
-    return got, [c.context_tokens for r in done for c in r], in_graph, e
-
-
 def test_the_engine_s_output_is_the_same_with_backend_sampling(model):
-    want, contexts, none, _ = mixed_run(model, False)
-    got, contexts2, in_graph, _ = mixed_run(model, True)
-    assert got == want and contexts2 == contexts
-    assert none == frozenset() and in_graph   # (the argmax requests' sequences had greedy chains)
+    """Greedy, n=2, seeded, penalised, logprobs and stop-string requests in one engine (test_pipeline's
+    load), with sampling in the graph off and on."""
+    off, on = run(model, backend=False), run(model, backend=True)
+    assert on.got == off.got and on.contexts == off.contexts
+    assert off.in_graph == frozenset() and on.in_graph   # (the argmax requests' sequences had greedy chains)
 
 
 def test_drafts_of_an_argmax_request_are_verified_from_the_graph_s_tokens(model):
-    want, contexts, _, _ = mixed_run(model, False)
-    got, _, in_graph, e = mixed_run(model, True, spec="ngram", oracle=contexts)
-    assert got == want and in_graph
-    st = e.stats.spec
+    off = run(model, backend=False)
+    on = run(model, spec="ngram", backend=True, oracle=off.contexts)
+    # (the logprobs request's rows come from other batch shapes with drafts: within 1e-4)
+    assert same(on.got, off.got) and on.in_graph
+    st = on.engine.stats.spec
     assert st.accepted > 0 and st.drafted > st.accepted
 
 

@@ -6,6 +6,8 @@ reasons and per-continuation event order as the serial loop, on both pins (F32),
 the graph, drafts, stop strings, n=2 and cancellation."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 
 import pyllama_kv as pk
@@ -66,10 +68,19 @@ def test_between_cannot_use_the_context_and_its_error_undoes_the_decode(model):
         a.extend([5, 6])   # (the context works on)
 
 
-def run(model, pipeline: bool, spec: str = "none", backend: bool = False, oracle=None):
-    """Mixed requests in one engine; per continuation its events' (tokens, text, finish), and how many
-    token events were delivered from inside a decode (the pipelined stream). ``oracle``: the contexts
-    of a run without drafts, drafted from with wrong tokens put in (test_speculation's oracle)."""
+class Run(NamedTuple):
+    got: list          # per request, per continuation: (tokens, text, finish reason, logprobs)
+    events: list       # per continuation, sorted: its events' (tokens, text, finish reason)
+    inside: int        # token events delivered from inside a decode (the pipelined stream)
+    engine: Engine
+    contexts: list     # each continuation's context tokens
+    in_graph: frozenset   # the sequence ids with a greedy chain in the graph at the end
+
+
+def run(model, pipeline: bool | None = False, spec: str = "none", backend: bool = False, oracle=None) -> Run:
+    """Greedy, greedy n=2, seeded, stop-string, logprobs and penalised requests in one engine (their
+    rows share batches; also tests/test_backend_sampling.py's load). ``oracle``: the contexts of a run
+    without drafts, drafted from with wrong tokens put in (test_speculation's oracle)."""
     from test_speculation import oracle_drafts
 
     cfg = EngineConfig(n_ctx=1024, parallel=8, spec=spec, pipeline=pipeline, backend_sampling=backend, **F32)
@@ -92,18 +103,19 @@ def run(model, pipeline: bool, spec: str = "none", backend: bool = False, oracle
         e.run_until_idle()
         done = [h.result() for h in hs]
         assert not e._unsent and not e.has_work()
+        in_graph = e.context._native.sampled_ids()
     got = [[(c.tokens, c.text, c.finish_reason, c.logprobs) for c in r] for r in done]
     contexts = [c.context_tokens for r in done for c in r]
-    return got, sorted(events.values()), inside[0], e, contexts
+    return Run(got, sorted(events.values()), inside[0], e, contexts, in_graph)
 
 
 @pytest.mark.parametrize("spec,backend", [("none", False), ("none", True), ("ngram", False)])
 def test_the_pipelined_loop_gives_the_serial_loop_s_output(model, spec, backend):
     if backend and not model.native_library.caps.backend_sampling:
         pytest.skip("sampling in the graph: the current pin")
-    oracle = run(model, False)[4] if spec != "none" else None
-    want, want_events, none_inside, _, _ = run(model, False, spec, backend, oracle)
-    got, got_events, inside, e, _ = run(model, True, spec, backend, oracle)
+    oracle = run(model, False).contexts if spec != "none" else None
+    want, want_events, none_inside, _, _, _ = run(model, False, spec, backend, oracle)
+    got, got_events, inside, e, _, _ = run(model, True, spec, backend, oracle)
     assert got == want and got_events == want_events
     assert none_inside == 0 and inside > 0   # streamed from inside the next decode, pipelined only
     assert e.stats.generated_tokens == sum(len(c[0]) for r in got for c in r)
