@@ -508,8 +508,8 @@ class Context(ContextStates):
         (``caps.backend_sampling``: the current pin) the argmax is taken there and only the token comes
         back, on a GPU no logits row at all; else it is numpy's argmax of the logits. In the graph a
         sequence id keeps its greedy chain until a decode of it is not greedy (each change costs a graph
-        reservation: keep a sequence's kind for its life). The sequence stores no logits then (its
-        ``logits()`` evaluates its last token again).
+        reservation: keep a sequence's kind for its life). A sequence whose token the graph chose stores
+        no logits (its ``logits()`` evaluates its last token again); one whose logits were read keeps them.
 
         ``between()`` is called once, after the (last) ``llama_decode`` returned and before any output is
         read. On a GPU the graph is then still running (llama.cpp waits for the device when an output is

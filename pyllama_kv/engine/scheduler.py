@@ -96,8 +96,6 @@ class Engine(SpeculativeSteps, ContextShifts, Streaming, EmbeddingRequests):
         self.model = model
         # argmax requests' tokens chosen in the graph (not when the caller draws every token itself)
         self._in_graph = _sample_in_graph(model, config, kv, own_sampler=sampler_factory is not None)
-        # stream a step's tokens while the next step's graph runs (engine/stream.py)
-        self._pipelined = bool(getattr(model, "on_device", False)) if config.pipeline is None else config.pipeline
         self._unsent: list = []
         self._own_ctx = None
         if kv is None:
@@ -105,8 +103,10 @@ class Engine(SpeculativeSteps, ContextShifts, Streaming, EmbeddingRequests):
             self._own_ctx = ctx
             kv = context_kv(ctx, config)
         self.kv = kv
-        # (a KV layer of the caller's own, not a context's, streams serially: its decode has no between)
-        self._pipelined = self._pipelined and isinstance(kv, ContextKV)
+        # stream a step's tokens while the next step's graph runs (engine/stream.py); a KV layer of the
+        # caller's own, not a context's, streams serially (its decode has no between)
+        auto = bool(getattr(model, "on_device", False))
+        self._pipelined = isinstance(kv, ContextKV) and (auto if config.pipeline is None else config.pipeline)
         self.n_ctx = kv.n_cells
         # the batch within the context: a small context shrinks the batch to fit
         self.n_batch = max(1, min(config.n_batch, self.n_ctx))
