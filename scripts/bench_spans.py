@@ -8,7 +8,9 @@ truncating the sequence to its prefix. Medians of ``--repeat`` runs; the ratio i
 
 ``--interleave N`` adds what a server's page-out meets: N sequences generate ``--span`` tokens
 (at most 256) one step at a time, so each one's cells alternate with the others' (one cell range per
-token); the snapshot of one of them, and its restore, per token. ``--flash-attn off,on`` runs each
+token); the snapshot of one of them, and its restore, per token; and the same snapshot with
+patch 0019's gather off (``LLAMA_STATE_IO_GATHER=0``, alternating: on a device cache the cells are
+then read in windows, patch 0016; on the CPU both read host memory in place). ``--flash-attn off,on`` runs each
 setting (without flash attention the V cache is transposed: a V row per cell range to copy).
 
     .venv/bin/python scripts/bench_spans.py --json
@@ -16,7 +18,9 @@ setting (without flash attention the V cache is transposed: a V row per cell ran
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,7 +50,7 @@ def interleaved(model, prefix: int, span: int, n: int, repeat: int, threads: int
     rng = np.random.default_rng(1)
     k = min(span, 256)
     toks = [int(t) for t in rng.integers(10, min(model.n_vocab, 30000), prefix + k)]
-    snaps, restores = [], []
+    snaps, restores, windows = [], [], []
     with model.context(n_ctx=prefix + n * k + k + 16, n_seq_max=n + 1, n_batch=512, n_threads=threads,
                        flash_attn=fa) as ctx:
         root = ctx.new_sequence()
@@ -56,14 +60,45 @@ def interleaved(model, prefix: int, span: int, n: int, repeat: int, threads: int
             ctx.decode({s: [toks[prefix + i]] for s in seqs})
         s = seqs[0]
         s.logits()
-        for _ in range(repeat):
-            t_snap, t_restore, _ = round_trip(s, prefix)
-            snaps.append(t_snap)
-            restores.append(t_restore)
+        graphs0 = gather_graphs(ctx)
+        for _ in range(repeat):   # a snapshot only reads: the cells stay interleaved
+            snaps.append(timed(lambda: s.snapshot(prefix)))
+            with state_gather_off():   # the same snapshot without patch 0019's gather, alternating
+                windows.append(timed(lambda: s.snapshot(prefix)))
+        graphs = gather_graphs(ctx) - graphs0
+        for _ in range(repeat):   # a restore fills free cells from a compact span, wherever it came from
+            restores.append(round_trip(s, prefix)[1])
     med = statistics.median
     return {"interleaved_sequences": n, "interleaved_tokens": k,
             "interleaved_snapshot_ms_per_token": round(1e3 * med(snaps) / k, 4),
+            "interleaved_snapshot_without_gather_ms_per_token": round(1e3 * med(windows) / k, 4),
+            "interleaved_gather_graphs_per_snapshot": round(graphs / repeat, 1),
             "interleaved_restore_ms_per_token": round(1e3 * med(restores) / k, 4)}
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def gather_graphs(ctx) -> int:
+    """Graphs patch 0019 computed to gather cells for state writes in ``ctx`` (0 where it is absent)."""
+    return ctx._native.stats().get("n_state_gather_graphs", 0) if ctx.caps.stats else 0
+
+
+@contextlib.contextmanager
+def state_gather_off():
+    """LLAMA_STATE_IO_GATHER=0 while inside: patch 0019 reads it at each state write."""
+    old = os.environ.get("LLAMA_STATE_IO_GATHER")
+    os.environ["LLAMA_STATE_IO_GATHER"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["LLAMA_STATE_IO_GATHER"]
+        else:
+            os.environ["LLAMA_STATE_IO_GATHER"] = old
 
 
 def measure(name: str, prefix: int, span: int, repeat: int, threads: int | None, fa: bool = False,
@@ -122,7 +157,8 @@ def main() -> int:
                   f"{r['snapshot_ms_per_token']:.4f} ms/token; {r['span_bytes'] / 2**20:.1f} MiB for "
                   f"{r['span_tokens']} tokens" + (
                       f"; interleaved among {r['interleaved_sequences']}: snapshot "
-                      f"{r['interleaved_snapshot_ms_per_token']:.4f}, restore "
+                      f"{r['interleaved_snapshot_ms_per_token']:.4f} ({r['interleaved_gather_graphs_per_snapshot']} "
+                      f"gather graphs; without: {r['interleaved_snapshot_without_gather_ms_per_token']:.4f}), restore "
                       f"{r['interleaved_restore_ms_per_token']:.4f} ms/token" if "interleaved_sequences" in r else ""))
     return 0
 

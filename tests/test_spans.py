@@ -203,6 +203,62 @@ def test_the_windowed_state_reads_give_the_same_bytes(tiny_model, patched_lib):
     assert runs[0] == runs[1] and len(runs[0]) == 2
 
 
+GATHER_CODE = """
+import hashlib, json, sys
+import numpy as np
+import pyllama_kv as pk
+out = {}
+with pk.Model(sys.argv[1], lib=sys.argv[2]) as m:
+    for name, cfg in json.loads(sys.argv[3]).items():
+        with m.context(n_ctx=256, n_seq_max=5, **cfg) as ctx:
+            root = ctx.new_sequence()
+            root.extend([(7 * i) % (m.n_vocab - 3) + 3 for i in range(9)])
+            seqs = [root.fork() for _ in range(4)]
+            for step in range(12):   # interleaved: each sequence's cells alternate with the others'
+                ctx.decode({s: [(11 * step + 5 * k) % (m.n_vocab - 3) + 3] for k, s in enumerate(seqs)})
+            a = seqs[1]
+            spans = [a.snapshot(4), a.snapshot(0), root.snapshot(0), a.snapshot(10, 15)]
+            graphs = ctx._native.stats()["n_state_gather_graphs"]
+            before = a.export_state().data
+            a.truncate(4)
+            a.restore(spans[0])
+            assert a.export_state().data == before
+            got = ctx.decode({s: [5 + k] for k, s in enumerate(seqs)})   # after the gathers' graphs
+            out[name] = {"spans": [hashlib.sha256(bytes(s.data)).hexdigest() for s in spans], "graphs": graphs,
+                         "next": hashlib.sha256(b"".join(np.asarray(got[s]).tobytes() for s in seqs)).hexdigest()}
+print(json.dumps(out))
+"""
+
+
+def test_the_gathered_state_reads_give_the_same_bytes(tiny_model, patched_lib):
+    """Patch 0019 gathers a sequence's cells on the device (get_rows graphs) before one copy per layer.
+    Forced on host memory (LLAMA_STATE_IO_GATHER=1) it writes the same span bytes as the plain read,
+    for F32 and F16 caches with V transposed and not, for an interleaved sequence, its prefix, a shared
+    root and a middle range: in one graph per snapshot, chunked into many (a 300-byte bound), and when
+    the third graph of each snapshot fails to allocate (the rest read as before). The decode after the
+    gathers gives the same logits, bit for bit (no cell moved); on host memory the default reads in
+    place (no graph)."""
+    cfgs = {k: CONFIGS[k] for k in ("f32", "f32-fa", "f16", "f16-fa")}
+    runs = {}
+    for name, env in (("plain", {}), ("one graph", {"LLAMA_STATE_IO_GATHER": "1"}),
+                      ("chunked", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300"}),
+                      ("failing", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300",
+                                   "LLAMA_STATE_IO_GATHER_TEST_FAIL": "2"})):
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_STATE_IO_GATHER")}
+        r = run_py(["-c", GATHER_CODE, str(tiny_model), patched_lib, json.dumps(cfgs)], env={**clean, **env})
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    plain = runs["plain"]
+    for name, run in runs.items():
+        for cfg in cfgs:
+            assert run[cfg]["spans"] == plain[cfg]["spans"], (name, cfg)
+            assert run[cfg]["next"] == plain[cfg]["next"], (name, cfg)
+    graphs = {name: [run[cfg]["graphs"] for cfg in cfgs] for name, run in runs.items()}
+    assert graphs["plain"] == [0] * 4 and graphs["one graph"] == [4] * 4, graphs
+    assert graphs["failing"] == [2 * 4] * 4, graphs   # two graphs of each of the 4 snapshots, then the reads
+    assert min(graphs["chunked"]) > 4 * 3, graphs
+
+
 def test_a_span_read_by_range_equals_the_span_cut_from_the_whole_state(model, ctx):
     """Patch 0017 (current/0003 on the current library) reads only the span's cells; the bytes equal
     those cut out of the whole sequence's state, for cells in position order and for cells that

@@ -411,7 +411,8 @@ class NativeContext:
         s = self.L.llama_kv_self_stats(self.ptr)
         return {k: int(getattr(s, k)) for k in ("n_cells", "used_cells", "n_defrags", "n_defrag_moves",
                                                  "n_defrag_cells", "n_defrag_graphs", "n_slot_retries",
-                                                 "n_slot_failures", "t_defrag_us", "n_defrag_nodes")}
+                                                 "n_slot_failures", "t_defrag_us", "n_defrag_nodes",
+                                                 "n_state_gather_graphs")}
 
     # -- sequence states
 

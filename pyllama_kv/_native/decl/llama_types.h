@@ -178,4 +178,5 @@ struct llama_kv_stats {
     uint64_t n_slot_failures;
     uint64_t t_defrag_us;
     uint64_t n_defrag_nodes;
+    uint64_t n_state_gather_graphs;
 };
