@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import run_py
+from conftest import DEVICE_RUN, run_py
 from pyllama_kv.tools.gguf import make_tiny_model
 
 CONFIGS = {"f32": dict(type_k="f32", type_v="f32", flash_attn=False),
@@ -208,7 +208,7 @@ import hashlib, json, sys
 import numpy as np
 import pyllama_kv as pk
 out = {}
-with pk.Model(sys.argv[1], lib=sys.argv[2]) as m:
+with pk.Model(sys.argv[1], None if sys.argv[4] == "all" else int(sys.argv[4]), lib=sys.argv[2]) as m:
     for name, cfg in json.loads(sys.argv[3]).items():
         with m.context(n_ctx=256, n_seq_max=5, **cfg) as ctx:
             root = ctx.new_sequence()
@@ -216,7 +216,7 @@ with pk.Model(sys.argv[1], lib=sys.argv[2]) as m:
             seqs = [root.fork() for _ in range(4)]
             for step in range(12):   # interleaved: each sequence's cells alternate with the others'
                 ctx.decode({s: [(11 * step + 5 * k) % (m.n_vocab - 3) + 3] for k, s in enumerate(seqs)})
-            a = seqs[1]
+            a = seqs[1]   # 13 cell ranges from position 0, 12 from 4
             spans = [a.snapshot(4), a.snapshot(0), root.snapshot(0), a.snapshot(10, 15)]
             graphs = ctx._native.stats()["n_state_gather_graphs"]
             before = a.export_state().data
@@ -237,17 +237,27 @@ def test_the_gathered_state_reads_give_the_same_bytes(tiny_model, patched_lib):
     root and a middle range: in one graph per snapshot, chunked into many (a 300-byte bound), and when
     the third graph of each snapshot fails to allocate (the rest read as before). The decode after the
     gathers gives the same logits, bit for bit (no cell moved); on host memory the default reads in
-    place (no graph)."""
+    place (no graph). On a device run also a model with one layer on the device and one in host memory,
+    by the default rule: the device layer's cells gathered, the host layer's read in place."""
     cfgs = {k: CONFIGS[k] for k in ("f32", "f32-fa", "f16", "f16-fa")}
-    runs = {}
-    for name, env in (("plain", {}), ("one graph", {"LLAMA_STATE_IO_GATHER": "1"}),
-                      ("chunked", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300"}),
-                      ("failing", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300",
-                                   "LLAMA_STATE_IO_GATHER_TEST_FAIL": "2"})):
+
+    def run(env: dict, ngl: str = "all") -> dict:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_STATE_IO_GATHER")}
-        r = run_py(["-c", GATHER_CODE, str(tiny_model), patched_lib, json.dumps(cfgs)], env={**clean, **env})
+        r = run_py(["-c", GATHER_CODE, str(tiny_model), patched_lib, json.dumps(cfgs), ngl], env={**clean, **env})
         assert r.returncode == 0, r.stderr[-2000:]
-        runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    if DEVICE_RUN:
+        half = {name: run(env, ngl="1") for name, env in (("plain", {"LLAMA_STATE_IO_GATHER": "0"}), ("default", {}))}
+        for cfg in cfgs:
+            assert half["default"][cfg]["spans"] == half["plain"][cfg]["spans"], cfg
+            assert half["default"][cfg]["graphs"] > 0 and half["plain"][cfg]["graphs"] == 0, cfg
+    runs = {name: run(env) for name, env in (
+        ("plain", {} if not DEVICE_RUN else {"LLAMA_STATE_IO_GATHER": "0"}),
+        ("one graph", {"LLAMA_STATE_IO_GATHER": "1"}),
+        ("chunked", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300"}),
+        ("failing", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300",
+                     "LLAMA_STATE_IO_GATHER_TEST_FAIL": "2"}))}
     plain = runs["plain"]
     for name, run in runs.items():
         for cfg in cfgs:
