@@ -122,18 +122,20 @@ def pyllama_kv_cmd() -> list[str]:
 def server_cmd(name: str, model: Path, port: int, n_ctx: int, clients: int, threads: int, n_batch: int,
                ngl: int = 0, libs: dict | None = None, flash_attn: bool = False) -> list[str]:
     """The command of server ``name``; ``ngl``: layers on the GPU (-1: all) for every server;
-    ``libs``: a path for "patched", "vanilla" or "llama-server" instead of the build's;
+    ``libs``: a path for "patched", "vanilla", "llama-server", "ours-current" (a library) or "current" (a
+    llama-server) instead of the build's;
     ``flash_attn``: the same setting for every server."""
     libs = libs or {}
     if name == "current":   # the current llama-server (build --peer): one unified cache, -fa takes a value
-        exe = find_peer_server()
+        exe = libs.get("current") or find_peer_server()
         assert exe is not None
         return [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx),
                 "-np", str(clients), "-kvu", "-t", str(threads), "-tb", str(threads), "-b", str(n_batch),
                 "-ub", str(n_batch), "-ngl", str(999 if ngl < 0 else ngl), "--metrics", "--no-webui",
                 "-fa", "on" if flash_attn else "off"]
+    lib = libs.get(name) or name
     if name == "ours-current":
-        name = "current"   # pyllama-kv serve on the current library
+        lib = libs.get(name) or "current"   # pyllama-kv serve on the current library
     if name == "llama-server":
         return [libs.get(name) or str(llama_server_path()), "-m", str(model), "--host", "127.0.0.1",
                 "--port", str(port),
@@ -142,7 +144,7 @@ def server_cmd(name: str, model: Path, port: int, n_ctx: int, clients: int, thre
                 "--no-webui", *(["-fa"] if flash_attn else [])]
     return [*pyllama_kv_cmd(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--ctx", str(n_ctx),
             "--parallel", str(clients), "--threads", str(threads), "--batch", str(n_batch), "-ngl", str(ngl),
-            "--lib", libs.get(name) or name, "--flash-attn", "on" if flash_attn else "off"]
+            "--lib", lib, "--flash-attn", "on" if flash_attn else "off"]
 
 
 class Server:
@@ -329,6 +331,10 @@ def main(argv=None) -> int:
                     help="the libllama of `patched` (default: the build's)")
     ap.add_argument("--llama-server", default=None, metavar="PATH",
                     help="the llama-server (default: the patched build's)")
+    ap.add_argument("--current-lib", default=None, metavar="PATH",
+                    help="the libllama of `ours-current` (default: the current pin's build)")
+    ap.add_argument("--current-server", default=None, metavar="PATH",
+                    help="the llama-server of `current` (default: the peer build's)")
     ap.add_argument("--flash-attn", default="auto", choices=("on", "off", "auto"),
                     help="flash attention for every server (default auto: on where the model's layers are on a GPU)")
     ap.add_argument("--serve-args", default="", metavar="FLAGS",
@@ -348,11 +354,13 @@ def main(argv=None) -> int:
     n_batch = 512
 
     model_path = catalogue.resolve(args.model)
-    libs = {"patched": args.patched_lib, "llama-server": args.llama_server}
-    if "current" in only and find_peer_server() is None:
+    libs = {"patched": args.patched_lib, "llama-server": args.llama_server, "ours-current": args.current_lib,
+            "current": args.current_server}
+    if "current" in only and not args.current_server and find_peer_server() is None:
         print("current: building the peer llama-server (`pyllama-kv build --peer`) ...", file=sys.stderr)
         build_peer(log=lambda m: print(m, file=sys.stderr))
-    with pk.Model(model_path, args.n_gpu_layers, lib=args.patched_lib) as model:
+    mission = any(s in only for s in ("patched", "vanilla", "llama-server"))
+    with pk.Model(model_path, args.n_gpu_layers, lib=args.patched_lib if mission else args.current_lib) as model:
         ngl = model.n_gpu_layers
         fa = model.on_gpu if args.flash_attn == "auto" else args.flash_attn == "on"
         systems = [system_prompt(model, args.seed + k, sys_tokens) for k in (0, 1)]

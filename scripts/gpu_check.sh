@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run: build the patched tree with CUDA, run the suite's core on that library with every layer
+# The GPU run: build a pin's patched tree with CUDA, run the suite's core on that library with every layer
 # offloaded (pk.Model's default on a GPU library), then the GPU benchmarks on a timing model with
 # Llama-3-8B shapes (scripts/make_timing_model.py). Made for a machine with a GPU, no network and
 # minutes, not hours: every step has a time bound inside one overall deadline, and what each step
@@ -10,31 +10,40 @@
 # in --wheels when the machine has no network). The source is a patched tree: vendor/llama.cpp, or
 # a copy trimmed to what the build reads (--src; docs/gpu.md says how to make one).
 #
-# Usage: scripts/gpu_check.sh [--src DIR] [--build DIR] [--backend cuda|cpu] [--cuda-arch N]
+# Usage: scripts/gpu_check.sh [--pin mission|current] [--src DIR] [--build DIR] [--backend cuda|cpu] [--cuda-arch N]
 #                             [--wheels DIR] [--deadline SECONDS] [--tests "FILE ..."] [--workers N]
 #                             [--results DIR] [--no-tests] [--no-bench] [--bench "NAME ..."] [--bench-first] [--quick]
 #                             [--server-loads "8 32"]
+#   --pin current  the current llama.cpp (vendor/llama.cpp-current with patches/current; default: the
+#                  mission pin): its tests are the suites that run on both pins and the backend-sampling
+#                  ones; the server benchmark is ours on it (sampling in the graph, --serve-args) against
+#                  its own llama-server, the binding benchmark has the engine_bs_* rows, no defrag. Give
+#                  it first: --pack and the defaults of --src, --build, --tests and --bench follow it
 #   --bench        the benchmarks to run, in this order, of: server spans binding defrag (default all);
 #                  "tests" in the list runs the tests at that point
 #   --bench-first  the benchmarks before the tests (when the device time is short)
-#   --server-loads the server loads to run, by clients: 8 (16 requests), 32 (64 requests); default both
+#   --server-loads the server loads to run, by clients: 8 (16 requests), 32 (64 requests), 64 (128
+#                  requests); default "8 32"
 #   --backend cpu  the same run on a CPU build (a dry run of this script on a machine without a GPU)
 #   --quick        small benchmark sizes (a dry run)
 #   --fetch-wheels DIR  download, for the GPU machine's Python (3.12, manylinux x86-64), the wheels of
 #                  the packages its image lacks, at the versions .venv has, into DIR and exit
-#   --pack DIR     write a copy of vendor/llama.cpp trimmed to what the build reads (about 16 MiB
-#                  instead of 87: no models, docs, tests, Python converters or unused backends)
-#                  into DIR and exit; `--src DIR` builds from it on the GPU machine
+#   --pack DIR     write a copy of the pin's tree trimmed to what the build reads (the mission pin's:
+#                  about 16 MiB instead of 87: no models, docs, tests, Python converters or unused
+#                  backends) into DIR and exit; `--src DIR` builds from it on the GPU machine
 # BUILD_TARGETS (environment) the targets to build (default "llama llama-batched-bench llama-server";
 # "llama" alone for the tests, a shorter build).
+# BUILD_SECONDS (environment) the build's bound (default 300: the mission pin's CUDA build took 212 s on
+# the H200 machine's 16 cores; the current pin's is larger).
 # Exit status: 0 the tests passed (or were not asked for), 1 a test failed, 3 the build failed,
 # 4 no model runs on the device from Python (diag.txt and backtrace.txt say why).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-SRC=vendor/llama.cpp
-BUILD=/tmp/pyllama-kv-gpu-build
+PIN=mission
+SRC=""
+BUILD=""
 BACKEND=cuda
 ARCH=90
 WHEELS=""
@@ -53,19 +62,26 @@ tests/test_admission.py tests/test_api.py tests/test_server.py tests/test_contex
 tests/test_penalties.py tests/test_prefix_rule.py tests/test_disk_tier.py tests/test_grammar_hardening.py
 tests/test_constrained.py tests/test_conversation.py tests/test_tool_calls.py tests/test_utility_endpoints.py
 tests/test_openai_surface.py tests/test_gguf_validation.py tests/test_page_out_rule.py tests/test_pipeline.py"
+# the current pin's: the suites parametrized over both pins, and sampling in the graph
+TESTS_CURRENT="tests/test_spans.py tests/test_state.py tests/test_tier_exactness.py tests/test_prefix_tier.py
+tests/test_engine.py tests/test_api.py tests/test_server.py tests/test_hardening.py tests/test_disk_tier.py
+tests/test_decode_outputs.py tests/test_speculation.py tests/test_pipeline.py tests/test_backend_sampling.py"
+TESTS_GIVEN=0
+BENCH_GIVEN=0
 while [ $# -gt 0 ]; do
     case "$1" in
-        --src) SRC=${2:?}; shift 2 ;;
+        --pin) PIN=${2:?}; shift 2
+            case "$PIN" in mission|current) ;; *) echo "--pin takes mission or current" >&2; exit 2 ;; esac ;;        --src) SRC=${2:?}; shift 2 ;;
         --build) BUILD=${2:?}; shift 2 ;;
         --backend) BACKEND=${2:?}; shift 2 ;;
         --cuda-arch) ARCH=${2:?}; shift 2 ;;
         --wheels) WHEELS=${2:?}; shift 2 ;;
         --deadline) DEADLINE=${2:?}; shift 2 ;;
-        --tests) TESTS=${2:?}; shift 2 ;;
+        --tests) TESTS=${2:?}; TESTS_GIVEN=1; shift 2 ;;
         --workers) WORKERS=${2:?}; shift 2 ;;
         --no-tests) RUN_TESTS=0; shift ;;
         --no-bench) RUN_BENCH=0; shift ;;
-        --bench) BENCHES=${2:?}; shift 2 ;;
+        --bench) BENCHES=${2:?}; BENCH_GIVEN=1; shift 2 ;;
         --bench-first) BENCH_FIRST=1; shift ;;
         --server-loads) SERVER_LOADS=${2:?}; shift 2 ;;
         --quick) QUICK=1; shift ;;
@@ -84,17 +100,33 @@ while [ $# -gt 0 ]; do
             du -sh "$2"; exit 0 ;;
         --pack)
             rm -rf "${2:?}" && mkdir -p "$2" || exit 2
-            tar -C vendor/llama.cpp -cf - --exclude=ggml/src/ggml-kompute --exclude=ggml/src/ggml-vulkan \
-                --exclude=ggml/src/ggml-sycl --exclude=ggml/src/ggml-cann --exclude=ggml/src/ggml-musa \
-                --exclude=ggml/src/ggml-opencl CMakeLists.txt cmake include src common examples pocs tools licenses scripts \
-                ggml models/ggml-vocab-llama-spm.gguf models/ggml-vocab-llama-bpe.gguf models/ggml-vocab-aquila.gguf \
-                models/ggml-vocab-deepseek-coder.gguf models/ggml-vocab-deepseek-llm.gguf \
-                models/ggml-vocab-starcoder.gguf models/ggml-vocab-bert-bge.gguf | tar -C "$2" -xf - || exit 2
+            EXCL=(--exclude=ggml/src/ggml-kompute --exclude=ggml/src/ggml-vulkan --exclude=ggml/src/ggml-sycl
+                  --exclude=ggml/src/ggml-cann --exclude=ggml/src/ggml-musa --exclude=ggml/src/ggml-opencl)
+            if [ "$PIN" = current ]; then   # its CMake also reads vendor/ (httplib, json) and app/
+                tar -C vendor/llama.cpp-current -cf - "${EXCL[@]}" --exclude=ggml/src/ggml-hexagon \
+                    --exclude=ggml/src/ggml-openvino --exclude=ggml/src/ggml-webgpu --exclude=ggml/src/ggml-et \
+                    --exclude=ggml/src/ggml-virtgpu --exclude=ggml/src/ggml-metal \
+                    CMakeLists.txt cmake include src common examples pocs tools licenses \
+                    scripts ggml vendor app | tar -C "$2" -xf - || exit 2
+            else
+                tar -C vendor/llama.cpp -cf - "${EXCL[@]}" CMakeLists.txt cmake include src common examples pocs \
+                    tools licenses scripts ggml models/ggml-vocab-llama-spm.gguf models/ggml-vocab-llama-bpe.gguf \
+                    models/ggml-vocab-aquila.gguf models/ggml-vocab-deepseek-coder.gguf \
+                    models/ggml-vocab-deepseek-llm.gguf models/ggml-vocab-starcoder.gguf \
+                    models/ggml-vocab-bert-bge.gguf | tar -C "$2" -xf - || exit 2
+            fi
             du -sh "$2"; exit 0 ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+if [ "$PIN" = current ]; then
+    SRC=${SRC:-vendor/llama.cpp-current}; BUILD=${BUILD:-/tmp/pyllama-kv-gpu-build-current}
+    [ "$TESTS_GIVEN" = 1 ] || TESTS=$TESTS_CURRENT
+    [ "$BENCH_GIVEN" = 1 ] || BENCHES="server spans binding"
+else
+    SRC=${SRC:-vendor/llama.cpp}; BUILD=${BUILD:-/tmp/pyllama-kv-gpu-build}
+fi
 mkdir -p "$RESULTS"
 OUT=$(cd "$RESULTS" && pwd)
 T0=$(date +%s)
@@ -125,17 +157,18 @@ SHAPE=(--shape llama3-8b)
 [ "$RUN_BENCH" = 1 ] && { $PY scripts/make_timing_model.py "$TM" "${SHAPE[@]}" > "$OUT/timing_model.log" 2>&1 & }
 
 # the build: the harness's own CMake flags, so that this is the library `pyllama-kv build` makes
-FLAGS=$($PY -c "from pyllama_kv.harness.build import cmake_flags; print(' '.join(cmake_flags('$BACKEND', tools=True, cuda_arch='$ARCH')))")
+FLAGS=$($PY -c "from pyllama_kv.harness.build import cmake_flags; print(' '.join(cmake_flags('$BACKEND', tools=True, cuda_arch='$ARCH', pin='$PIN')))")
 log "configure: $FLAGS"
 ( cmake -S "$SRC" -B "$BUILD" -G Ninja $FLAGS && \
-  timeout -k 5 "$(left 300)" cmake --build "$BUILD" -j "$(nproc)" --target ${BUILD_TARGETS:-llama llama-batched-bench llama-server} ) \
+  timeout -k 5 "$(left "${BUILD_SECONDS:-300}")" cmake --build "$BUILD" -j "$(nproc)" --target ${BUILD_TARGETS:-llama llama-batched-bench llama-server} ) \
   > "$OUT/build.log" 2>&1 || { log "build failed:"; tail -30 "$OUT/build.log"; exit 3; }
 LIB=$BUILD/bin/libllama.so
 # the vocabularies tests/test_gguf_validation.py reads, where a packed tree carries them
 if [ ! -e vendor/llama.cpp/models ] && [ -d "$SRC/models" ]; then
     mkdir -p vendor/llama.cpp && ln -s "$(cd "$SRC" && pwd)/models" vendor/llama.cpp/models
 fi
-export PYLLAMA_KV_LIB=$LIB PYLLAMA_KV_TEST_DEVICE=1
+# the tests' fixture of this pin gives $LIB, the other pin's tests skip (tests/conftest.py)
+export PYLLAMA_KV_LIB=$LIB PYLLAMA_KV_TEST_DEVICE=1 PYLLAMA_KV_TEST_PIN=$PIN
 log "built $LIB"
 $PY - <<'EOF' 2>&1 | tee "$OUT/smoke.txt"
 import pyllama_kv as pk
@@ -201,24 +234,34 @@ run_bench() {
         BIN=$BUILD/bin
         if [ "$QUICK" = 1 ]; then
             B1=(--npl 1,4 --pp 32 --tg 8 --repeat 1); B2=(--cells 2048 --layers 8); B3=(--prefix 64 --span 256)
-            B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64); B5=()
+            B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64); B5=(); B6=()
         else
             B1=(--npl 1,8,32 --pp 128 --tg 32 --repeat 1); B2=(--cells 8192,32768); B3=(--prefix 256 --span 4096)
             B4=(--clients 8 --requests 16 --max-tokens 16 --system-tokens 300)
             B5=(--clients 32 --requests 64 --max-tokens 32 --system-tokens 500)
+            B6=(--clients 64 --requests 128 --max-tokens 32 --system-tokens 500)
+        fi
+        # the server pair: ours against the same tree's llama-server (the mission pin's, or the current one's
+        # with sampling in the graph); the binding: ours against that tree's llama-batched-bench
+        if [ "$PIN" = current ]; then
+            PAIR=(--only ours-current,current --current-lib "$LIB" --current-server "$BIN/llama-server"
+                  --serve-args "--backend-sampling on")
+            BIND=(--lib current --current-batched-bench "$BIN/llama-batched-bench" --backend-sampling --pipeline on)
+        else
+            PAIR=(--only patched,llama-server --patched-lib "$LIB" --llama-server "$BIN/llama-server")
+            BIND=(--batched-bench "$BIN/llama-batched-bench")
         fi
         for bench in $BENCHES; do
             case "$bench" in
             server)
                 k=0
-                for load in "${B4[*]}" "${B5[*]}"; do
+                for load in "${B4[*]}" "${B5[*]}" "${B6[*]}"; do
                     k=$((k + 1))
                     [ -n "$load" ] || continue
-                    case " $SERVER_LOADS " in *" $([ $k = 1 ] && echo 8 || echo 32) "*) ;; *) continue ;; esac
-                    log "bench: server vs llama-server, shared prompts ($load)"
+                    case " $SERVER_LOADS " in *" $(echo 8 32 64 | cut -d' ' -f$k) "*) ;; *) continue ;; esac
+                    log "bench: server vs llama-server ($PIN pin), shared prompts ($load)"
                     # shellcheck disable=SC2086
-                    timeout -k 5 "$(left 90)" $PY scripts/bench_server.py --model "$TM" --only patched,llama-server \
-                        --patched-lib "$LIB" --llama-server "$BIN/llama-server" $load --json \
+                    timeout -k 5 "$(left 90)" $PY scripts/bench_server.py --model "$TM" "${PAIR[@]}" $load --json \
                         > "$OUT/bench_server$k.json" 2> "$OUT/bench_server$k.log"
                     tail -3 "$OUT/bench_server$k.log"
                 done ;;
@@ -229,8 +272,8 @@ run_bench() {
                 cat "$OUT/bench_spans.json" ;;
             binding)
                 log "bench: binding and engine vs llama-batched-bench"
-                timeout -k 5 "$(left 50)" $PY scripts/bench_binding.py --model "$TM" \
-                    --batched-bench "$BIN/llama-batched-bench" --flash-attn on "${B1[@]}" --json \
+                timeout -k 5 "$(left 50)" $PY scripts/bench_binding.py --model "$TM" "${BIND[@]}" \
+                    --flash-attn on "${B1[@]}" --json \
                     > "$OUT/bench_binding.json" 2> "$OUT/bench_binding.log"
                 tail -4 "$OUT/bench_binding.log" ;;
             defrag)

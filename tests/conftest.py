@@ -37,10 +37,24 @@ def builds() -> dict:
 
 
 #: a run on a GPU machine (scripts/gpu_check.sh): the suite runs on the library $PYLLAMA_KV_LIB names
-#: (a CUDA build of the patched tree, every layer offloaded by pk.Model's default), and a test that
+#: (a CUDA build of a pin's tree, every layer offloaded by pk.Model's default), and a test that
 #: needs what such a machine lacks (the vanilla build, a catalogue model: it has no network) is
 #: skipped, not failed. Elsewhere a missing build or model fails the test.
 DEVICE_RUN = os.environ.get("PYLLAMA_KV_TEST_DEVICE") == "1"
+#: which pin $PYLLAMA_KV_LIB is on a device run (gpu_check.sh --pin): that pin's fixture gives it, and the
+#: other pin's tests skip (the machine has one build)
+DEVICE_PIN = os.environ.get("PYLLAMA_KV_TEST_PIN", "mission")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a device run of the current pin, a test that asks for neither that pin's library nor both pins'
+    (``current_lib``, ``pin_lib``) is the mission pin's: it skips."""
+    if not (DEVICE_RUN and DEVICE_PIN == "current"):
+        return
+    skip = pytest.mark.skip(reason="device run on the current pin: a test of the mission pin's library")
+    for item in items:
+        if not {"current_lib", "pin_lib"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(skip)
 if DEVICE_RUN:
     # cuBLAS's F32 GEMM uses TF32 tensor cores (ggml-cuda asks for them), which made F32 logits differ by
     # up to 4e-3 between batch shapes on an H200: the exactness oracle needs F32 arithmetic. NVIDIA's
@@ -73,8 +87,11 @@ def cache_on_device(model) -> bool:
 
 
 def _lib(variant: str) -> str:
-    if variant == "patched" and DEVICE_RUN and os.environ.get("PYLLAMA_KV_LIB"):
-        return os.environ["PYLLAMA_KV_LIB"]
+    if DEVICE_RUN and os.environ.get("PYLLAMA_KV_LIB"):
+        if variant == ("current" if DEVICE_PIN == "current" else "patched"):
+            return os.environ["PYLLAMA_KV_LIB"]
+        if variant in ("patched", "current"):
+            pytest.skip(f"device run on the {DEVICE_PIN} pin: no {variant} build there")
     b = _builds().get((variant, "cpu"))
     if b is None:
         if DEVICE_RUN:
