@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pyllama_kv as pk
-from conftest import DEVICE_RUN, run_py
+from conftest import run_py
 from pyllama_kv.tools.gguf import make_tiny_model
 
 CONFIGS = {"f32": dict(type_k="f32", type_v="f32", flash_attn=False),
@@ -237,7 +237,7 @@ def test_the_gathered_state_reads_give_the_same_bytes(tiny_model, patched_lib):
     root and a middle range: in one graph per snapshot, chunked into many (a 300-byte bound), and when
     the third graph of each snapshot fails to allocate (the rest read as before). The decode after the
     gathers gives the same logits, bit for bit (no cell moved); on host memory the default reads in
-    place (no graph). On a device run also a model with one layer on the device and one in host memory,
+    place (no graph). On a device also a model with one layer on the device and one in host memory,
     by the default rule: the device layer's cells gathered, the host layer's read in place."""
     cfgs = {k: CONFIGS[k] for k in ("f32", "f32-fa", "f16", "f16-fa")}
 
@@ -247,13 +247,15 @@ def test_the_gathered_state_reads_give_the_same_bytes(tiny_model, patched_lib):
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    if DEVICE_RUN:
+    with pk.Model(tiny_model, lib=patched_lib) as m:
+        on_device = m.on_device
+    if on_device:
         half = {name: run(env, ngl="1") for name, env in (("plain", {"LLAMA_STATE_IO_GATHER": "0"}), ("default", {}))}
         for cfg in cfgs:
             assert half["default"][cfg]["spans"] == half["plain"][cfg]["spans"], cfg
             assert half["default"][cfg]["graphs"] > 0 and half["plain"][cfg]["graphs"] == 0, cfg
     runs = {name: run(env) for name, env in (
-        ("plain", {} if not DEVICE_RUN else {"LLAMA_STATE_IO_GATHER": "0"}),
+        ("plain", {"LLAMA_STATE_IO_GATHER": "0"} if on_device else {}),
         ("one graph", {"LLAMA_STATE_IO_GATHER": "1"}),
         ("chunked", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300"}),
         ("failing", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300",
