@@ -153,19 +153,27 @@ def test_model_properties_and_tokens(model):
         model.token_to_piece(-1)
 
 
-def test_token_pieces_are_kept_and_still_checked(tiny_model):
-    """token_to_piece keeps what it read (an engine streams every token through it): the same bytes
-    again, the special form apart, bad ids and a closed model refused as before."""
+def test_token_pieces_and_ends_are_kept_and_still_checked(tiny_model):
+    """token_to_piece and is_eog keep what they read (an engine streams and checks every token it
+    draws): the same answers again, the special form apart, bad ids and a closed model refused as
+    before."""
     with pk.Model(tiny_model) as m:
         t = m.tokenize("the cache", add_bos=False)[0]
         first = m.token_to_piece(t)
         assert m.token_to_piece(t) == first == b" the" and m._pieces[t] == first
         assert m.token_to_piece(m.eos, special=True) != m.token_to_piece(m.eos) == b""
+        for _ in range(2):
+            assert m.is_eog(m.eos) is True and m.is_eog(t) is False
+        assert m._eog == {m.eos: True, t: False}
         for bad in (True, -1, m.n_vocab, 1.0):
             with pytest.raises(pk.InvalidInputError):
                 m.token_to_piece(bad)
+            with pytest.raises(pk.InvalidInputError):
+                m.is_eog(bad)
     with pytest.raises(pk.InvalidInputError, match="closed"):
         m.token_to_piece(t)
+    with pytest.raises(pk.InvalidInputError, match="closed"):
+        m.is_eog(m.eos)
 
 
 def test_model_load_errors(tmp_path, tiny_model):

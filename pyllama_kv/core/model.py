@@ -336,6 +336,7 @@ class Model(_kv.CResource):
         self._vocab_calls: dict[int, int] = {}
         self._vocab_idle = threading.Condition(threading.Lock())
         self._pieces: dict[int, bytes] = {}   # token_to_piece's answers (special=False): a vocabulary never changes
+        self._eog: dict[int, bool] = {}       # is_eog's answers, likewise
         return native
 
     def _head_dim(self, key: str) -> int:
@@ -591,10 +592,17 @@ class Model(_kv.CResource):
         raise LlamaError(f"llama_detokenize failed: {self._lib.last_error()}")
 
     def is_eog(self, token: int) -> bool:
-        """Whether ``token`` ends generation (EOS, EOT, ...)."""
+        """Whether ``token`` ends generation (EOS, EOT, ...). Kept once asked: an engine asks for every
+        token it draws."""
+        if type(token) is int and self._native is not None:
+            known = self._eog.get(token)   # (only ids that passed the checks below are keys)
+            if known is not None:
+                return known
         t = self._token_id(token)
         with self._vocab() as native:
-            return native.is_eog(t)
+            eog = bool(native.is_eog(t))
+        self._eog[t] = eog
+        return eog
 
     def meta(self, key: str) -> str | None:
         """A metadata value of the GGUF file as a string (None if absent; arrays are abridged by

@@ -209,13 +209,6 @@ class PrefixPolicy(ABC):
         return 0
 
 
-def _common(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 class ContextKV(PrefixPolicy):
     """:class:`KVCache` over a :class:`~pyllama_kv.core.context.Context`: ``parallel`` ids for live
     sequences, the rest of the context's ids for ``cache``, the
@@ -357,11 +350,18 @@ class ContextKV(PrefixPolicy):
         for s in list(cache.idle):
             if end - self._idle_seen[s.id][1] < IDLE_PAGE_OUT_TOKENS:
                 continue
-            if live is None:   # the running sequences' tokens: cells they share with an idle prefix stay
+            # it goes when at least IDLE_PAGE_OUT_MIN of its tokens are its own: no running sequence shares
+            # its first `keep` tokens (the cells they share stay). Looked at every step while it stays, so
+            # one comparison of `keep` tokens per running sequence, stopping at the first that shares them
+            keep = len(s.tokens) - IDLE_PAGE_OUT_MIN + 1
+            if keep <= 0:
+                continue
+            if live is None:   # the running sequences' tokens
                 live = [np.asarray(q.tokens, dtype=np.int32) for q in self.ctx.sequences if q not in cache.idle]
-            toks = np.asarray(s.tokens, dtype=np.int32)
-            shared = max((_common(toks, q) for q in live), default=0)
-            if toks.size - shared >= IDLE_PAGE_OUT_MIN and cache.page_out_idle(s):
+            head = np.asarray(s.tokens[:keep], dtype=np.int32)
+            if any(q.size >= keep and np.array_equal(q[:keep], head) for q in live):
+                continue
+            if cache.page_out_idle(s):
                 self._idle_seen.pop(s.id, None)
                 n += 1
         return n
