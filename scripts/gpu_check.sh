@@ -234,12 +234,12 @@ run_bench() {
         BIN=$BUILD/bin
         if [ "$QUICK" = 1 ]; then
             B1=(--npl 1,4 --pp 32 --tg 8 --repeat 1); B2=(--cells 2048 --layers 8); B3=(--prefix 64 --span 256)
-            B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64); B5=(); B6=()
+            B4=(--clients 4 --requests 8 --max-tokens 8 --system-tokens 64); B5=(); B6=(); IL=4
         else
             B1=(--npl 1,8,32 --pp 128 --tg 32 --repeat 1); B2=(--cells 8192,32768); B3=(--prefix 256 --span 4096)
             B4=(--clients 8 --requests 16 --max-tokens 16 --system-tokens 300)
             B5=(--clients 32 --requests 64 --max-tokens 32 --system-tokens 500)
-            B6=(--clients 64 --requests 128 --max-tokens 32 --system-tokens 500)
+            B6=(--clients 64 --requests 128 --max-tokens 32 --system-tokens 500); IL=32
         fi
         # the server pair: ours against the same tree's llama-server (the mission pin's, or the current one's
         # with sampling in the graph); the binding: ours against that tree's llama-batched-bench
@@ -266,9 +266,10 @@ run_bench() {
                     tail -3 "$OUT/bench_server$k.log"
                 done ;;
             spans)
-                log "bench: spans vs evaluation (flash attention off and on; a sequence generated among 8)"
-                timeout -k 5 "$(left 40)" $PY scripts/bench_spans.py --models "$TM" "${B3[@]}" --repeat 3 \
-                    --flash-attn off,on --interleave 8 --json > "$OUT/bench_spans.json" 2> "$OUT/bench_spans.log"
+                # a sequence generated among 32, snapshot with patch 0019's gather and without (alternating)
+                log "bench: spans vs evaluation (flash attention off and on; a sequence generated among $IL)"
+                timeout -k 5 "$(left 60)" $PY scripts/bench_spans.py --models "$TM" "${B3[@]}" --repeat 3 \
+                    --flash-attn off,on --interleave "$IL" --json > "$OUT/bench_spans.json" 2> "$OUT/bench_spans.log"
                 cat "$OUT/bench_spans.json" ;;
             binding)
                 log "bench: binding and engine vs llama-batched-bench"
