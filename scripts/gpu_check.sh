@@ -17,8 +17,9 @@
 #   --pin current  the current llama.cpp (vendor/llama.cpp-current with patches/current; default: the
 #                  mission pin): its tests are the suites that run on both pins and the backend-sampling
 #                  ones; the server benchmark is ours on it (sampling in the graph, --serve-args) against
-#                  its own llama-server, the binding benchmark has the engine_bs_* rows, no defrag. Give
-#                  it first: --pack and the defaults of --src, --build, --tests and --bench follow it
+#                  its own llama-server, the binding benchmark has the engine_bs_* rows, no defrag.
+#                  --pack and the defaults of --src, --build, --tests and --bench follow it; a --src
+#                  tree of the other pin (or unpatched) is refused before the build
 #   --bench        the benchmarks to run, in this order, of: server spans binding defrag (default all);
 #                  "tests" in the list runs the tests at that point
 #   --bench-first  the benchmarks before the tests (when the device time is short)
@@ -42,6 +43,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PIN=mission
+PACK=""
 SRC=""
 BUILD=""
 BACKEND=cuda
@@ -98,28 +100,30 @@ while [ $# -gt 0 ]; do
                     --platform manylinux_2_31_x86_64 -d "$2" "$name${v:+==$v}" || exit 2
             done
             du -sh "$2"; exit 0 ;;
-        --pack)
-            rm -rf "${2:?}" && mkdir -p "$2" || exit 2
-            EXCL=(--exclude=ggml/src/ggml-kompute --exclude=ggml/src/ggml-vulkan --exclude=ggml/src/ggml-sycl
-                  --exclude=ggml/src/ggml-cann --exclude=ggml/src/ggml-musa --exclude=ggml/src/ggml-opencl)
-            if [ "$PIN" = current ]; then   # its CMake also reads vendor/ (httplib, json) and app/
-                tar -C vendor/llama.cpp-current -cf - "${EXCL[@]}" --exclude=ggml/src/ggml-hexagon \
-                    --exclude=ggml/src/ggml-openvino --exclude=ggml/src/ggml-webgpu --exclude=ggml/src/ggml-et \
-                    --exclude=ggml/src/ggml-virtgpu --exclude=ggml/src/ggml-metal \
-                    CMakeLists.txt cmake include src common examples pocs tools licenses \
-                    scripts ggml vendor app | tar -C "$2" -xf - || exit 2
-            else
-                tar -C vendor/llama.cpp -cf - "${EXCL[@]}" CMakeLists.txt cmake include src common examples pocs \
-                    tools licenses scripts ggml models/ggml-vocab-llama-spm.gguf models/ggml-vocab-llama-bpe.gguf \
-                    models/ggml-vocab-aquila.gguf models/ggml-vocab-deepseek-coder.gguf \
-                    models/ggml-vocab-deepseek-llm.gguf models/ggml-vocab-starcoder.gguf \
-                    models/ggml-vocab-bert-bge.gguf | tar -C "$2" -xf - || exit 2
-            fi
-            du -sh "$2"; exit 0 ;;
+        --pack) PACK=${2:?}; shift 2 ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+if [ -n "$PACK" ]; then   # (after the loop: the tree is the final --pin's, wherever --pack was given)
+    rm -rf "$PACK" && mkdir -p "$PACK" || exit 2
+    EXCL=(--exclude=ggml/src/ggml-kompute --exclude=ggml/src/ggml-vulkan --exclude=ggml/src/ggml-sycl
+          --exclude=ggml/src/ggml-cann --exclude=ggml/src/ggml-musa --exclude=ggml/src/ggml-opencl)
+    if [ "$PIN" = current ]; then   # its CMake also reads vendor/ (httplib, json) and app/
+        tar -C vendor/llama.cpp-current -cf - "${EXCL[@]}" --exclude=ggml/src/ggml-hexagon \
+            --exclude=ggml/src/ggml-openvino --exclude=ggml/src/ggml-webgpu --exclude=ggml/src/ggml-et \
+            --exclude=ggml/src/ggml-virtgpu --exclude=ggml/src/ggml-metal \
+            CMakeLists.txt cmake include src common examples pocs tools licenses \
+            scripts ggml vendor app | tar -C "$PACK" -xf - || exit 2
+    else
+        tar -C vendor/llama.cpp -cf - "${EXCL[@]}" CMakeLists.txt cmake include src common examples pocs \
+            tools licenses scripts ggml models/ggml-vocab-llama-spm.gguf models/ggml-vocab-llama-bpe.gguf \
+            models/ggml-vocab-aquila.gguf models/ggml-vocab-deepseek-coder.gguf \
+            models/ggml-vocab-deepseek-llm.gguf models/ggml-vocab-starcoder.gguf \
+            models/ggml-vocab-bert-bge.gguf | tar -C "$PACK" -xf - || exit 2
+    fi
+    du -sh "$PACK"; exit 0
+fi
 if [ "$PIN" = current ]; then
     SRC=${SRC:-vendor/llama.cpp-current}; BUILD=${BUILD:-/tmp/pyllama-kv-gpu-build-current}
     [ "$TESTS_GIVEN" = 1 ] || TESTS=$TESTS_CURRENT
@@ -127,6 +131,14 @@ if [ "$PIN" = current ]; then
 else
     SRC=${SRC:-vendor/llama.cpp}; BUILD=${BUILD:-/tmp/pyllama-kv-gpu-build}
 fi
+# the tree must be the pin's, patched: only the current llama.cpp's llama.h has llama_get_memory, and
+# both series add llama_state_seq_add_data (a tree packed for the other pin would measure the wrong one)
+HAS_MEMORY=$(grep -c llama_get_memory "$SRC/include/llama.h" 2>/dev/null || true)
+if { [ "$PIN" = current ] && [ "${HAS_MEMORY:-0}" = 0 ]; } || { [ "$PIN" = mission ] && [ "${HAS_MEMORY:-0}" != 0 ]; }; then
+    echo "$SRC is not the $PIN pin's tree (--src: the tree that --pin $PIN --pack wrote)" >&2; exit 2
+fi
+grep -q llama_state_seq_add_data "$SRC/include/llama.h" 2>/dev/null || {
+    echo "$SRC/include/llama.h lacks our series (llama_state_seq_add_data): patch the tree first" >&2; exit 2; }
 mkdir -p "$RESULTS"
 OUT=$(cd "$RESULTS" && pwd)
 T0=$(date +%s)
@@ -137,6 +149,8 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 # seconds a step may take: its own bound, cut to what is left before the deadline
 # (at least 1: `timeout 0` would mean no bound at all)
 left() { local l=$(( DEADLINE - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+# whether at least $1 seconds are left (a benchmark started with less would only be cut)
+enough() { [ $(( DEADLINE - ($(date +%s) - T0) )) -ge "$1" ]; }
 
 if [ -n "$WHEELS" ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pyllama-kv-site \
@@ -252,6 +266,7 @@ run_bench() {
             BIND=(--batched-bench "$BIN/llama-batched-bench")
         fi
         for bench in $BENCHES; do
+            if [ "$bench" != tests ] && ! enough 15; then log "bench $bench: skipped, under 15 s left"; continue; fi
             case "$bench" in
             server)
                 k=0
@@ -266,18 +281,21 @@ run_bench() {
                     tail -3 "$OUT/bench_server$k.log"
                 done ;;
             spans)
-                # a sequence generated among 32, snapshot with patch 0019's gather and without (alternating)
+                # a sequence generated among $IL, snapshot with patch 0019's gather and without (alternating)
                 log "bench: spans vs evaluation (flash attention off and on; a sequence generated among $IL)"
                 timeout -k 5 "$(left 60)" $PY scripts/bench_spans.py --models "$TM" "${B3[@]}" --repeat 3 \
                     --flash-attn off,on --interleave "$IL" --json > "$OUT/bench_spans.json" 2> "$OUT/bench_spans.log"
                 cat "$OUT/bench_spans.json" ;;
             binding)
                 log "bench: binding and engine vs llama-batched-bench"
-                timeout -k 5 "$(left 50)" $PY scripts/bench_binding.py --model "$TM" "${BIND[@]}" \
+                # (the current pin's runs the engine with sampling in the graph too: more rows)
+                timeout -k 5 "$(left "$([ "$PIN" = current ] && echo 90 || echo 50)")" $PY scripts/bench_binding.py \
+                    --model "$TM" "${BIND[@]}" \
                     --flash-attn on "${B1[@]}" --json \
                     > "$OUT/bench_binding.json" 2> "$OUT/bench_binding.log"
                 tail -4 "$OUT/bench_binding.log" ;;
             defrag)
+                if [ "$PIN" = current ]; then log "bench defrag: skipped (the current pin has no defrag)"; continue; fi
                 log "bench: defrag paths on a device cache"
                 timeout -k 5 "$(left 60)" $PY scripts/bench_defrag.py --paths gather,moves,host "${B2[@]}" --json \
                     > "$OUT/bench_defrag.json" 2> "$OUT/bench_defrag.log"

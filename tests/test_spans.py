@@ -241,20 +241,23 @@ def test_the_gathered_state_reads_give_the_same_bytes(tiny_model, patched_lib):
     by the default rule: the device layer's cells gathered, the host layer's read in place."""
     cfgs = {k: CONFIGS[k] for k in ("f32", "f32-fa", "f16", "f16-fa")}
 
-    def run(env: dict, ngl: str = "all") -> dict:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_STATE_IO_GATHER")}
-        r = run_py(["-c", GATHER_CODE, str(tiny_model), patched_lib, json.dumps(cfgs), ngl], env={**clean, **env})
+    def gathered(env: dict, ngl: str = "all") -> dict:
+        # empty is unset for the patch: the caller's own settings of these never reach the runs
+        unset = dict.fromkeys(("LLAMA_STATE_IO_GATHER", "LLAMA_STATE_IO_GATHER_MAX_BYTES",
+                               "LLAMA_STATE_IO_GATHER_TEST_FAIL"), "")
+        r = run_py(["-c", GATHER_CODE, str(tiny_model), patched_lib, json.dumps(cfgs), ngl], env={**unset, **env})
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     with pk.Model(tiny_model, lib=patched_lib) as m:
         on_device = m.on_device
     if on_device:
-        half = {name: run(env, ngl="1") for name, env in (("plain", {"LLAMA_STATE_IO_GATHER": "0"}), ("default", {}))}
+        half = {name: gathered(env, ngl="1")
+                for name, env in (("plain", {"LLAMA_STATE_IO_GATHER": "0"}), ("default", {}))}
         for cfg in cfgs:
             assert half["default"][cfg]["spans"] == half["plain"][cfg]["spans"], cfg
             assert half["default"][cfg]["graphs"] > 0 and half["plain"][cfg]["graphs"] == 0, cfg
-    runs = {name: run(env) for name, env in (
+    runs = {name: gathered(env) for name, env in (
         ("plain", {"LLAMA_STATE_IO_GATHER": "0"} if on_device else {}),
         ("one graph", {"LLAMA_STATE_IO_GATHER": "1"}),
         ("chunked", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300"}),
