@@ -45,6 +45,12 @@ DEVICE_RUN = os.environ.get("PYLLAMA_KV_TEST_DEVICE") == "1"
 #: other pin's tests skip (the machine has one build)
 DEVICE_PIN = os.environ.get("PYLLAMA_KV_TEST_PIN", "mission")
 
+if DEVICE_RUN:
+    # cuBLAS's F32 GEMM uses TF32 tensor cores (ggml-cuda asks for them), which made F32 logits differ by
+    # up to 4e-3 between batch shapes on an H200: the exactness oracle needs F32 arithmetic. NVIDIA's
+    # switch, read when CUDA starts (every library this suite and its subprocesses load starts later).
+    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     """On a device run of the current pin, a test that asks for neither that pin's library nor both pins'
@@ -55,11 +61,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not {"current_lib", "pin_lib"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(skip)
-if DEVICE_RUN:
-    # cuBLAS's F32 GEMM uses TF32 tensor cores (ggml-cuda asks for them), which made F32 logits differ by
-    # up to 4e-3 between batch shapes on an H200: the exactness oracle needs F32 arithmetic. NVIDIA's
-    # switch, read when CUDA starts (every library this suite and its subprocesses load starts later).
-    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
 
 #: on a GPU, F32 logits of the same tokens evaluated in different cache layouts (a 121-token prompt

@@ -11,7 +11,6 @@ order, so the logits agree to F32 rounding (1e-5 here), not bitwise.
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -166,44 +165,7 @@ def test_the_vanilla_library_says_it_cannot_restore(tiny_model, vanilla_lib):
         assert len(a) == 6 and ctx.kv_stats().used_cells == 6
 
 
-WINDOWS_CODE = """
-import hashlib, json, sys
-import pyllama_kv as pk
-out = {}
-with pk.Model(sys.argv[1], lib=sys.argv[2]) as m:
-    for fa in (False, True):
-        with m.context(n_ctx=256, n_seq_max=5, type_k="f16", type_v="f16", flash_attn=fa) as ctx:
-            root = ctx.new_sequence()
-            root.extend([(7 * i) % (m.n_vocab - 3) + 3 for i in range(9)])
-            seqs = [root.fork() for _ in range(4)]
-            for step in range(12):   # interleaved: each sequence's cells alternate with the others'
-                ctx.decode({s: [(11 * step + 5 * k) % (m.n_vocab - 3) + 3] for k, s in enumerate(seqs)})
-            a = seqs[1]
-            before = a.export_state().data
-            span = a.snapshot(4)
-            a.truncate(4)
-            a.restore(span)
-            assert a.export_state().data == before
-            out[str(fa)] = [hashlib.sha256(span.data).hexdigest(), hashlib.sha256(before).hexdigest()]
-print(json.dumps(out))
-"""
-
-
-def test_the_windowed_state_reads_give_the_same_bytes(tiny_model, patched_lib):
-    """Patch 0016's device path (windows of nearby cell ranges, 2D transfers of a transposed V),
-    forced on host memory with LLAMA_STATE_IO_WINDOWS=1, writes the same bytes as the in-place path, for
-    a sequence whose cells interleave with three others', with V transposed and not; each restore
-    is byte-exact."""
-    runs = []
-    for forced in ("0", "1"):
-        env = {**os.environ, "LLAMA_STATE_IO_WINDOWS": forced}
-        r = run_py(["-c", WINDOWS_CODE, str(tiny_model), patched_lib], env=env)
-        assert r.returncode == 0, r.stderr[-2000:]
-        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    assert runs[0] == runs[1] and len(runs[0]) == 2
-
-
-GATHER_CODE = """
+INTERLEAVED_CODE = """
 import hashlib, json, sys
 import numpy as np
 import pyllama_kv as pk
@@ -225,9 +187,32 @@ with pk.Model(sys.argv[1], None if sys.argv[4] == "all" else int(sys.argv[4]), l
             assert a.export_state().data == before
             got = ctx.decode({s: [5 + k] for k, s in enumerate(seqs)})   # after the gathers' graphs
             out[name] = {"spans": [hashlib.sha256(bytes(s.data)).hexdigest() for s in spans], "graphs": graphs,
+                         "state": hashlib.sha256(before).hexdigest(),
                          "next": hashlib.sha256(b"".join(np.asarray(got[s]).tobytes() for s in seqs)).hexdigest()}
 print(json.dumps(out))
 """
+
+
+def interleaved_run(tiny_model, lib: str, cfgs: dict, env: dict, ngl: str = "all") -> dict:
+    """INTERLEAVED_CODE in a subprocess with ``env`` added: per context config, the hashes of four spans
+    and of the whole state of a sequence whose cells interleave with three others', patch 0019's
+    gather graphs, and the logits of the decode after them. The caller's own LLAMA_STATE_IO_GATHER
+    settings never reach it (empty is unset for the patch)."""
+    unset = dict.fromkeys(("LLAMA_STATE_IO_GATHER", "LLAMA_STATE_IO_GATHER_MAX_BYTES",
+                           "LLAMA_STATE_IO_GATHER_TEST_FAIL"), "")
+    r = run_py(["-c", INTERLEAVED_CODE, str(tiny_model), lib, json.dumps(cfgs), ngl], env={**unset, **env})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_windowed_state_reads_give_the_same_bytes(tiny_model, patched_lib):
+    """Patch 0016's device path (windows of nearby cell ranges, 2D transfers of a transposed V),
+    forced on host memory with LLAMA_STATE_IO_WINDOWS=1, writes the same bytes as the in-place path, for
+    a sequence whose cells interleave with three others', with V transposed and not; each restore
+    is byte-exact."""
+    cfgs = {k: CONFIGS[k] for k in ("f16", "f16-fa")}
+    runs = [interleaved_run(tiny_model, patched_lib, cfgs, {"LLAMA_STATE_IO_WINDOWS": forced}) for forced in ("0", "1")]
+    assert runs[0] == runs[1] and len(runs[0]) == 2
 
 
 def test_the_gathered_state_reads_give_the_same_bytes(tiny_model, patched_lib):
@@ -241,23 +226,15 @@ def test_the_gathered_state_reads_give_the_same_bytes(tiny_model, patched_lib):
     by the default rule: the device layer's cells gathered, the host layer's read in place."""
     cfgs = {k: CONFIGS[k] for k in ("f32", "f32-fa", "f16", "f16-fa")}
 
-    def gathered(env: dict, ngl: str = "all") -> dict:
-        # empty is unset for the patch: the caller's own settings of these never reach the runs
-        unset = dict.fromkeys(("LLAMA_STATE_IO_GATHER", "LLAMA_STATE_IO_GATHER_MAX_BYTES",
-                               "LLAMA_STATE_IO_GATHER_TEST_FAIL"), "")
-        r = run_py(["-c", GATHER_CODE, str(tiny_model), patched_lib, json.dumps(cfgs), ngl], env={**unset, **env})
-        assert r.returncode == 0, r.stderr[-2000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
     with pk.Model(tiny_model, lib=patched_lib) as m:
         on_device = m.on_device
     if on_device:
-        half = {name: gathered(env, ngl="1")
+        half = {name: interleaved_run(tiny_model, patched_lib, cfgs, env, ngl="1")
                 for name, env in (("plain", {"LLAMA_STATE_IO_GATHER": "0"}), ("default", {}))}
         for cfg in cfgs:
             assert half["default"][cfg]["spans"] == half["plain"][cfg]["spans"], cfg
             assert half["default"][cfg]["graphs"] > 0 and half["plain"][cfg]["graphs"] == 0, cfg
-    runs = {name: gathered(env) for name, env in (
+    runs = {name: interleaved_run(tiny_model, patched_lib, cfgs, env) for name, env in (
         ("plain", {"LLAMA_STATE_IO_GATHER": "0"} if on_device else {}),
         ("one graph", {"LLAMA_STATE_IO_GATHER": "1"}),
         ("chunked", {"LLAMA_STATE_IO_GATHER": "1", "LLAMA_STATE_IO_GATHER_MAX_BYTES": "300"}),
